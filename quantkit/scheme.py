@@ -1,0 +1,219 @@
+"""Quantization schemes in the compressed-tensors vocabulary, so vLLM reads them.
+
+A `QuantScheme` says how the weights, input activations and KV cache of the targeted
+modules are quantized; `to_quantization_config` / `from_quantization_config` turn it
+into and out of the `quantization_config` JSON that lives in `config.json`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+
+from quantkit.errors import QuantkitError
+
+STRATEGIES = ("tensor", "channel", "group", "token", "attn_head")
+ACTORDERS = (None, "static", "weight", "group")
+
+
+@dataclass(frozen=True)
+class QuantArgs:
+    """How one tensor is quantized (names as in compressed-tensors `QuantizationArgs`)."""
+
+    num_bits: int = 4
+    type: str = "int"  # "int" | "float"
+    symmetric: bool = True
+    strategy: str = "group"  # tensor | channel | group | token | attn_head
+    group_size: int | None = 128
+    dynamic: bool = False
+    actorder: str | None = None  # GPTQ activation order: None | "static"/"weight" | "group"
+
+    def __post_init__(self):
+        if self.type not in ("int", "float"):
+            raise QuantkitError(f"quantization type {self.type!r} is unknown; use 'int' or 'float'.")
+        if self.strategy not in STRATEGIES:
+            raise QuantkitError(f"strategy {self.strategy!r} is unknown; use one of {', '.join(STRATEGIES)}.")
+        if self.strategy == "group" and not (self.group_size and self.group_size > 0):
+            raise QuantkitError("the group strategy needs a positive group size.")
+        if self.type == "float" and (self.num_bits != 8 or not self.symmetric):
+            raise QuantkitError("float quantization is fp8 e4m3 only: 8 bits, symmetric.")
+        if self.actorder not in ACTORDERS:
+            raise QuantkitError(f"actorder {self.actorder!r} is unknown; use static, group or none.")
+
+    @property
+    def qmin(self) -> int:
+        return -(1 << (self.num_bits - 1))
+
+    @property
+    def qmax(self) -> int:
+        return (1 << (self.num_bits - 1)) - 1
+
+    def to_dict(self) -> dict:
+        return {
+            "num_bits": self.num_bits,
+            "type": self.type,
+            "symmetric": self.symmetric,
+            "strategy": self.strategy,
+            "group_size": self.group_size if self.strategy == "group" else None,
+            "dynamic": self.dynamic,
+            "actorder": self.actorder,
+            "block_structure": None,
+            "observer": None if self.dynamic else "minmax",
+            "observer_kwargs": {},
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> QuantArgs | None:
+        if d is None:
+            return None
+        strategy = d.get("strategy") or ("group" if d.get("group_size") else "tensor")
+        dynamic = d.get("dynamic", False)
+        actorder = d.get("actorder")
+        return cls(
+            num_bits=int(d.get("num_bits", 8)),
+            type=d.get("type", "int"),
+            symmetric=bool(d.get("symmetric", True)),
+            strategy=strategy,
+            group_size=d.get("group_size") if strategy == "group" else None,
+            dynamic=dynamic if isinstance(dynamic, bool) else dynamic == "local",
+            actorder=actorder if actorder not in (False, "dynamic") else None,
+        )
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """Weights / input activations of the targeted modules, plus the KV cache."""
+
+    name: str
+    weights: QuantArgs | None
+    input_activations: QuantArgs | None = None
+    targets: tuple[str, ...] = ("Linear",)
+    ignore: tuple[str, ...] = ("lm_head",)
+    kv_cache: QuantArgs | None = None
+
+    @property
+    def format(self) -> str:
+        """The compressed-tensors on-disk format of the weights."""
+        if self.weights is None:
+            return "dense"
+        if self.weights.type == "float":
+            return "float-quantized"
+        if self.input_activations is None:
+            return "pack-quantized"
+        return "int-quantized"
+
+    def replace(self, **changes) -> QuantScheme:
+        return dataclasses.replace(self, **changes)
+
+    def with_group_size(self, group_size: int | None) -> QuantScheme:
+        if group_size is None or self.weights is None:
+            return self
+        if self.weights.strategy != "group":
+            raise QuantkitError(f"scheme {self.name!r} has no groups; drop --group-size.")
+        return self.replace(weights=dataclasses.replace(self.weights, group_size=group_size))
+
+    def is_ignored(self, module_name: str) -> bool:
+        return any(_matches(pattern, module_name) for pattern in self.ignore)
+
+
+def _matches(pattern: str, name: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    return name == pattern or name.endswith("." + pattern)
+
+
+_W4 = QuantArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=128)
+_FP8_CHANNEL = QuantArgs(num_bits=8, type="float", strategy="channel", group_size=None)
+_FP8_TENSOR = QuantArgs(num_bits=8, type="float", strategy="tensor", group_size=None)
+
+PRESETS: dict[str, QuantScheme] = {
+    "w4a16": QuantScheme("w4a16", _W4),
+    "w4a16-asym": QuantScheme("w4a16-asym", dataclasses.replace(_W4, symmetric=False)),
+    "fp8-dynamic": QuantScheme(
+        "fp8-dynamic",
+        _FP8_CHANNEL,
+        input_activations=QuantArgs(num_bits=8, type="float", strategy="token", group_size=None, dynamic=True),
+    ),
+    "fp8": QuantScheme("fp8", _FP8_TENSOR, input_activations=_FP8_TENSOR),
+    "kv-fp8": QuantScheme("kv-fp8", None, kv_cache=_FP8_TENSOR),
+    "kv-int8": QuantScheme("kv-int8", None, kv_cache=QuantArgs(num_bits=8, type="int", strategy="tensor", group_size=None)),
+}
+
+
+def preset(name: str) -> QuantScheme:
+    """The named preset, or a `QuantkitError` listing the known ones."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise QuantkitError(f"unknown scheme {name!r}; use one of: {', '.join(PRESETS)}.") from None
+
+
+def to_quantization_config(scheme: QuantScheme) -> dict:
+    """The `quantization_config` dict that goes into `config.json`."""
+    groups = {}
+    if scheme.weights is not None:
+        groups["group_0"] = {
+            "targets": list(scheme.targets),
+            "weights": scheme.weights.to_dict(),
+            "input_activations": scheme.input_activations.to_dict() if scheme.input_activations else None,
+            "output_activations": None,
+            "format": scheme.format,
+        }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": scheme.format,
+        "quantization_status": "compressed",
+        "config_groups": groups,
+        "ignore": list(scheme.ignore),
+        "kv_cache_scheme": scheme.kv_cache.to_dict() if scheme.kv_cache else None,
+        "global_compression_ratio": None,
+        "sparsity_config": {},
+        "transform_config": {},
+    }
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """A parsed compressed-tensors `quantization_config`: one scheme per config group."""
+
+    format: str
+    schemes: tuple[QuantScheme, ...] = field(default_factory=tuple)
+    ignore: tuple[str, ...] = ()
+    kv_cache: QuantArgs | None = None
+
+    def scheme_for(self, module_name: str, module_type: str = "Linear") -> QuantScheme | None:
+        """The scheme whose targets match this module (None if it is ignored or untargeted)."""
+        if any(_matches(p, module_name) for p in self.ignore):
+            return None
+        for scheme in self.schemes:
+            if any(t == module_type or _matches(t, module_name) for t in scheme.targets):
+                return scheme
+        return None
+
+
+def from_quantization_config(qc: dict) -> CheckpointConfig:
+    """Parse a compressed-tensors `quantization_config` (ours or another tool's)."""
+    if qc.get("quant_method") != "compressed-tensors":
+        raise QuantkitError(
+            f"quantization_config has quant_method {qc.get('quant_method')!r}; "
+            "quantkit reads compressed-tensors checkpoints."
+        )
+    top_format = qc.get("format", "dense")
+    ignore = tuple(qc.get("ignore") or ())
+    schemes = []
+    for gname, g in (qc.get("config_groups") or {}).items():
+        if isinstance(g, list):  # a bare target list (no quantization args)
+            continue
+        schemes.append(
+            QuantScheme(
+                name=gname,
+                weights=QuantArgs.from_dict(g.get("weights")),
+                input_activations=QuantArgs.from_dict(g.get("input_activations")),
+                targets=tuple(g.get("targets") or ("Linear",)),
+                ignore=ignore,
+            )
+        )
+        if g.get("format") and g["format"] != top_format and top_format != "mixed-precision":
+            raise QuantkitError(f"config group {gname} has format {g['format']!r} unlike the checkpoint's {top_format!r}.")
+    return CheckpointConfig(top_format, tuple(schemes), ignore, QuantArgs.from_dict(qc.get("kv_cache_scheme")))
