@@ -1,0 +1,90 @@
+"""compressed-tensors `pack-quantized`: int4 (or int2/int8) weights packed into int32.
+
+Per quantized linear `<name>`:
+
+| tensor | dtype | shape | content |
+|---|---|---|---|
+| `<name>.weight_packed` | int32 | [out, in * bits / 32] | values + 2^(bits-1) (int4: +8), element j of a row in bits [bits*(j % (32/bits)), ...) of word j // (32/bits): little-end first |
+| `<name>.weight_scale` | float (model dtype) | [out, in / group] (group), [out, 1] (channel) | |
+| `<name>.weight_zero_point` | int32 | [ceil(out * bits / 32), in / group] | asymmetric only; signed zero points packed like the weights but along the output dimension |
+| `<name>.weight_shape` | int64 | [2] | [out, in] |
+| `<name>.weight_g_idx` | int32 | [in] | only with act-order "group": the group of each input column |
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantkit.primitives import quantize
+from quantkit.scheme import QuantArgs
+
+
+def pack(values: torch.Tensor, num_bits: int = 4, dim: int = 1) -> torch.Tensor:
+    """Pack signed ints (int8, in [-2^(b-1), 2^(b-1)-1]) of a 2-D tensor into int32 along `dim`."""
+    per_word = 32 // num_bits
+    v = values if dim == 1 else values.t()
+    rows, cols = v.shape
+    pad = -cols % per_word
+    u = (v.to(torch.int64) + (1 << (num_bits - 1))) & ((1 << num_bits) - 1)
+    u = torch.nn.functional.pad(u, (0, pad)).reshape(rows, -1, per_word)
+    shifts = torch.arange(per_word, dtype=torch.int64) * num_bits
+    words = (u << shifts).sum(dim=-1)  # < 2^32, fits int64
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+    return words if dim == 1 else words.t().contiguous()
+
+
+def unpack(packed: torch.Tensor, n: int, num_bits: int = 4, dim: int = 1) -> torch.Tensor:
+    """Inverse of `pack`: int8 values, `n` of them along `dim`."""
+    per_word = 32 // num_bits
+    p = packed if dim == 1 else packed.t()
+    shifts = torch.arange(per_word, dtype=torch.int64, device=p.device) * num_bits
+    u = (p.to(torch.int64).unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)
+    v = (u.reshape(p.shape[0], -1)[:, :n] - (1 << (num_bits - 1))).to(torch.int8)
+    return v if dim == 1 else v.t().contiguous()
+
+
+def compress(
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    args: QuantArgs,
+    g_idx: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """The packed tensors of one linear (keys without the module prefix)."""
+    q = quantize(weight, scale, zero_point, args, g_idx)
+    out = {
+        "weight_packed": pack(q, args.num_bits),
+        "weight_scale": scale.contiguous(),
+        "weight_shape": torch.tensor(list(weight.shape), dtype=torch.int64),
+    }
+    if zero_point is not None:
+        out["weight_zero_point"] = pack(zero_point, args.num_bits, dim=0)
+    if g_idx is not None:
+        out["weight_g_idx"] = g_idx.to(torch.int32)
+    return out
+
+
+def decompress_ints(tensors: dict[str, torch.Tensor], args: QuantArgs):
+    """(int8 values [out, in], scale, int8 zero point or None, g_idx or None) of one linear."""
+    out_f, in_f = (int(s) for s in tensors["weight_shape"])
+    q = unpack(tensors["weight_packed"], in_f, args.num_bits)
+    scale = tensors["weight_scale"]
+    zp = tensors.get("weight_zero_point")
+    if zp is not None:
+        zp = unpack(zp, out_f, args.num_bits, dim=0)
+    return q, scale, zp, tensors.get("weight_g_idx")
+
+
+def param_info(out_features: int, in_features: int, args: QuantArgs, dtype: torch.dtype) -> dict[str, tuple]:
+    """Shapes and dtypes of the packed tensors of one [out, in] linear."""
+    n_groups = in_features // args.group_size if args.strategy == "group" else 1
+    info = {
+        "weight_packed": ((out_features, in_features * args.num_bits // 32), torch.int32),
+        "weight_scale": ((out_features, n_groups), dtype),
+        "weight_shape": ((2,), torch.int64),
+    }
+    if not args.symmetric:
+        info["weight_zero_point"] = ((-(-out_features * args.num_bits // 32), n_groups), torch.int32)
+    if args.actorder == "group":
+        info["weight_g_idx"] = ((in_features,), torch.int32)
+    return info

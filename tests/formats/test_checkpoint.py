@@ -1,0 +1,71 @@
+import json
+
+import pytest
+import torch
+
+import quantkit.formats.checkpoint as ckpt
+from quantkit.errors import QuantkitError
+
+
+def tensors():
+    return {"a.weight": torch.randn(4, 8), "b.weight_packed": torch.randint(0, 100, (4, 1), dtype=torch.int32)}
+
+
+def test_save_and_read_back(tmp_path):
+    out = ckpt.save_checkpoint(tmp_path / "c", tensors(), {"model_type": "llama"}, {"algorithm": "rtn"})
+    back = ckpt.read_tensors(out)
+    assert set(back) == {"a.weight", "b.weight_packed"}
+    assert json.loads((out / "config.json").read_text()) == {"model_type": "llama"}
+    assert ckpt.read_provenance(out) == {"algorithm": "rtn"}
+    assert [p.name for p in tmp_path.iterdir()] == ["c"]  # no temporary folder left
+
+
+def test_shards_and_index(tmp_path, monkeypatch):
+    monkeypatch.setattr(ckpt, "SHARD_BYTES", 100)
+    t = {f"w{i}": torch.randn(8) for i in range(5)}  # 32 bytes each
+    out = ckpt.save_checkpoint(tmp_path / "c", t, {}, {})
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == 2
+    back = ckpt.read_tensors(out)
+    assert all(torch.equal(back[k], v) for k, v in t.items())
+
+
+def test_existing_output_needs_overwrite(tmp_path):
+    out = ckpt.save_checkpoint(tmp_path / "c", tensors(), {"v": 1}, {})
+    with pytest.raises(QuantkitError, match="already exists; choose another -o or pass --overwrite"):
+        ckpt.save_checkpoint(out, tensors(), {"v": 2}, {})
+    ckpt.save_checkpoint(out, tensors(), {"v": 2}, {}, overwrite=True)
+    assert json.loads((out / "config.json").read_text()) == {"v": 2}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+
+
+def test_failure_leaves_nothing_behind(tmp_path, monkeypatch):
+    def boom(*a, **k):
+        raise RuntimeError("interrupted")
+
+    monkeypatch.setattr(ckpt, "save_file", boom)
+    with pytest.raises(RuntimeError):
+        ckpt.save_checkpoint(tmp_path / "c", tensors(), {}, {})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_no_disk_space(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10, 10, 1000))
+    with pytest.raises(QuantkitError, match="not enough disk space"):
+        ckpt.save_checkpoint(tmp_path / "c", tensors(), {}, {})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_truncated_file_is_reported(tmp_path):
+    out = ckpt.save_checkpoint(tmp_path / "c", tensors(), {}, {})
+    f = out / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-10])
+    with pytest.raises(QuantkitError, match="unreadable or truncated"):
+        ckpt.read_tensors(out)
+    (out / "model.safetensors").unlink()
+    with pytest.raises(QuantkitError, match="no .safetensors files"):
+        ckpt.read_tensors(out)
