@@ -1,0 +1,131 @@
+"""Find a model (built-in name, local folder or hub id) and load it in float."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from quantkit import assets
+from quantkit.errors import QuantkitError
+from quantkit.hub import hub_reachable
+
+# built-in name -> the GGUF asset it is converted from
+BUILTIN_MODELS = {"smollm2-135m": "smollm2-135m.gguf"}
+
+
+def resolve_model(name_or_path: str | os.PathLike) -> Path:
+    """A local folder holding the model's config.json and weights."""
+    name = str(name_or_path)
+    if name in BUILTIN_MODELS:
+        return _builtin(name)
+    path = Path(name).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise QuantkitError(f"{path} has no config.json; point at a Hugging Face model folder "
+                                f"or use a built-in model ({', '.join(BUILTIN_MODELS)}).")
+        return path
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise QuantkitError(f"model folder {name} does not exist; check the path "
+                            f"or use a built-in model ({', '.join(BUILTIN_MODELS)}).")
+    return _from_hub(name)
+
+
+def _from_hub(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
+    except Exception:
+        pass
+    if not hub_reachable():
+        raise QuantkitError(f"model {repo_id!r} is neither a local folder nor reachable on the Hugging Face hub "
+                            f"(offline); use a local folder or a built-in model ({', '.join(BUILTIN_MODELS)}).")
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except Exception as e:
+        raise QuantkitError(f"could not download {repo_id!r} from the Hugging Face hub ({type(e).__name__}); "
+                            "check the model id and your access to it.") from None
+
+
+def _builtin(name: str) -> Path:
+    dest = assets.cache_dir() / "models" / name
+    if (dest / "config.json").is_file():
+        return dest
+    gguf = assets.fetch(BUILTIN_MODELS[name])
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+        convert_gguf(gguf, Path(tmp) / "model")
+        shutil.rmtree(dest, ignore_errors=True)
+        os.replace(Path(tmp) / "model", dest)
+    return dest
+
+
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantize a GGUF file into a plain fp32 Hugging Face folder (config, safetensors, tokenizer).
+
+    A model loaded from GGUF carries a gguf `quantization_config` and cannot be saved as
+    is: rebuild it from the bare config and the loaded state dict.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = loaded.config
+    config.quantization_config = None
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def read_config(path: Path) -> dict:
+    try:
+        return json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise QuantkitError(f"{path / 'config.json'} is unreadable ({e}); re-create the model folder.") from None
+
+
+def check_causal_lm(path: Path):
+    """The transformers config of `path`, or a `QuantkitError` if it is not a causal LM."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as e:
+        raise QuantkitError(f"{path} does not hold a model transformers knows ({type(e).__name__}: {e}).") from None
+    heads = getattr(config, "architectures", None) or []
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or (
+        heads and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in heads)
+    ):
+        raise QuantkitError(f"{path} holds a {config.model_type!r} model, which is not a causal language model.")
+    return config
+
+
+def load_float_model(name_or_path, dtype: torch.dtype | None = None):
+    """(model, tokenizer, path) of an unquantized model, in eval mode on the CPU."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model(name_or_path)
+    config = check_causal_lm(path)
+    if getattr(config, "quantization_config", None) is not None:
+        raise QuantkitError(f"{path} is already quantized; start from the float model.")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto")
+    model.eval()
+    return model, load_tokenizer(path), path
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        raise QuantkitError(f"{path} has no usable tokenizer ({type(e).__name__}); add the tokenizer files.") from None
