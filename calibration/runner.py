@@ -1,0 +1,100 @@
+"""The layer-by-layer calibration runner shared by every algorithm.
+
+It captures the inputs of decoder block 0 on the calibration samples, then for each
+block in turn: moves it to the compute device, calls the algorithm's step (which
+quantizes the block's linears in place, to their fake-quantized values), runs the
+now-quantized block on its inputs and hands the outputs to the next block, so
+quantization error propagates the way it will at inference. Only one block lives on
+the device at a time; the rest of the model stays on the CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from quantkit.models.arch import ArchSpec, get_module
+from quantkit.progress import Track, no_progress
+
+
+@dataclass
+class BlockInputs:
+    """What one decoder block receives for each calibration batch."""
+
+    hidden: list[torch.Tensor]  # per batch: [batch, seq, hidden]
+    kwargs: list[dict]  # per batch: the block's keyword arguments (mask, rotary embeddings, ...)
+
+    @torch.no_grad()
+    def run(self, block: nn.Module) -> list[torch.Tensor]:
+        """The block's outputs for every batch."""
+        outs = []
+        for h, kw in zip(self.hidden, self.kwargs):
+            out = block(h, **kw)
+            outs.append(out[0] if isinstance(out, tuple) else out)
+        return outs
+
+
+# step(block_index, block_prefix, block, inputs): quantize the block in place.
+# `inputs` is None when the algorithm needs no calibration data.
+Step = Callable[[int, str, nn.Module, "BlockInputs | None"], None]
+
+
+class _Captured(Exception):
+    pass
+
+
+@torch.no_grad()
+def capture_block_inputs(
+    model: nn.Module, spec: ArchSpec, samples: torch.Tensor, batch_size: int, device: torch.device
+) -> BlockInputs:
+    """Run the model up to block 0 on `samples` [n, seq] and keep what block 0 receives."""
+    blocks = get_module(model, spec.blocks)
+    base = get_module(model, spec.blocks.rsplit(".", 1)[0])
+    others = [m for m in base.children() if m is not blocks]
+    captured = BlockInputs([], [])
+
+    def hook(module, args, kwargs):
+        captured.hidden.append(args[0] if args else kwargs.pop("hidden_states"))
+        captured.kwargs.append({k: v for k, v in kwargs.items() if k != "hidden_states"})
+        raise _Captured
+
+    for m in others:
+        m.to(device)
+    handle = blocks[0].register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        for batch in samples.split(batch_size):
+            try:
+                base(input_ids=batch.to(device), use_cache=False)
+            except _Captured:
+                pass
+    finally:
+        handle.remove()
+        for m in others:
+            m.to("cpu")
+    return captured
+
+
+@torch.no_grad()
+def run_blocks(
+    model: nn.Module,
+    spec: ArchSpec,
+    step: Step,
+    samples: torch.Tensor | None = None,
+    batch_size: int = 8,
+    device: str | torch.device = "cpu",
+    track: Track = no_progress,
+) -> None:
+    """Call `step` on every decoder block in order, feeding each the previous block's
+    quantized outputs. With `samples` None, steps get no inputs (e.g. RTN)."""
+    device = torch.device(device)
+    blocks = get_module(model, spec.blocks)
+    inputs = capture_block_inputs(model, spec, samples, batch_size, device) if samples is not None else None
+    for i in track(range(len(blocks)), "blocks", len(blocks)):
+        block = blocks[i].to(device)
+        step(i, f"{spec.blocks}.{i}", block, inputs)
+        if inputs is not None and i + 1 < len(blocks):
+            inputs = BlockInputs(inputs.run(block), inputs.kwargs)
+        blocks[i].to("cpu")
