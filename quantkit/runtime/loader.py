@@ -1,0 +1,93 @@
+"""`quantkit.load`: a float model or a packed checkpoint as a torch model whose
+quantized linears compute through `quantkit.ops`.
+
+Two phases, as gpt-fast does it: the checkpoint on disk is the plain interoperable
+layout; the module tree is built empty (parameters on the meta device), the targeted
+linears are swapped for packed modules, and the file's tensors are assigned in place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from quantkit.errors import QuantkitError
+from quantkit.formats.checkpoint import read_tensors
+from quantkit.models.loading import check_causal_lm, load_float_model, resolve_model
+from quantkit.runtime.qlinear import PackedInt4Linear
+from quantkit.scheme import from_quantization_config
+
+SUPPORTED = ("compressed-tensors pack-quantized (int4)",)
+
+
+@contextlib.contextmanager
+def _params_on_meta():
+    """Create modules with parameters on the meta device (buffers stay real, so
+    computed buffers such as rotary frequencies are correct)."""
+    original = nn.Module.register_parameter
+
+    def register(module, name, param):
+        if param is not None:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
+
+
+def is_quantized(path: Path) -> bool:
+    return getattr(check_causal_lm(path), "quantization_config", None) is not None
+
+
+def load(path: str | os.PathLike, dtype: torch.dtype | None = None) -> nn.Module:
+    """A model in eval mode on the CPU: float models through transformers, compressed-
+    tensors `pack-quantized` checkpoints with `PackedInt4Linear` modules."""
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model(path)
+    config = check_causal_lm(path)
+    qc = getattr(config, "quantization_config", None)
+    if qc is None:
+        return load_float_model(path, dtype)[0]
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    if qc.get("quant_method") != "compressed-tensors" or qc.get("format") != "pack-quantized":
+        raise QuantkitError(f"{path} is a {qc.get('quant_method')!r} checkpoint in format {qc.get('format')!r}; "
+                            f"quantkit loads {', '.join(SUPPORTED)}.")
+    ckpt = from_quantization_config(qc)
+    del config.quantization_config
+    dtype = dtype or getattr(config, "dtype", None) or torch.float32
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    with _params_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    for name, module in list(model.named_modules()):
+        scheme = ckpt.scheme_for(name) if isinstance(module, nn.Linear) else None
+        if scheme is not None:
+            packed = PackedInt4Linear(module.in_features, module.out_features, module.bias is not None,
+                                      scheme.weights, dtype)
+            _replace(model, name, packed)
+    tensors = read_tensors(path)
+    expected = set(model.state_dict())
+    missing = expected - set(tensors)
+    if getattr(config, "tie_word_embeddings", False):
+        missing.discard("lm_head.weight")
+    unexpected = set(tensors) - expected
+    if missing or unexpected:
+        what = f"lacks {sorted(missing)[:3]}" if missing else f"has unexpected {sorted(unexpected)[:3]}"
+        raise QuantkitError(f"checkpoint {path} {what}; it is truncated or was made for another model.")
+    tensors = {k: v.to(dtype) if v.is_floating_point() and not k.endswith("_scale") else v for k, v in tensors.items()}
+    model.load_state_dict(tensors, strict=False, assign=True)
+    if getattr(config, "tie_word_embeddings", False):
+        model.lm_head.weight = model.get_input_embeddings().weight
+    return model.eval()

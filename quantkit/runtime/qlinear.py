@@ -1,0 +1,42 @@
+"""Linear modules that hold packed weights as they are on disk and compute through
+`quantkit.ops`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from quantkit import ops
+from quantkit.formats import pack_quantized
+from quantkit.scheme import QuantArgs
+
+
+class PackedInt4Linear(nn.Module):
+    """A linear with compressed-tensors `pack-quantized` int4 weights (buffers named
+    as in the checkpoint, so its state dict loads as is)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, args: QuantArgs, dtype: torch.dtype):
+        super().__init__()
+        if args.num_bits != 4:
+            raise ValueError("PackedInt4Linear holds 4-bit weights only")
+        self.in_features, self.out_features, self.args = in_features, out_features, args
+        info = pack_quantized.param_info(out_features, in_features, args, dtype)
+        for name, (shape, dt) in info.items():
+            self.register_buffer(name, torch.empty(shape, dtype=dt, device="meta"))
+        self.weight_zero_point = getattr(self, "weight_zero_point", None)
+        self.weight_g_idx = getattr(self, "weight_g_idx", None)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device="meta")) if bias else None
+
+    def zeros(self) -> torch.Tensor | None:
+        if self.weight_zero_point is None:
+            return None
+        return pack_quantized.unpack(self.weight_zero_point, self.out_features, 4, dim=0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group = self.args.group_size if self.args.strategy == "group" else None
+        y = ops.int4_gemm(x, self.weight_packed, self.weight_scale, self.zeros(), group, self.weight_g_idx)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        a = self.args
+        return f"in={self.in_features}, out={self.out_features}, int4 {a.strategy} {a.group_size or ''} sym={a.symmetric}"

@@ -1,0 +1,63 @@
+import json
+
+import pytest
+import torch
+
+import quantkit
+from quantkit.errors import QuantkitError
+from quantkit.quantize import quantize
+from quantkit.scheme import preset
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_llama, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ckpt") / "q"
+    quantize(str(tiny_llama), preset("w4a16-asym").with_group_size(32), out)
+    return out
+
+
+def test_float_model_loads_through_transformers(tiny_llama):
+    model = quantkit.load(tiny_llama)
+    assert type(model.model.layers[0].mlp.up_proj) is torch.nn.Linear
+    assert not model.training
+
+
+def test_no_parameter_left_on_meta(checkpoint):
+    model = quantkit.load(checkpoint)
+    assert all(t.device.type == "cpu" for t in [*model.parameters(), *model.buffers()])
+
+
+def test_truncated_checkpoint(checkpoint, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(checkpoint, bad)
+    f = bad / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(QuantkitError, match="unreadable or truncated"):
+        quantkit.load(bad)
+
+
+def test_missing_tensors(checkpoint, tmp_path):
+    from safetensors.torch import load_file, save_file
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(checkpoint, bad)
+    tensors = load_file(bad / "model.safetensors")
+    tensors.pop("model.layers.1.mlp.down_proj.weight_scale")
+    save_file(tensors, bad / "model.safetensors")
+    with pytest.raises(QuantkitError, match="lacks .*down_proj.weight_scale"):
+        quantkit.load(bad)
+
+
+def test_other_formats_are_refused_by_name(checkpoint, tmp_path):
+    import shutil
+
+    other = tmp_path / "awq"
+    shutil.copytree(checkpoint, other)
+    config = json.loads((other / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(QuantkitError, match="'bitsandbytes' checkpoint .* quantkit loads compressed-tensors pack-quantized"):
+        quantkit.load(other)
