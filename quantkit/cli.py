@@ -1,0 +1,163 @@
+"""The `quantkit` command line: thin commands that parse, call one library function
+and render the result with rich."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from quantkit.errors import QuantkitError
+
+app = typer.Typer(no_args_is_help=True, add_completion=False,
+                  help="Quantize Hugging Face causal LMs, measure what it cost, serve the result.")
+console = Console(stderr=True)
+out = Console()
+
+
+def _quiet_transformers() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+
+
+@contextlib.contextmanager
+def _progress():
+    with Progress(TextColumn("{task.description:<12}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=False) as bar:
+        def track(iterable, description="", total=None):
+            task = bar.add_task(description, total=total)
+            for item in iterable:
+                yield item
+                bar.advance(task)
+
+        yield track
+
+
+def command(fn):
+    """Run a command; a `QuantkitError` becomes one red sentence and exit code 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            _quiet_transformers()
+            return fn(*args, **kwargs)
+        except QuantkitError as e:
+            console.print(f"[bold red]error:[/] {e}")
+            raise typer.Exit(2) from None
+
+    return app.command()(wrapper)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def _table(title: str, rows: list[tuple[str, object]]) -> Table:
+    table = Table(title=title, show_header=False, title_justify="left")
+    for key, value in rows:
+        table.add_row(key, str(value))
+    return table
+
+
+@command
+def rtn(
+    model: str = typer.Option("smollm2-135m", "--model", "-m", help="Built-in name, local folder or hub id."),
+    output: Path = typer.Option(..., "--output", "-o", help="Folder to write the checkpoint to."),
+    scheme: str = typer.Option("w4a16", help="w4a16 (int4 symmetric) or w4a16-asym."),
+    group_size: Optional[int] = typer.Option(None, help="Weights per scale (default 128); must divide every layer's input width."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output folder."),
+    device: str = typer.Option("cpu", help="Where each block is quantized (cpu, cuda)."),
+):
+    """Round-to-nearest INT4 weights (no calibration): the baseline for AWQ and GPTQ."""
+    from quantkit.quantize import quantize
+    from quantkit.scheme import preset
+
+    qscheme = preset(scheme).with_group_size(group_size)
+    with _progress() as track:
+        prov = quantize(model, qscheme, output, "rtn", overwrite=overwrite, device=device, track=track)
+    w = prov["weights"]
+    out.print(_table(f"rtn → {output}", [
+        ("scheme", f"{prov['scheme']} (int{w['num_bits']}, group {w['group_size']}, "
+                   f"{'sym' if w['symmetric'] else 'asym'})"),
+        ("quantized linears", prov["quantized_linears"]),
+        ("wall time", f"{prov['wall_time_s']:.1f} s"),
+        ("peak memory (RSS)", f"{prov['peak_rss_mib']:.0f} MiB"),
+    ]))
+
+
+@command
+def eval(
+    model: str = typer.Argument(..., help="Built-in name, local folder, hub id or quantkit checkpoint."),
+    ppl: str = typer.Option("wiki", help="Perplexity text: wiki, news, wikitext2, c4, pileval or a .txt/.jsonl/.parquet file."),
+    seq_len: Optional[int] = typer.Option(None, help="Window length (default 2048, or the model's context if shorter)."),
+    limit: Optional[int] = typer.Option(None, help="Score only the first N windows."),
+    batch_size: int = typer.Option(1, help="Windows per forward pass."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the result to this JSON file."),
+):
+    """Perplexity on the papers' protocol (non-overlapping windows, mean token NLL)."""
+    from quantkit.eval.run import evaluate
+
+    with _progress() as track:
+        result = evaluate(model, ppl, seq_len, limit, batch_size, track)
+    if json_path:
+        _write_json(json_path, result)
+    out.print(_table(f"perplexity of {model}", [
+        ("dataset", result["dataset"]),
+        ("perplexity", f"{result['ppl']:.4f}"),
+        ("windows × seq_len", f"{result['windows']} × {result['seq_len']} = {result['tokens']} tokens"),
+        ("time", f"{result['eval_time_s']:.1f} s"),
+    ]))
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+@command
+def inspect(
+    checkpoint: str = typer.Argument(..., help="A checkpoint folder (or any model)."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the report to this JSON file."),
+):
+    """Scheme, quantized and ignored modules, size against the float model, provenance."""
+    from quantkit.eval.inspect_ckpt import describe
+
+    info = describe(checkpoint)
+    if json_path:
+        _write_json(json_path, info)
+    rows = [("format", f"{info['quant_method']} / {info['format']}")]
+    for name, w in info["weights"].items():
+        if w:
+            kind = f"{w['type']}{w['num_bits']} {w['strategy']}" + (f" {w['group_size']}" if w.get("group_size") else "")
+            rows.append((f"weights ({name})", f"{kind}, {'symmetric' if w['symmetric'] else 'asymmetric'}"
+                         + (f", actorder {w['actorder']}" if w.get("actorder") else "")))
+    q = info["quantized_modules"]
+    rows += [
+        ("quantized modules", f"{len(q)}" + (f" ({q[0]} … {q[-1]})" if q else "")),
+        ("ignored modules", ", ".join(info["ignored_modules"]) or "none"),
+        ("on disk", _mib(info["disk_bytes"])),
+        ("float model", _mib(info["float_bytes"])),
+        ("compression", f"{info['compression']:.2f}×"),
+    ]
+    if info["bits_per_weight"]:
+        rows.append(("bits per quantized weight", f"{info['bits_per_weight']:.3f}"))
+    for key, value in (info["provenance"] or {}).items():
+        rows.append((f"made: {key}", json.dumps(value) if isinstance(value, (dict, list)) else value))
+    out.print(_table(f"inspect {info['path']}", rows))
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,75 @@
+"""`quantkit inspect`: what a checkpoint holds and what it saves against the float model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from quantkit.errors import QuantkitError
+from quantkit.formats.checkpoint import read_provenance, weight_files
+from quantkit.models.loading import read_config, resolve_model
+
+_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "I32": 4, "I64": 8, "I8": 1, "U8": 1, "F8_E4M3": 1, "F64": 8}
+
+
+def _shapes(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    out = {}
+    for f in weight_files(path):
+        try:
+            with safe_open(f, "pt") as st:
+                for key in st.keys():
+                    sl = st.get_slice(key)
+                    out[key] = (tuple(sl.get_shape()), sl.get_dtype())
+        except Exception as e:
+            raise QuantkitError(f"{f} is unreadable or truncated ({e}); re-create or re-download the checkpoint.") from None
+    if not out:
+        raise QuantkitError(f"{path} has no .safetensors files; it is not a complete checkpoint.")
+    return out
+
+
+def describe(model_name: str) -> dict:
+    """Scheme, quantized/ignored modules, bytes on disk vs the float model, bits per
+    quantized weight, and provenance."""
+    path = resolve_model(model_name)
+    config = read_config(path)
+    qc = config.get("quantization_config") or {}
+    float_bytes = _BYTES.get({"float32": "F32", "float16": "F16", "bfloat16": "BF16"}.get(
+        str(config.get("dtype") or config.get("torch_dtype") or "float32"), "F32"), 4)
+    shapes = _shapes(path)
+    quantized = sorted(k.removesuffix(".weight_packed") for k in shapes if k.endswith(".weight_packed"))
+    q_bytes = q_params = 0
+    float_total = 0
+    for key, (shape, dtype) in shapes.items():
+        n = 1
+        for s in shape:
+            n *= s
+        module = key.rsplit(".", 1)[0]
+        if module in quantized:
+            q_bytes += n * _BYTES.get(dtype, 4)
+            if key.endswith(".weight_shape"):
+                continue
+            if key.endswith(".weight_packed"):
+                numel = shape[0] * shape[1] * 32 // int(qc["config_groups"]["group_0"]["weights"]["num_bits"])
+                q_params += numel
+                float_total += numel * float_bytes
+        else:
+            float_total += n * float_bytes
+    disk = sum(f.stat().st_size for f in weight_files(path))
+    groups = qc.get("config_groups") or {}
+    return {
+        "path": str(path),
+        "quant_method": qc.get("quant_method", "none"),
+        "format": qc.get("format", "dense"),
+        "weights": {name: g.get("weights") for name, g in groups.items()},
+        "input_activations": {name: g.get("input_activations") for name, g in groups.items()},
+        "kv_cache_scheme": qc.get("kv_cache_scheme"),
+        "quantized_modules": quantized,
+        "ignored_modules": qc.get("ignore", []),
+        "disk_bytes": disk,
+        "float_bytes": float_total,
+        "compression": float_total / disk if disk else None,
+        "bits_per_weight": 8 * q_bytes / q_params if q_params else None,
+        "provenance": read_provenance(path),
+    }

@@ -1,0 +1,47 @@
+import json
+
+from typer.testing import CliRunner
+
+from quantkit.cli import app
+
+runner = CliRunner()
+
+
+def test_rtn_inspect_eval_end_to_end(tiny_llama, tiny_corpus, tmp_path):
+    out = tmp_path / "q"
+    r = runner.invoke(app, ["rtn", "--model", str(tiny_llama), "--scheme", "w4a16-asym", "--group-size", "32",
+                            "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "quantized linears" in r.stdout and (out / "model.safetensors").is_file()
+
+    r = runner.invoke(app, ["inspect", str(out), "--json", str(tmp_path / "i.json")])
+    assert r.exit_code == 0, r.output
+    info = json.loads((tmp_path / "i.json").read_text())
+    assert len(info["quantized_modules"]) == 14 and info["ignored_modules"] == ["lm_head"]
+    assert 4.0 < info["bits_per_weight"] < 6.0  # 4 bits + a scale and zero point per 32 weights
+    assert info["provenance"]["algorithm"] == "rtn"
+
+    for model in (str(tiny_llama), str(out)):
+        r = runner.invoke(app, ["eval", model, "--ppl", str(tiny_corpus), "--seq-len", "64", "--limit", "3",
+                                "--json", str(tmp_path / "e.json")])
+        assert r.exit_code == 0, r.output
+        result = json.loads((tmp_path / "e.json").read_text())
+        assert result["windows"] == 3 and result["seq_len"] == 64 and result["tokens"] == 192
+        assert result["dataset"] == str(tiny_corpus) and result["ppl"] > 1
+
+
+def test_user_errors_exit_2_with_one_sentence(tiny_llama, tmp_path):
+    cases = [
+        (["rtn", "--model", "no-such-model-anywhere", "-o", str(tmp_path / "a")], "no-such-model-anywhere"),
+        (["rtn", "--model", str(tiny_llama), "--scheme", "w5", "-o", str(tmp_path / "b")], "unknown scheme 'w5'"),
+        (["rtn", "--model", str(tiny_llama), "-o", str(tmp_path / "c")], "does not divide the input width 64"),
+        (["eval", str(tiny_llama), "--ppl", "nonsense"], "unknown dataset 'nonsense'"),
+        (["eval", str(tiny_llama), "--ppl", "wiki", "--seq-len", "4096"], "exceeds the model's context of 256"),
+        (["inspect", str(tmp_path / "missing")], "does not exist"),
+    ]
+    for argv, message in cases:
+        r = runner.invoke(app, argv)
+        assert r.exit_code == 2, (argv, r.output)
+        assert message in " ".join(r.output.split()), (argv, r.output)
+        assert "Traceback" not in r.output
+    assert list(tmp_path.iterdir()) == []
