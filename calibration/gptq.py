@@ -1,0 +1,190 @@
+"""GPTQ (Frantar et al., ICLR 2023): quantize a weight column by column, feeding each
+column's error back into the columns not yet quantized through the inverse Hessian.
+
+Pure functions in the shape of IST-DASLab/gptq `gptq.py`: `accumulate_hessian` is its
+`add_batch`, `quantize_weight` its `fasterquant`. The grid is the one of
+`quantkit.primitives` (min-max qparams, round-half-to-even), so with an identity
+Hessian GPTQ returns exactly what round-to-nearest returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.primitives import check_group_size, compute_qparams, dequantize, quantize
+from quantkit.scheme import ACTORDERS, QuantArgs
+
+DAMP_RETRIES = 4  # each retry multiplies damp by 10
+
+
+@dataclass(slots=True)
+class GPTQResult:
+    """The fake-quantized weight [out, in] (W's dtype, original column order) and its qparams.
+
+    scale / zero_point are shaped as in `primitives` (group [out, in/group_size], channel
+    [out, 1], tensor [1]); zero_point is None when symmetric. g_idx (int32 [in], the group
+    of each input column) is set only for actorder "group". damp_used is the damping that
+    let the Hessian be factored.
+    """
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    zero_point: torch.Tensor | None
+    g_idx: torch.Tensor | None
+    damp_used: float
+
+
+def accumulate_hessian(H: torch.Tensor | None, x: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+    """Fold a chunk of layer inputs x [..., in] into the running average H = 2·XᵀX / n.
+
+    H (fp32 [in, in]) is None to start a new one; n is the number of tokens already in it.
+    Returns the new H (the input is not modified) and the new token count.
+    """
+    x = x.reshape(-1, x.shape[-1]).float()  # x [tokens, in]
+    t, d = x.shape
+    if H is None:
+        H, n = torch.zeros(d, d, device=x.device), 0
+    if H.shape != (d, d):
+        raise QuantkitError(f"the Hessian is {tuple(H.shape)} but the inputs have width {d}; start a new one (H=None).")
+    if t == 0:
+        return H, n
+    total = n + t
+    return torch.addmm(H, x.T, x, beta=n / total, alpha=2 / total), total  # H [in, in]
+
+
+def quantize_weight(
+    W: torch.Tensor,
+    H: torch.Tensor,
+    args: QuantArgs,
+    block_size: int = 128,
+    damp: float = 0.01,
+    actorder: str | None = None,
+    scale_dtype: torch.dtype = torch.float32,
+    log: Callable[[str], None] | None = None,
+    name: str = "weight",
+) -> GPTQResult:
+    """GPTQ-quantize W [out, in] given the Hessian H [in, in] of its layer's inputs.
+
+    `args` gives the grid (strategy group, channel or tensor). `actorder` (default
+    `args.actorder`): None keeps the natural column order; "static"/"weight" visits columns
+    by descending diag H but keeps contiguous groups (no g_idx); "group" also forms the
+    groups over that order and returns g_idx. H is dampened by damp·mean(diag H); when it
+    still cannot be factored, damp is raised ×10 (each retry reported through `log`) up to
+    DAMP_RETRIES times, then a QuantkitError is raised. `name` labels the messages.
+    """
+    actorder = actorder or args.actorder
+    _check(W, H, args, block_size, damp, actorder, name)
+    W0, n = W, W.shape[1]
+    W = W.detach().float().clone()  # W [out, in], fp32 working copy
+    H = H.detach().to(W.device, torch.float32).clone()  # H [in, in]
+    dead = H.diagonal() == 0  # inputs that were always zero
+    H[dead, dead] = 1
+    W[:, dead] = 0
+
+    if actorder is None:
+        perm = torch.arange(n, device=W.device)
+    else:
+        perm = torch.argsort(H.diagonal(), descending=True, stable=True)
+    W, H = W[:, perm], H[perm][:, perm]
+    Hinv, damp_used = _inverse_cholesky(H, damp, log or (lambda message: None), name)  # Hinv [in, in], upper
+
+    if args.strategy != "group":
+        gid = torch.zeros_like(perm)  # one set of qparams, taken before the loop
+    elif actorder in ("static", "weight"):
+        gid = perm // args.group_size  # the original contiguous group of each visited column
+    else:
+        gid = torch.arange(n, device=W.device) // args.group_size  # groups over the visiting order
+    Q, scale, zero_point = _column_loop(W, Hinv, gid, args, block_size, scale_dtype)
+
+    inv = torch.argsort(perm)
+    g_idx = gid[inv].to(torch.int32) if args.strategy == "group" and actorder == "group" else None
+    return GPTQResult(Q[:, inv].to(W0.dtype), scale, zero_point, g_idx, damp_used)
+
+
+def _check(W, H, args, block_size, damp, actorder, name):
+    if W.dim() != 2:
+        raise QuantkitError(f"GPTQ quantizes 2-D weights [out, in]; {name} has shape {tuple(W.shape)}.")
+    n = W.shape[1]
+    if tuple(H.shape) != (n, n):
+        raise QuantkitError(
+            f"the Hessian of {name} is {tuple(H.shape)}; its weight has {n} input columns, so it must be ({n}, {n})."
+        )
+    if args.strategy not in ("group", "channel", "tensor"):
+        raise QuantkitError(f"GPTQ quantizes weights per group, channel or tensor, not per {args.strategy} ({name}).")
+    if args.strategy == "group":
+        check_group_size(name, n, args.group_size)
+    if actorder not in ACTORDERS:
+        raise QuantkitError(f"actorder {actorder!r} is unknown; use static, group or none.")
+    if block_size < 1 or damp < 0:
+        raise QuantkitError(f"GPTQ needs block_size >= 1 and damp >= 0 (got {block_size} and {damp}) for {name}.")
+    if not torch.isfinite(H).all():
+        raise QuantkitError(f"the Hessian of {name} has NaN or inf entries; check the calibration inputs.")
+
+
+def _inverse_cholesky(H, damp, log, name):
+    mean_diag = H.diagonal().mean()
+    for attempt in range(DAMP_RETRIES + 1):
+        Hd = H.clone()
+        Hd.diagonal().add_(damp * mean_diag)
+        L, info = torch.linalg.cholesky_ex(Hd)
+        if info.item() == 0:
+            U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+            if info.item() == 0 and torch.isfinite(U).all():
+                return U, damp
+        if attempt == DAMP_RETRIES:
+            break
+        new = damp * 10 if damp > 0 else 0.01
+        log(f"GPTQ {name}: the Hessian is not positive definite with damp {damp:g}; retrying with damp {new:g}.")
+        damp = new
+    raise QuantkitError(
+        f"GPTQ could not factor the Hessian of {name} even with damp {damp:g}; it is singular or not "
+        "positive semi-definite: pass a larger damp, or calibrate on more (and finite) inputs."
+    )
+
+
+def _column_loop(W, Hinv, gid, args, block_size, scale_dtype):
+    out, n = W.shape
+    # one column is quantized as a channel with its group's [out, 1] qparams
+    col_args = dataclasses.replace(args, strategy="channel", group_size=None) if args.strategy == "group" else args
+    qp = [None] * (int(gid.max()) + 1)  # (scale, zero_point) per group id
+    if args.strategy != "group":
+        qp[0] = compute_qparams(W, args, scale_dtype)
+    gids = gid.tolist()
+    Q = torch.zeros_like(W)  # Q [out, in], fake-quantized, visiting order
+    for i1 in range(0, n, block_size):
+        i2 = min(i1 + block_size, n)
+        W1 = W[:, i1:i2].clone()  # W1 [out, b]
+        Err1 = torch.zeros_like(W1)  # Err1 [out, b]
+        Hinv1 = Hinv[i1:i2, i1:i2]  # Hinv1 [b, b]
+        for k in range(i2 - i1):
+            g = gids[i1 + k]
+            if qp[g] is None:  # a group starts: qparams from its weights as updated so far
+                cols = (gid == g).nonzero()[:, 0]  # visiting positions, all >= i1 + k
+                qp[g] = compute_qparams(_current(W, W1, Err1, Hinv, cols, i1, k), args, scale_dtype)
+            s, z = qp[g]
+            w = W1[:, k]  # w [out]
+            q = dequantize(quantize(w[:, None], s, z, col_args), s, z, col_args, dtype=torch.float32)[:, 0]
+            Q[:, i1 + k] = q
+            err = (w - q) / Hinv1[k, k]
+            W1[:, k:] -= err[:, None] * Hinv1[k, k:][None, :]
+            Err1[:, k] = err
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]  # lazy batch update of the later blocks
+    if args.strategy != "group":
+        return Q, *qp[0]
+    zeros = [z for _, z in qp]
+    return Q, torch.cat([s for s, _ in qp], 1), None if zeros[0] is None else torch.cat(zeros, 1)
+
+
+
+def _current(W, W1, Err1, Hinv, cols, i1, k):
+    # columns `cols` of W with this block's feedback so far; those inside the block are taken
+    # from W1 itself, bit for bit, as a symmetric group's extreme value sits on a rounding tie
+    vals = W[:, cols] - Err1[:, :k] @ Hinv[i1 : i1 + k, cols]  # vals [out, len(cols)]
+    inside = cols < i1 + W1.shape[1]
+    vals[:, inside] = W1[:, cols[inside] - i1]
+    return vals

@@ -1,0 +1,184 @@
+"""Runner steps: the glue between the layer-by-layer runner and the pure algorithms
+(rtn.py, gptq.py, awq.py). A step gets one decoder block and its calibration inputs,
+quantizes the block's linears in place (to their fake-quantized values) and records
+the chosen qparams by full module name. Each step says whether it needs calibration
+inputs (`step.needs_data`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from quantkit.calibration import awq, gptq, rtn
+from quantkit.calibration.runner import BlockInputs, Step
+from quantkit.errors import QuantkitError
+from quantkit.models.arch import ArchSpec, get_module
+from quantkit.scheme import QuantScheme
+
+
+@dataclass
+class QParams:
+    """The quantization parameters an algorithm chose for one linear."""
+
+    scale: torch.Tensor
+    zero_point: torch.Tensor | None = None
+    g_idx: torch.Tensor | None = None
+
+
+class _Stop(Exception):
+    pass
+
+
+def _targets(spec: ArchSpec, scheme: QuantScheme, prefix: str, group) -> list[str]:
+    return [name for name in group if not scheme.is_ignored(f"{prefix}.{name}")]
+
+
+def rtn_step(spec: ArchSpec, scheme: QuantScheme, scale_dtype, results: dict, log=None) -> Step:
+    """Round every targeted linear of a block to nearest (no calibration data)."""
+
+    def step(index: int, prefix: str, block: nn.Module, inputs: BlockInputs | None) -> None:
+        for name in _targets(spec, scheme, prefix, spec.linears):
+            linear = get_module(block, name)
+            w, scale, zero = rtn.quantize_weight(linear.weight.data, scheme.weights, scale_dtype)
+            linear.weight.data = w
+            results[f"{prefix}.{name}"] = QParams(scale, zero)
+
+    step.needs_data = False
+    return step
+
+
+@torch.no_grad()
+def group_hessian(block: nn.Module, linear: nn.Linear, inputs: BlockInputs, name: str) -> torch.Tensor:
+    """H = 2·XᵀX / n of the inputs of `linear` over all calibration batches, running the
+    block (as it is now) only as far as that linear."""
+    H, n = None, 0
+
+    def hook(module, args):
+        nonlocal H, n
+        H, n = gptq.accumulate_hessian(H, args[0], n)
+        raise _Stop
+
+    handle = linear.register_forward_pre_hook(hook)
+    try:
+        for h, kw in zip(inputs.hidden, inputs.kwargs):
+            try:
+                block(h, **kw)
+            except _Stop:
+                pass
+    finally:
+        handle.remove()
+    if H is None or n == 0:
+        raise QuantkitError(f"no calibration token reached {name}; calibrate on more text.")
+    if not torch.isfinite(H).all():
+        raise QuantkitError(f"the calibration activations of {name} contain NaN or inf; the float model "
+                            "overflows on this text (try float32 or other calibration text).")
+    return H
+
+
+def gptq_step(spec: ArchSpec, scheme: QuantScheme, scale_dtype, results: dict, log: Callable | None = None,
+              block_size: int = 128, damp: float = 0.01) -> Step:
+    """GPTQ, true-sequential inside the block: each group of linears that share an input
+    (q,k,v → o → gate,up → down) is quantized on inputs recomputed after the groups
+    before it were quantized."""
+
+    def step(index: int, prefix: str, block: nn.Module, inputs: BlockInputs | None) -> None:
+        for group in spec.sequential:
+            names = _targets(spec, scheme, prefix, group)
+            if not names:
+                continue
+            H = group_hessian(block, get_module(block, names[0]), inputs, f"{prefix}.{names[0]}")
+            for name in names:
+                linear = get_module(block, name)
+                r = gptq.quantize_weight(linear.weight.data, H, scheme.weights, block_size, damp,
+                                         scale_dtype=scale_dtype, log=log, name=f"{prefix}.{name}")
+                linear.weight.data = r.weight
+                results[f"{prefix}.{name}"] = QParams(r.scale, r.zero_point, r.g_idx)
+
+    step.needs_data = True
+    return step
+
+
+@torch.no_grad()
+def capture_inputs(block: nn.Module, linears: dict[str, nn.Linear], inputs: BlockInputs, max_tokens: int):
+    """Inputs [tokens, in] of each named linear over the calibration batches, run through
+    the block as it is now; evenly spaced tokens, at most about `max_tokens` of them."""
+    total = sum(h.shape[0] * h.shape[1] for h in inputs.hidden)
+    stride = max(1, total // max_tokens)
+    seen: dict[str, list[torch.Tensor]] = {name: [] for name in linears}
+    hooks = [
+        module.register_forward_pre_hook(
+            lambda m, args, name=name: seen[name].append(args[0].reshape(-1, args[0].shape[-1])[::stride].float()))
+        for name, module in linears.items()
+    ]
+    try:
+        inputs.run(block)
+    finally:
+        for h in hooks:
+            h.remove()
+    for name, chunks in seen.items():
+        if not chunks or sum(c.shape[0] for c in chunks) == 0:
+            raise QuantkitError(f"no calibration token reached {name}; calibrate on more text.")
+    return {name: torch.cat(chunks) for name, chunks in seen.items()}
+
+
+def awq_step(spec: ArchSpec, scheme: QuantScheme, scale_dtype, results: dict, log: Callable | None = None,
+             grid: int = 20, duo: bool = False, clip: bool = True, search_tokens: int = 16384,
+             loaded: dict | None = None, record: dict | None = None) -> Step:
+    """AWQ: per mapping (norm → q,k,v; v → o when shapes allow; norm → gate,up; up → down)
+    search activation-aware scales and fold them into the previous op, then search
+    per-group clipping for each linear (not q/k, whose errors the attention softmax
+    amplifies), then round to nearest. With `loaded` (a saved search) nothing is searched
+    and no calibration data is needed; `record` collects the search for saving."""
+    args = scheme.weights
+
+    def owner(name: str) -> str:  # linears of one sequential group read the same input
+        return next(g[0] for g in spec.sequential if name in g)
+
+    def step(index: int, prefix: str, block: nn.Module, inputs: BlockInputs | None) -> None:
+        names = _targets(spec, scheme, prefix, spec.linears)
+        feats = {}
+        if loaded is None:
+            feats = capture_inputs(block, {n: get_module(block, n) for n in {owner(n) for n in names}},
+                                   inputs, search_tokens)
+        for m in spec.awq:
+            linears = [get_module(block, n) for n in m.linears if n in names]
+            prev = get_module(block, m.prev)
+            if not linears or (isinstance(prev, nn.Linear) and prev.out_features != linears[0].in_features):
+                continue  # e.g. v → o under grouped-query attention
+            key = f"{prefix}.{m.prev}.awq_scales"
+            if loaded is not None:
+                if key not in loaded:
+                    raise QuantkitError(f"the saved AWQ search has no scales for {prefix}.{m.prev}; "
+                                        "it was made for another model or scheme.")
+                scales = loaded[key].float()
+            else:
+                x = feats[owner(m.linears[0])]
+                scales = awq.search_scales(x, [l.weight.data for l in linears], args, grid, duo,
+                                           scale_dtype=scale_dtype, name=f"{prefix}.{m.prev}").scales
+                feats[owner(m.linears[0])] = x / scales
+            awq.fold_scales(prev.weight.data, getattr(prev, "bias", None), [l.weight.data for l in linears], scales)
+            if record is not None:
+                record[key] = scales
+        for name in names:
+            linear, full = get_module(block, name), f"{prefix}.{name}"
+            w = linear.weight.data
+            if clip and name.rsplit(".", 1)[-1] not in ("q_proj", "k_proj"):
+                if loaded is not None:
+                    max_val = loaded.get(f"{full}.awq_clip")
+                else:
+                    max_val = awq.search_clip(w, feats[owner(name)], args, scale_dtype=scale_dtype, name=full)
+                if max_val is not None:
+                    w = awq.apply_clip(w, max_val, args)
+                    if record is not None:
+                        record[f"{full}.awq_clip"] = max_val
+            linear.weight.data, scale, zero = rtn.quantize_weight(w, args, scale_dtype)
+            results[full] = QParams(scale, zero)
+
+    step.needs_data = loaded is None
+    return step
+
+
+STEPS = {"rtn": rtn_step, "gptq": gptq_step, "awq": awq_step}

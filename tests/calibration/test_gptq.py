@@ -1,0 +1,181 @@
+import dataclasses
+
+import pytest
+import torch
+
+from quantkit.calibration.gptq import DAMP_RETRIES, accumulate_hessian, quantize_weight
+from quantkit.errors import QuantkitError
+from quantkit.primitives import compute_qparams, dequantize, fake_quantize, quantize
+from quantkit.scheme import QuantArgs
+
+GROUP32 = QuantArgs(num_bits=4, symmetric=True, strategy="group", group_size=32)
+CHANNEL = QuantArgs(num_bits=4, symmetric=True, strategy="channel", group_size=None)
+
+
+def _args(base: QuantArgs, symmetric: bool) -> QuantArgs:
+    return dataclasses.replace(base, symmetric=symmetric)
+
+
+def _layer(seed=0, tokens=512, d=128, out=256):
+    """Correlated inputs X [tokens, d] with four outlier columns, and a weight [out, d]."""
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(tokens, 32, generator=g) @ torch.randn(32, d, generator=g) / 4
+    X += 0.5 * torch.randn(tokens, d, generator=g)
+    X[:, :4] *= 8
+    return X, torch.randn(out, d, generator=g) * 0.02
+
+
+def _hessian(X, chunk=100):
+    H, n = None, 0
+    for x in X.split(chunk):
+        H, n = accumulate_hessian(H, x, n)
+    return H, n
+
+
+def _output_error(W, Q, X):
+    return ((W - Q) @ X.T).norm().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("base", [GROUP32, CHANNEL], ids=["group32", "channel"])
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+def test_identity_hessian_equals_rtn(symmetric, base, dtype):
+    args = _args(base, symmetric)
+    W = (torch.randn(64, 128, generator=torch.Generator().manual_seed(1)) * 0.05).to(dtype)
+    res = quantize_weight(W, torch.eye(128), args, damp=0.3)
+    scale, zero = compute_qparams(W, args)
+    assert res.weight.dtype == dtype
+    assert torch.equal(res.weight, fake_quantize(W, args))
+    assert torch.equal(res.scale, scale)
+    assert (res.zero_point is None) == symmetric
+    assert symmetric or torch.equal(res.zero_point, zero)
+    assert res.g_idx is None and res.damp_used == 0.3
+
+
+def test_accumulate_hessian_in_chunks_matches_one_shot():
+    X, _ = _layer()
+    H, n = _hessian(X.reshape(4, 128, 128), chunk=3)  # chunks of [3, 128, in] and a last [1, 128, in]
+    ref = 2 * X.T @ X / X.shape[0]
+    assert n == 512 and H.dtype == torch.float32
+    torch.testing.assert_close(H, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    H2, n2 = accumulate_hessian(H, X[:0], n)  # an empty chunk changes nothing
+    assert n2 == n and torch.equal(H2, H)
+
+
+@pytest.mark.parametrize("actorder", [None, "static", "group"])
+@pytest.mark.parametrize("base", [GROUP32, CHANNEL], ids=["group32", "channel"])
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+def test_gptq_beats_rtn_on_output_error(symmetric, base, actorder):
+    # measured 0.38-0.43 for every variant over seeds 0-7
+    args = _args(base, symmetric)
+    X, W = _layer()
+    H, _ = _hessian(X)
+    res = quantize_weight(W, H, args, actorder=actorder)
+    ratio = _output_error(W, res.weight, X) / _output_error(W, fake_quantize(W, args), X)
+    assert ratio < 0.6
+
+
+def _unblocked_gptq(W, H, args, actorder, damp=0.01):
+    """The paper's loop without lazy batches, in fp64, qparams from the current weights."""
+    W, H, n, gs = W.double(), H.double(), W.shape[1], args.group_size
+    perm = torch.argsort(H.diagonal(), descending=True, stable=True) if actorder else torch.arange(n)
+    W, H = W[:, perm], H[perm][:, perm]
+    H += damp * H.diagonal().mean() * torch.eye(n, dtype=H.dtype)
+    U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    gid = perm // gs if actorder == "static" else torch.arange(n) // gs
+    col_args, qp, Q = dataclasses.replace(args, strategy="channel", group_size=None), {}, torch.zeros_like(W)
+    for i in range(n):
+        g = int(gid[i])
+        if g not in qp:
+            qp[g] = compute_qparams(W[:, gid == g].float(), args)
+        q = dequantize(quantize(W[:, i : i + 1].float(), *qp[g], col_args), *qp[g], col_args)[:, 0]
+        Q[:, i] = q
+        W[:, i:] -= ((W[:, i] - q) / U[i, i])[:, None] * U[i, i:][None]
+    return Q[:, torch.argsort(perm)].float()
+
+
+@pytest.mark.parametrize("actorder", [None, "static", "group"])
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+def test_blocked_loop_matches_unblocked_reference(symmetric, actorder):
+    X, W = _layer(d=96, out=64)
+    H, _ = _hessian(X)
+    args = _args(GROUP32, symmetric)
+    ref = _unblocked_gptq(W, H, args, actorder)
+    for block_size in (128, 40):
+        res = quantize_weight(W, H, args, block_size=block_size, actorder=actorder)
+        close = (res.weight - ref).abs() < 1e-5  # a value on a rounding tie may land one step away
+        assert close.float().mean() > 0.999
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_group_actorder_g_idx_round_trips_through_the_checkpoint(dtype):
+    args = dataclasses.replace(_args(GROUP32, symmetric=False), actorder="group")
+    X, W = _layer()
+    H, _ = _hessian(X)
+    res = quantize_weight(W.to(dtype), H, args)  # actorder taken from args
+    g_idx = res.g_idx
+    assert g_idx.dtype == torch.int32 and g_idx.shape == (128,)
+    assert torch.equal(torch.bincount(g_idx), torch.full((4,), 32))
+    assert not bool((g_idx[:-1] <= g_idx[1:]).all())  # act order scatters the groups
+    assert res.scale.shape == res.zero_point.shape == (256, 4)
+    q = quantize(res.weight, res.scale, res.zero_point, args, g_idx=g_idx)
+    assert torch.equal(dequantize(q, res.scale, res.zero_point, args, g_idx=g_idx, dtype=dtype), res.weight)
+
+
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+def test_static_actorder_stays_on_contiguous_groups(symmetric):
+    args = _args(GROUP32, symmetric)
+    X, W = _layer()
+    H, _ = _hessian(X)
+    res = quantize_weight(W, H, args, actorder="static")
+    assert res.g_idx is None and res.scale.shape == (256, 4)
+    assert torch.equal(fake_quantize(res.weight, args, res.scale, res.zero_point), res.weight)
+    assert not torch.equal(res.weight, quantize_weight(W, H, args).weight)  # the order did matter
+
+
+@pytest.mark.parametrize("actorder", [None, "group"])
+def test_dead_input_column_is_zeroed(actorder):
+    X, W = _layer()
+    X[:, 5] = 0
+    H, _ = _hessian(X)
+    res = quantize_weight(W, H, _args(GROUP32, symmetric=False), actorder=actorder)
+    assert torch.isfinite(res.weight).all() and torch.isfinite(res.scale).all()
+    assert torch.equal(res.weight[:, 5], torch.zeros(256))
+    assert res.weight[:, :5].abs().sum() > 0
+
+
+def test_singular_hessian_retries_with_more_damping_and_says_so():
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(2))
+    H = 2 * x.T @ x  # rank 1: no Cholesky in fp32 with damp 1e-8 (measured: 2 retries)
+    messages = []
+    res = quantize_weight(torch.randn(16, 64), H, GROUP32, damp=1e-8, log=messages.append, name="q_proj")
+    assert messages and all("q_proj" in m and "damp" in m for m in messages)
+    assert res.damp_used == pytest.approx(1e-8 * 10 ** len(messages))
+    assert torch.isfinite(res.weight).all()
+
+
+def test_indefinite_hessian_raises_after_the_retries():
+    messages = []
+    with pytest.raises(QuantkitError, match="could not factor the Hessian of down_proj"):
+        quantize_weight(torch.randn(16, 64), -torch.eye(64), GROUP32, log=messages.append, name="down_proj")
+    assert len(messages) == DAMP_RETRIES
+
+
+def test_block_size_that_does_not_divide_the_width():
+    X, W = _layer(d=96)
+    H, _ = _hessian(X)
+    res = quantize_weight(W, H, GROUP32, block_size=64)
+    assert res.weight.shape == (256, 96) and res.scale.shape == (256, 3)
+    assert _output_error(W, res.weight, X) < 0.6 * _output_error(W, fake_quantize(W, GROUP32), X)
+
+
+def test_bad_inputs_get_clear_errors():
+    W, H = torch.randn(8, 96), torch.eye(96)
+    with pytest.raises(QuantkitError, match="group size 64 does not divide the input width 96 of o_proj"):
+        quantize_weight(W, H, dataclasses.replace(GROUP32, group_size=64), name="o_proj")
+    with pytest.raises(QuantkitError, match="must be \\(96, 96\\)"):
+        quantize_weight(W, torch.eye(64), GROUP32)
+    with pytest.raises(QuantkitError, match="NaN or inf"):
+        quantize_weight(W, torch.full((96, 96), float("nan")), GROUP32)
+    with pytest.raises(QuantkitError, match="actorder"):
+        quantize_weight(W, H, GROUP32, actorder="dynamic")
