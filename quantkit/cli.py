@@ -73,30 +73,83 @@ def _table(title: str, rows: list[tuple[str, object]]) -> Table:
     return table
 
 
-@command
-def rtn(
-    model: str = typer.Option("smollm2-135m", "--model", "-m", help="Built-in name, local folder or hub id."),
-    output: Path = typer.Option(..., "--output", "-o", help="Folder to write the checkpoint to."),
-    scheme: str = typer.Option("w4a16", help="w4a16 (int4 symmetric) or w4a16-asym."),
-    group_size: Optional[int] = typer.Option(None, help="Weights per scale (default 128); must divide every layer's input width."),
-    overwrite: bool = typer.Option(False, help="Replace an existing output folder."),
-    device: str = typer.Option("cpu", help="Where each block is quantized (cpu, cuda)."),
-):
-    """Round-to-nearest INT4 weights (no calibration): the baseline for AWQ and GPTQ."""
+MODEL = typer.Option("smollm2-135m", "--model", "-m", help="Built-in name, local folder or hub id.")
+OUTPUT = typer.Option(..., "--output", "-o", help="Folder to write the checkpoint to.")
+SCHEME = typer.Option("w4a16", help="w4a16 (int4 symmetric) or w4a16-asym.")
+GROUP = typer.Option(None, help="Weights per scale (default 128); must divide every layer's input width.")
+OVERWRITE = typer.Option(False, help="Replace an existing output folder.")
+DEVICE = typer.Option("cpu", help="Where each block is quantized (cpu, cuda).")
+CALIB = typer.Option("news", help="Calibration text: news, wiki, c4, wikitext2, pileval or a .txt/.jsonl/.parquet file.")
+SAMPLES = typer.Option(128, help="Calibration rows.")
+SEQ_LEN = typer.Option(512, help="Tokens per calibration row.")
+SEED = typer.Option(0, help="Seed of the calibration document order.")
+
+
+def _quantize(algorithm, model, output, scheme, group_size, overwrite, device, calibration=None, options=None,
+              actorder=None):
+    import dataclasses
+
     from quantkit.quantize import quantize
     from quantkit.scheme import preset
 
     qscheme = preset(scheme).with_group_size(group_size)
+    if actorder and qscheme.weights is not None:
+        qscheme = qscheme.replace(weights=dataclasses.replace(qscheme.weights, actorder=actorder))
     with _progress() as track:
-        prov = quantize(model, qscheme, output, "rtn", overwrite=overwrite, device=device, track=track)
-    w = prov["weights"]
-    out.print(_table(f"rtn → {output}", [
-        ("scheme", f"{prov['scheme']} (int{w['num_bits']}, group {w['group_size']}, "
-                   f"{'sym' if w['symmetric'] else 'asym'})"),
-        ("quantized linears", prov["quantized_linears"]),
-        ("wall time", f"{prov['wall_time_s']:.1f} s"),
-        ("peak memory (RSS)", f"{prov['peak_rss_mib']:.0f} MiB"),
-    ]))
+        prov = quantize(model, qscheme, output, algorithm, calibration, options, overwrite=overwrite, device=device,
+                        track=track, log=lambda message: console.print(f"[yellow]warning:[/] {message}"))
+    w, c = prov["weights"], prov["calibration"]
+    rows = [("scheme", f"{prov['scheme']} (int{w['num_bits']}, group {w['group_size']}, "
+                       f"{'sym' if w['symmetric'] else 'asym'}" + (f", act-order {w['actorder']}" if w['actorder'] else "") + ")"),
+            ("quantized linears", prov["quantized_linears"])]
+    if c:
+        rows.append(("calibration", f"{c['dataset']}: {c['samples']} × {c['seq_len']} tokens, seed {c['seed']}"))
+    rows += [("wall time", f"{prov['wall_time_s']:.1f} s"), ("peak memory (RSS)", f"{prov['peak_rss_mib']:.0f} MiB")]
+    out.print(_table(f"{algorithm} → {output}", rows))
+
+
+@command
+def rtn(model: str = MODEL, output: Path = OUTPUT, scheme: str = SCHEME, group_size: Optional[int] = GROUP,
+        overwrite: bool = OVERWRITE, device: str = DEVICE):
+    """Round-to-nearest INT4 weights (no calibration): the baseline for AWQ and GPTQ."""
+    _quantize("rtn", model, output, scheme, group_size, overwrite, device)
+
+
+@command
+def awq(
+    model: str = MODEL, output: Path = OUTPUT, scheme: str = SCHEME, group_size: Optional[int] = GROUP,
+    calib: str = CALIB, samples: int = SAMPLES, seq_len: int = SEQ_LEN, seed: int = SEED,
+    grid: int = typer.Option(20, help="Points of the scale-exponent grid in [0, 1)."),
+    duo: bool = typer.Option(False, help="Blend weight magnitudes into the scales (duo scaling)."),
+    clip: bool = typer.Option(True, help="Search per-group clipping ranges (not for q/k)."),
+    save_search: Optional[Path] = typer.Option(None, help="Write the found scales and clips (safetensors)."),
+    load_search: Optional[Path] = typer.Option(None, help="Apply a saved search instead of calibrating."),
+    overwrite: bool = OVERWRITE, device: str = DEVICE,
+):
+    """AWQ INT4 (Lin et al.): activation-aware scales folded into the previous op, clipping, RTN."""
+    from quantkit.quantize import Calibration
+
+    _quantize("awq", model, output, scheme, group_size, overwrite, device, Calibration(calib, samples, seq_len, seed),
+              {"grid": grid, "duo": duo, "clip": clip, "save_search": save_search, "load_search": load_search})
+
+
+@command
+def gptq(
+    model: str = MODEL, output: Path = OUTPUT, scheme: str = SCHEME, group_size: Optional[int] = GROUP,
+    calib: str = CALIB, samples: int = SAMPLES, seq_len: int = SEQ_LEN, seed: int = SEED,
+    act_order: str = typer.Option("static", help="static (columns by descending Hessian diagonal, groups kept), "
+                                  "group (desc_act with g_idx) or none."),
+    damp: float = typer.Option(0.01, help="Hessian dampening, as a fraction of its mean diagonal."),
+    block_size: int = typer.Option(128, help="Columns per lazy-update block."),
+    overwrite: bool = OVERWRITE, device: str = DEVICE,
+):
+    """GPTQ INT4 (Frantar et al.): Hessian-based error feedback, true-sequential, act-order."""
+    from quantkit.quantize import Calibration
+
+    if act_order not in ("static", "group", "none"):
+        raise QuantkitError(f"--act-order {act_order!r} is unknown; use static, group or none.")
+    _quantize("gptq", model, output, scheme, group_size, overwrite, device, Calibration(calib, samples, seq_len, seed),
+              {"damp": damp, "block_size": block_size}, None if act_order == "none" else act_order)
 
 
 @command
@@ -121,6 +174,22 @@ def eval(
         ("windows × seq_len", f"{result['windows']} × {result['seq_len']} = {result['tokens']} tokens"),
         ("time", f"{result['eval_time_s']:.1f} s"),
     ]))
+
+
+@command
+def export(
+    checkpoint: Path = typer.Argument(..., help="A quantkit (compressed-tensors pack-quantized) checkpoint."),
+    format: str = typer.Option(..., "--format", help="gptq (the GPTQ v1 layout)."),
+    output: Path = OUTPUT,
+    overwrite: bool = OVERWRITE,
+):
+    """Write a checkpoint in another tool's layout."""
+    from quantkit.formats.gptq import export_gptq
+
+    if format != "gptq":
+        raise QuantkitError(f"export format {format!r} is unknown; use gptq.")
+    export_gptq(checkpoint, output, overwrite)
+    out.print(f"wrote {output} ({format})")
 
 
 def _mib(n: int) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -14,8 +15,9 @@ import torch
 from torch import nn
 
 from quantkit import __version__
-from quantkit.calibration import rtn
-from quantkit.calibration.runner import BlockInputs, run_blocks
+from quantkit.calibration.datasets import calibration_samples, load_documents
+from quantkit.calibration.runner import run_blocks
+from quantkit.calibration.steps import STEPS, QParams
 from quantkit.errors import QuantkitError
 from quantkit.formats import pack_quantized
 from quantkit.formats.checkpoint import check_output, save_checkpoint
@@ -37,15 +39,6 @@ class Calibration:
     batch_size: int = 8
 
 
-@dataclass
-class QParams:
-    """The quantization parameters an algorithm chose for one linear."""
-
-    scale: torch.Tensor
-    zero_point: torch.Tensor | None = None
-    g_idx: torch.Tensor | None = None
-
-
 def quantized_linears(model: nn.Module, spec: ArchSpec, scheme: QuantScheme) -> dict[str, nn.Linear]:
     """Full name -> module of every block linear the scheme quantizes, group sizes checked."""
     found = {}
@@ -59,22 +52,6 @@ def quantized_linears(model: nn.Module, spec: ArchSpec, scheme: QuantScheme) -> 
                 check_group_size(full, linear.in_features, scheme.weights.group_size)
             found[full] = linear
     return found
-
-
-def rtn_step(spec: ArchSpec, scheme: QuantScheme, scale_dtype: torch.dtype, results: dict[str, QParams]):
-    """A runner step that rounds every targeted linear of a block to nearest."""
-
-    def step(index: int, prefix: str, block: nn.Module, inputs: BlockInputs | None) -> None:
-        for name in spec.linears:
-            full = f"{prefix}.{name}"
-            if scheme.is_ignored(full):
-                continue
-            linear = get_module(block, name)
-            w, scale, zero = rtn.quantize_weight(linear.weight.data, scheme.weights, scale_dtype)
-            linear.weight.data = w
-            results[full] = QParams(scale, zero)
-
-    return step
 
 
 def pack_model(model: nn.Module, scheme: QuantScheme, results: dict[str, QParams], dtype: torch.dtype) -> dict:
@@ -104,31 +81,66 @@ def checkpoint_config(model: nn.Module, scheme: QuantScheme, results: dict[str, 
     return config
 
 
+def _read_search(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path)
+    except Exception as e:
+        raise QuantkitError(f"cannot read the saved search {path} ({e}); pass a file written by --save-search.") from None
+
+
+def _write_search(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"format": "quantkit-awq-search"})
+    tmp.replace(path)
+
+
 def quantize(
     model_name: str,
     scheme: QuantScheme,
     out: Path,
     algorithm: str = "rtn",
     calibration: Calibration | None = None,
+    options: dict | None = None,
     overwrite: bool = False,
     device: str = "cpu",
     track: Track = no_progress,
+    log: Callable[[str], None] | None = None,
 ) -> dict:
-    """Quantize `model_name` with `algorithm` and write the checkpoint to `out`; returns its provenance."""
-    if algorithm != "rtn":
-        raise QuantkitError(f"algorithm {algorithm!r} is unknown; use rtn.")
+    """Quantize `model_name` with `algorithm` (rtn, gptq, ...) and write the checkpoint to
+    `out`; `options` go to the algorithm's step. Returns the provenance it recorded."""
+    if algorithm not in STEPS:
+        raise QuantkitError(f"algorithm {algorithm!r} is unknown; use one of {', '.join(STEPS)}.")
+    calibration = calibration or Calibration()
     if scheme.weights is None or scheme.format != "pack-quantized":
         raise QuantkitError(f"scheme {scheme.name!r} is not an int weight-only scheme; use w4a16 or w4a16-asym.")
     out = Path(out)
     check_output(out, overwrite)
     start = time.perf_counter()
-    model, _, source = load_float_model(model_name)
+    model, tokenizer, source = load_float_model(model_name)
     spec = arch_for(model.config)
     dtype = model.dtype
     quantized_linears(model, spec, scheme)  # validates group sizes before any work
-    model.float()
     results: dict[str, QParams] = {}
-    run_blocks(model, spec, rtn_step(spec, scheme, dtype, results), None, device=device, track=track)
+    options = dict(options or {})
+    save_search, load_search = options.pop("save_search", None), options.pop("load_search", None)
+    if load_search:
+        options["loaded"] = _read_search(Path(load_search))
+    if save_search:
+        options["record"] = {}
+    step = STEPS[algorithm](spec, scheme, dtype, results, log, **options)
+    samples = None
+    if getattr(step, "needs_data", True):
+        c = calibration
+        samples = calibration_samples(tokenizer, load_documents(c.dataset, "calib"), c.samples, c.seq_len, c.seed)
+    model.float()
+    run_blocks(model, spec, step, samples, batch_size=calibration.batch_size, device=device, track=track)
+    if save_search:
+        _write_search(Path(save_search), options["record"])
     tensors = pack_model(model, scheme, results, dtype)
     provenance = {
         "quantkit_version": __version__,
@@ -137,7 +149,10 @@ def quantize(
         "algorithm": algorithm,
         "scheme": scheme.name,
         "weights": dataclasses.asdict(scheme.weights),
-        "calibration": dataclasses.asdict(calibration) if calibration else None,
+        "calibration": dataclasses.asdict(calibration) if samples is not None else None,
+        "options": {k: v for k, v in options.items() if k not in ("loaded", "record")},
+        "search": {"saved_to": str(save_search) if save_search else None,
+                   "loaded_from": str(load_search) if load_search else None},
         "quantized_linears": len(results),
         "wall_time_s": round(time.perf_counter() - start, 2),
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),

@@ -45,3 +45,27 @@ def test_user_errors_exit_2_with_one_sentence(tiny_llama, tmp_path):
         assert message in " ".join(r.output.split()), (argv, r.output)
         assert "Traceback" not in r.output
     assert list(tmp_path.iterdir()) == []
+
+
+def test_awq_gptq_export_commands(tiny_llama, tiny_corpus, tmp_path):
+    common = ["--model", str(tiny_llama), "--group-size", "32", "--calib", str(tiny_corpus), "--samples", "4",
+              "--seq-len", "32"]
+    r = runner.invoke(app, ["awq", *common, "--scheme", "w4a16-asym", "-o", str(tmp_path / "awq"),
+                            "--save-search", str(tmp_path / "search.safetensors")])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "search.safetensors").is_file() and "calibration" in r.stdout
+    r = runner.invoke(app, ["gptq", *common, "--act-order", "group", "-o", str(tmp_path / "gptq")])
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "gptq" / "config.json").read_text())["quantization_config"]["config_groups"][
+        "group_0"]["weights"]["actorder"] == "group"
+    r = runner.invoke(app, ["export", str(tmp_path / "gptq"), "--format", "gptq", "-o", str(tmp_path / "exp")])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "exp" / "model.safetensors").is_file()
+    for argv, message in [
+        (["gptq", *common, "--act-order", "sideways", "-o", str(tmp_path / "x")], "--act-order 'sideways' is unknown"),
+        (["export", str(tmp_path / "gptq"), "--format", "exl2", "-o", str(tmp_path / "x")], "export format 'exl2'"),
+        (["awq", *common, "--samples", "5000", "-o", str(tmp_path / "x")], "use fewer --samples"),
+    ]:
+        r = runner.invoke(app, argv)
+        assert r.exit_code == 2 and message in " ".join(r.output.split()), (argv, r.output)
+    assert not (tmp_path / "x").exists()

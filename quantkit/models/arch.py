@@ -22,7 +22,8 @@ class ArchSpec:
     embed: str
     final_norm: str
     lm_head: str
-    # linears of one block in the order their inputs become available (true-sequential groups)
+    # linears of one block in the order their inputs become available (true-sequential
+    # groups); the linears of one group read the same input
     sequential: tuple[tuple[str, ...], ...]
     awq: tuple[Mapping, ...]
     attention: str  # the attention module inside a block (for KV-cache hooks)
