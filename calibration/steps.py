@@ -15,6 +15,7 @@ from torch import nn
 from quantkit.calibration import awq, gptq, rtn
 from quantkit.calibration.runner import BlockInputs, Step
 from quantkit.errors import QuantkitError
+from quantkit.primitives import FP8_MAX, compute_qparams, fake_quantize
 from quantkit.models.arch import ArchSpec, get_module
 from quantkit.scheme import QuantScheme
 
@@ -26,6 +27,7 @@ class QParams:
     scale: torch.Tensor
     zero_point: torch.Tensor | None = None
     g_idx: torch.Tensor | None = None
+    input_scale: torch.Tensor | None = None  # static fp8 activations
 
 
 class _Stop(Exception):
@@ -181,4 +183,51 @@ def awq_step(spec: ArchSpec, scheme: QuantScheme, scale_dtype, results: dict, lo
     return step
 
 
-STEPS = {"rtn": rtn_step, "gptq": gptq_step, "awq": awq_step}
+@torch.no_grad()
+def input_amax(block: nn.Module, linears: dict[str, nn.Linear], inputs: BlockInputs) -> dict[str, torch.Tensor]:
+    """max |x| over all calibration tokens of each named linear's input."""
+    amax = {name: None for name in linears}
+
+    def observe(name, x):
+        m = x.detach().abs().amax().float()
+        amax[name] = m if amax[name] is None else torch.maximum(amax[name], m)
+
+    hooks = [m.register_forward_pre_hook(lambda mod, args, name=name: observe(name, args[0]))
+             for name, m in linears.items()]
+    try:
+        inputs.run(block)
+    finally:
+        for h in hooks:
+            h.remove()
+    for name, value in amax.items():
+        if value is None:
+            raise QuantkitError(f"no calibration token reached {name}; calibrate on more text.")
+        if not torch.isfinite(value):
+            raise QuantkitError(f"the calibration activations of {name} contain NaN or inf; try other calibration text.")
+    return amax
+
+
+def fp8_step(spec: ArchSpec, scheme: QuantScheme, scale_dtype, results: dict, log: Callable | None = None) -> Step:
+    """FP8 e4m3 weights (amax / 448 per channel or tensor) and, for static activations,
+    a per-tensor input scale from the max |x| each linear sees on the calibration set
+    (observed after the block's weights are quantized)."""
+    acts = scheme.input_activations
+    static = acts is not None and not acts.dynamic
+
+    def step(index: int, prefix: str, block: nn.Module, inputs: BlockInputs | None) -> None:
+        names = _targets(spec, scheme, prefix, spec.linears)
+        for name in names:
+            linear = get_module(block, name)
+            scale, _ = compute_qparams(linear.weight.data, scheme.weights, torch.float32)
+            linear.weight.data = fake_quantize(linear.weight.data, scheme.weights, scale)
+            results[f"{prefix}.{name}"] = QParams(scale)
+        if static:
+            amax = input_amax(block, {f"{prefix}.{n}": get_module(block, n) for n in names}, inputs)
+            for full, value in amax.items():
+                results[full].input_scale = (value.clamp_min(1e-12) / FP8_MAX).reshape(1)
+
+    step.needs_data = static
+    return step
+
+
+STEPS = {"rtn": rtn_step, "gptq": gptq_step, "awq": awq_step, "fp8": fp8_step}

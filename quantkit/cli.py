@@ -99,9 +99,13 @@ def _quantize(algorithm, model, output, scheme, group_size, overwrite, device, c
         prov = quantize(model, qscheme, output, algorithm, calibration, options, overwrite=overwrite, device=device,
                         track=track, log=lambda message: console.print(f"[yellow]warning:[/] {message}"))
     w, c = prov["weights"], prov["calibration"]
-    rows = [("scheme", f"{prov['scheme']} (int{w['num_bits']}, group {w['group_size']}, "
-                       f"{'sym' if w['symmetric'] else 'asym'}" + (f", act-order {w['actorder']}" if w['actorder'] else "") + ")"),
-            ("quantized linears", prov["quantized_linears"])]
+    if w["type"] == "float":
+        a = prov["input_activations"]
+        kind = f"fp8 {w['strategy']} weights, {'dynamic ' if a['dynamic'] else 'static '}{a['strategy']} activations"
+    else:
+        kind = (f"int{w['num_bits']}, group {w['group_size']}, {'sym' if w['symmetric'] else 'asym'}"
+                + (f", act-order {w['actorder']}" if w["actorder"] else ""))
+    rows = [("scheme", f"{prov['scheme']} ({kind})"), ("quantized linears", prov["quantized_linears"])]
     if c:
         rows.append(("calibration", f"{c['dataset']}: {c['samples']} × {c['seq_len']} tokens, seed {c['seed']}"))
     rows += [("wall time", f"{prov['wall_time_s']:.1f} s"), ("peak memory (RSS)", f"{prov['peak_rss_mib']:.0f} MiB")]
@@ -131,6 +135,20 @@ def awq(
 
     _quantize("awq", model, output, scheme, group_size, overwrite, device, Calibration(calib, samples, seq_len, seed),
               {"grid": grid, "duo": duo, "clip": clip, "save_search": save_search, "load_search": load_search})
+
+
+@command
+def fp8(
+    model: str = MODEL, output: Path = OUTPUT,
+    scheme: str = typer.Option("fp8-dynamic", help="fp8-dynamic (per-channel weights, per-token activations at run "
+                               "time) or fp8 (per-tensor weights and calibrated static activation scales)."),
+    calib: str = CALIB, samples: int = SAMPLES, seq_len: int = SEQ_LEN, seed: int = SEED,
+    overwrite: bool = OVERWRITE, device: str = DEVICE,
+):
+    """FP8 e4m3 weights and activations (static scales are calibrated on --calib)."""
+    from quantkit.quantize import Calibration
+
+    _quantize("fp8", model, output, scheme, None, overwrite, device, Calibration(calib, samples, seq_len, seed))
 
 
 @command

@@ -19,7 +19,7 @@ from quantkit.calibration.datasets import calibration_samples, load_documents
 from quantkit.calibration.runner import run_blocks
 from quantkit.calibration.steps import STEPS, QParams
 from quantkit.errors import QuantkitError
-from quantkit.formats import pack_quantized
+from quantkit.formats import float_quantized, pack_quantized
 from quantkit.formats.checkpoint import check_output, save_checkpoint
 from quantkit.models.arch import ArchSpec, arch_for, get_module
 from quantkit.models.loading import load_float_model
@@ -64,7 +64,10 @@ def pack_model(model: nn.Module, scheme: QuantScheme, results: dict[str, QParams
         module = key.rsplit(".", 1)[0]
         if module in results and key.endswith(".weight"):
             p = results[module]
-            packed = pack_quantized.compress(t, p.scale, p.zero_point, scheme.weights, p.g_idx)
+            if scheme.format == "float-quantized":
+                packed = float_quantized.compress(t, p.scale, scheme.weights, p.input_scale)
+            else:
+                packed = pack_quantized.compress(t, p.scale, p.zero_point, scheme.weights, p.g_idx)
             tensors.update({f"{module}.{k}": v for k, v in packed.items()})
         else:
             tensors[key] = t.to(dtype) if t.is_floating_point() else t
@@ -116,8 +119,10 @@ def quantize(
     if algorithm not in STEPS:
         raise QuantkitError(f"algorithm {algorithm!r} is unknown; use one of {', '.join(STEPS)}.")
     calibration = calibration or Calibration()
-    if scheme.weights is None or scheme.format != "pack-quantized":
-        raise QuantkitError(f"scheme {scheme.name!r} is not an int weight-only scheme; use w4a16 or w4a16-asym.")
+    wanted = "float-quantized" if algorithm == "fp8" else "pack-quantized"
+    if scheme.weights is None or scheme.format != wanted:
+        hint = "fp8-dynamic or fp8" if algorithm == "fp8" else "w4a16 or w4a16-asym"
+        raise QuantkitError(f"scheme {scheme.name!r} does not fit {algorithm}; use {hint}.")
     out = Path(out)
     check_output(out, overwrite)
     start = time.perf_counter()
@@ -149,6 +154,7 @@ def quantize(
         "algorithm": algorithm,
         "scheme": scheme.name,
         "weights": dataclasses.asdict(scheme.weights),
+        "input_activations": dataclasses.asdict(scheme.input_activations) if scheme.input_activations else None,
         "calibration": dataclasses.asdict(calibration) if samples is not None else None,
         "options": {k: v for k, v in options.items() if k not in ("loaded", "record")},
         "search": {"saved_to": str(save_search) if save_search else None,

@@ -18,10 +18,11 @@ from torch import nn
 from quantkit.errors import QuantkitError
 from quantkit.formats.checkpoint import read_tensors
 from quantkit.models.loading import check_causal_lm, load_float_model, resolve_model
-from quantkit.runtime.qlinear import PackedInt4Linear
+from quantkit.runtime.qlinear import Fp8Linear, PackedInt4Linear
 from quantkit.scheme import from_quantization_config
 
-SUPPORTED = ("compressed-tensors pack-quantized (int4)",)
+SUPPORTED = ("compressed-tensors pack-quantized (int4)", "compressed-tensors float-quantized (fp8)")
+FORMATS = ("pack-quantized", "float-quantized")
 
 
 @contextlib.contextmanager
@@ -47,13 +48,25 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
+def _quantized_linear(linear: nn.Linear, scheme, dtype: torch.dtype, path: Path) -> nn.Module:
+    w, acts = scheme.weights, scheme.input_activations
+    shape = (linear.in_features, linear.out_features, linear.bias is not None)
+    if w.type == "float":
+        return Fp8Linear(*shape, w, acts is not None and not acts.dynamic, dtype)
+    if w.num_bits == 4 and acts is None:
+        return PackedInt4Linear(*shape, w, dtype)
+    raise QuantkitError(f"{path} quantizes weights to int{w.num_bits}"
+                        f"{' with quantized activations' if acts else ''}; quantkit loads {', '.join(SUPPORTED)}.")
+
+
 def is_quantized(path: Path) -> bool:
     return getattr(check_causal_lm(path), "quantization_config", None) is not None
 
 
 def load(path: str | os.PathLike, dtype: torch.dtype | None = None) -> nn.Module:
     """A model in eval mode on the CPU: float models through transformers, compressed-
-    tensors `pack-quantized` checkpoints with `PackedInt4Linear` modules."""
+    tensors `pack-quantized` checkpoints with `PackedInt4Linear` modules and
+    `float-quantized` ones with `Fp8Linear` modules."""
     from transformers import AutoModelForCausalLM
 
     path = resolve_model(path)
@@ -62,7 +75,7 @@ def load(path: str | os.PathLike, dtype: torch.dtype | None = None) -> nn.Module
     if qc is None:
         return load_float_model(path, dtype)[0]
     qc = qc if isinstance(qc, dict) else qc.to_dict()
-    if qc.get("quant_method") != "compressed-tensors" or qc.get("format") != "pack-quantized":
+    if qc.get("quant_method") != "compressed-tensors" or qc.get("format") not in FORMATS:
         raise QuantkitError(f"{path} is a {qc.get('quant_method')!r} checkpoint in format {qc.get('format')!r}; "
                             f"quantkit loads {', '.join(SUPPORTED)}.")
     ckpt = from_quantization_config(qc)
@@ -74,9 +87,7 @@ def load(path: str | os.PathLike, dtype: torch.dtype | None = None) -> nn.Module
     for name, module in list(model.named_modules()):
         scheme = ckpt.scheme_for(name) if isinstance(module, nn.Linear) else None
         if scheme is not None:
-            packed = PackedInt4Linear(module.in_features, module.out_features, module.bias is not None,
-                                      scheme.weights, dtype)
-            _replace(model, name, packed)
+            _replace(model, name, _quantized_linear(module, scheme, dtype, path))
     tensors = read_tensors(path)
     expected = set(model.state_dict())
     missing = expected - set(tensors)
@@ -86,7 +97,8 @@ def load(path: str | os.PathLike, dtype: torch.dtype | None = None) -> nn.Module
     if missing or unexpected:
         what = f"lacks {sorted(missing)[:3]}" if missing else f"has unexpected {sorted(unexpected)[:3]}"
         raise QuantkitError(f"checkpoint {path} {what}; it is truncated or was made for another model.")
-    tensors = {k: v.to(dtype) if v.is_floating_point() and not k.endswith("_scale") else v for k, v in tensors.items()}
+    floats = (torch.float32, torch.float16, torch.bfloat16)
+    tensors = {k: v.to(dtype) if v.dtype in floats and not k.endswith("_scale") else v for k, v in tensors.items()}
     model.load_state_dict(tensors, strict=False, assign=True)
     if getattr(config, "tie_word_embeddings", False):
         model.lm_head.weight = model.get_input_embeddings().weight

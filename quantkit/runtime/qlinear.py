@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from quantkit import ops
-from quantkit.formats import pack_quantized
+from quantkit.formats import float_quantized, pack_quantized
 from quantkit.scheme import QuantArgs
 
 
@@ -40,3 +40,25 @@ class PackedInt4Linear(nn.Module):
     def extra_repr(self) -> str:
         a = self.args
         return f"in={self.in_features}, out={self.out_features}, int4 {a.strategy} {a.group_size or ''} sym={a.symmetric}"
+
+
+class Fp8Linear(nn.Module):
+    """A linear with compressed-tensors `float-quantized` fp8 weights; activations are
+    quantized to fp8 per token at run time (dynamic) or with the stored `input_scale`."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, args: QuantArgs, static_input: bool,
+                 dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features, self.args = in_features, out_features, args
+        for name, (shape, dt) in float_quantized.param_info(out_features, in_features, args, static_input).items():
+            self.register_buffer(name, torch.empty(shape, dtype=dt, device="meta"))
+        self.input_scale = getattr(self, "input_scale", None)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device="meta")) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = ops.fp8_gemm(x, self.weight, self.weight_scale, self.input_scale)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        kind = "static" if self.input_scale is not None else "dynamic per-token"
+        return f"in={self.in_features}, out={self.out_features}, fp8 {self.args.strategy} weights, {kind} activations"
