@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from quantkit.calibration import awq, gptq, rtn
+from quantkit.calibration import awq, gptq, rtn, smooth
 from quantkit.calibration.runner import BlockInputs, Step
 from quantkit.errors import QuantkitError
 from quantkit.primitives import FP8_MAX, compute_qparams, fake_quantize
@@ -126,6 +126,11 @@ def capture_inputs(block: nn.Module, linears: dict[str, nn.Linear], inputs: Bloc
     return {name: torch.cat(chunks) for name, chunks in seen.items()}
 
 
+def _owner(spec: ArchSpec, name: str) -> str:
+    """The first linear of the sequential group `name` is in (the group reads one input)."""
+    return next(g[0] for g in spec.sequential if name in g)
+
+
 def awq_step(spec: ArchSpec, scheme: QuantScheme, scale_dtype, results: dict, log: Callable | None = None,
              grid: int = 20, duo: bool = False, clip: bool = True, search_tokens: int = 16384,
              loaded: dict | None = None, record: dict | None = None) -> Step:
@@ -136,14 +141,11 @@ def awq_step(spec: ArchSpec, scheme: QuantScheme, scale_dtype, results: dict, lo
     and no calibration data is needed; `record` collects the search for saving."""
     args = scheme.weights
 
-    def owner(name: str) -> str:  # linears of one sequential group read the same input
-        return next(g[0] for g in spec.sequential if name in g)
-
     def step(index: int, prefix: str, block: nn.Module, inputs: BlockInputs | None) -> None:
         names = _targets(spec, scheme, prefix, spec.linears)
         feats = {}
         if loaded is None:
-            feats = capture_inputs(block, {n: get_module(block, n) for n in {owner(n) for n in names}},
+            feats = capture_inputs(block, {n: get_module(block, n) for n in {_owner(spec, n) for n in names}},
                                    inputs, search_tokens)
         for m in spec.awq:
             linears = [get_module(block, n) for n in m.linears if n in names]
@@ -157,10 +159,10 @@ def awq_step(spec: ArchSpec, scheme: QuantScheme, scale_dtype, results: dict, lo
                                         "it was made for another model or scheme.")
                 scales = loaded[key].float()
             else:
-                x = feats[owner(m.linears[0])]
+                x = feats[_owner(spec, m.linears[0])]
                 scales = awq.search_scales(x, [l.weight.data for l in linears], args, grid, duo,
                                            scale_dtype=scale_dtype, name=f"{prefix}.{m.prev}").scales
-                feats[owner(m.linears[0])] = x / scales
+                feats[_owner(spec, m.linears[0])] = x / scales
             awq.fold_scales(prev.weight.data, getattr(prev, "bias", None), [l.weight.data for l in linears], scales)
             if record is not None:
                 record[key] = scales
@@ -171,7 +173,7 @@ def awq_step(spec: ArchSpec, scheme: QuantScheme, scale_dtype, results: dict, lo
                 if loaded is not None:
                     max_val = loaded.get(f"{full}.awq_clip")
                 else:
-                    max_val = awq.search_clip(w, feats[owner(name)], args, scale_dtype=scale_dtype, name=full)
+                    max_val = awq.search_clip(w, feats[_owner(spec, name)], args, scale_dtype=scale_dtype, name=full)
                 if max_val is not None:
                     w = awq.apply_clip(w, max_val, args)
                     if record is not None:
@@ -207,15 +209,34 @@ def input_amax(block: nn.Module, linears: dict[str, nn.Linear], inputs: BlockInp
     return amax
 
 
-def fp8_step(spec: ArchSpec, scheme: QuantScheme, scale_dtype, results: dict, log: Callable | None = None) -> Step:
+def fp8_step(spec: ArchSpec, scheme: QuantScheme, scale_dtype, results: dict, log: Callable | None = None,
+             smooth_grid: int = 0, search_tokens: int = 2048) -> Step:
     """FP8 e4m3 weights (amax / 448 per channel or tensor) and, for static activations,
     a per-tensor input scale from the max |x| each linear sees on the calibration set
-    (observed after the block's weights are quantized)."""
+    (observed after the block's weights are quantized). With `smooth_grid` > 0, first
+    migrate activation outliers into the weights (SmoothQuant, α searched on that grid)
+    for every mapping of the architecture table whose shapes allow it."""
     acts = scheme.input_activations
     static = acts is not None and not acts.dynamic
 
+    def smooth_block(prefix: str, block: nn.Module, names: list[str], inputs: BlockInputs) -> None:
+        feats = capture_inputs(block, {n: get_module(block, n) for n in {_owner(spec, n) for n in names}},
+                               inputs, search_tokens)
+        for m in spec.awq:
+            linears = [get_module(block, n) for n in m.linears if n in names]
+            prev = get_module(block, m.prev)
+            if not linears or (isinstance(prev, nn.Linear) and prev.out_features != linears[0].in_features):
+                continue
+            x = feats[_owner(spec, m.linears[0])]
+            r = smooth.search_smooth_scales(x, [l.weight.data for l in linears], scheme.weights, acts,
+                                            smooth_grid, name=f"{prefix}.{m.prev}")
+            awq.fold_scales(prev.weight.data, getattr(prev, "bias", None), [l.weight.data for l in linears], r.scales)
+            feats[_owner(spec, m.linears[0])] = x / r.scales
+
     def step(index: int, prefix: str, block: nn.Module, inputs: BlockInputs | None) -> None:
         names = _targets(spec, scheme, prefix, spec.linears)
+        if smooth_grid:
+            smooth_block(prefix, block, names, inputs)
         for name in names:
             linear = get_module(block, name)
             scale, _ = compute_qparams(linear.weight.data, scheme.weights, torch.float32)
@@ -226,7 +247,7 @@ def fp8_step(spec: ArchSpec, scheme: QuantScheme, scale_dtype, results: dict, lo
             for full, value in amax.items():
                 results[full].input_scale = (value.clamp_min(1e-12) / FP8_MAX).reshape(1)
 
-    step.needs_data = static
+    step.needs_data = static or smooth_grid > 0
     return step
 
 

@@ -143,12 +143,15 @@ def fp8(
     scheme: str = typer.Option("fp8-dynamic", help="fp8-dynamic (per-channel weights, per-token activations at run "
                                "time) or fp8 (per-tensor weights and calibrated static activation scales)."),
     calib: str = CALIB, samples: int = SAMPLES, seq_len: int = SEQ_LEN, seed: int = SEED,
+    smooth: bool = typer.Option(False, help="Migrate activation outliers into the weights first (SmoothQuant, "
+                                "α searched per mapping on --calib)."),
     overwrite: bool = OVERWRITE, device: str = DEVICE,
 ):
-    """FP8 e4m3 weights and activations (static scales are calibrated on --calib)."""
+    """FP8 e4m3 weights and activations (static scales and --smooth are calibrated on --calib)."""
     from quantkit.quantize import Calibration
 
-    _quantize("fp8", model, output, scheme, None, overwrite, device, Calibration(calib, samples, seq_len, seed))
+    _quantize("fp8", model, output, scheme, None, overwrite, device, Calibration(calib, samples, seq_len, seed),
+              {"smooth_grid": 10 if smooth else 0})
 
 
 @command

@@ -68,3 +68,16 @@ def test_fp8_refuses_int_schemes(tiny_llama, tmp_path):
 
     with pytest.raises(QuantkitError, match="does not fit fp8; use fp8-dynamic or fp8"):
         quantize(str(tiny_llama), preset("w4a16"), tmp_path / "q", "fp8")
+
+
+def test_smoothed_fp8_checkpoint(tiny_llama, tiny_corpus, tmp_path):
+    calib = Calibration(str(tiny_corpus), 4, 32)
+    prov = quantize(str(tiny_llama), preset("fp8-dynamic"), tmp_path / "q", "fp8", calib, {"smooth_grid": 10})
+    assert prov["calibration"] is not None and prov["options"] == {"smooth_grid": 10}
+    ours = quantkit.load(tmp_path / "q")
+    float_model = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
+    norm = ours.model.layers[0].post_attention_layernorm.weight
+    assert not torch.equal(norm, float_model.model.layers[0].post_attention_layernorm.weight)
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "q").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(IDS).logits, theirs(IDS).logits, rtol=1e-5, atol=1e-5)
