@@ -83,16 +83,21 @@ CALIB = typer.Option("news", help="Calibration text: news, wiki, c4, wikitext2, 
 SAMPLES = typer.Option(128, help="Calibration rows.")
 SEQ_LEN = typer.Option(512, help="Tokens per calibration row.")
 SEED = typer.Option(0, help="Seed of the calibration document order.")
+KV = typer.Option(None, "--kv-cache", help="Also calibrate KV-cache scales: fp8 or int8.")
+KV_PER_HEAD = typer.Option(False, help="One KV-cache scale per KV head instead of per layer.")
 
 
 def _quantize(algorithm, model, output, scheme, group_size, overwrite, device, calibration=None, options=None,
-              actorder=None):
+              actorder=None, kv_cache=None, kv_per_head=False):
     import dataclasses
 
+    from quantkit.kv import kv_args
     from quantkit.quantize import quantize
     from quantkit.scheme import preset
 
     qscheme = preset(scheme).with_group_size(group_size)
+    if kv_cache:
+        qscheme = qscheme.replace(kv_cache=kv_args(kv_cache, kv_per_head))
     if actorder and qscheme.weights is not None:
         qscheme = qscheme.replace(weights=dataclasses.replace(qscheme.weights, actorder=actorder))
     with _progress() as track:
@@ -106,6 +111,9 @@ def _quantize(algorithm, model, output, scheme, group_size, overwrite, device, c
         kind = (f"int{w['num_bits']}, group {w['group_size']}, {'sym' if w['symmetric'] else 'asym'}"
                 + (f", act-order {w['actorder']}" if w["actorder"] else ""))
     rows = [("scheme", f"{prov['scheme']} ({kind})"), ("quantized linears", prov["quantized_linears"])]
+    if prov["kv_cache"]:
+        k = prov["kv_cache"]
+        rows.append(("kv cache", f"{k['type']}{k['num_bits']}, one scale per {'head' if k['strategy'] == 'attn_head' else 'layer'}"))
     if c:
         rows.append(("calibration", f"{c['dataset']}: {c['samples']} × {c['seq_len']} tokens, seed {c['seed']}"))
     rows += [("wall time", f"{prov['wall_time_s']:.1f} s"), ("peak memory (RSS)", f"{prov['peak_rss_mib']:.0f} MiB")]
@@ -114,9 +122,15 @@ def _quantize(algorithm, model, output, scheme, group_size, overwrite, device, c
 
 @command
 def rtn(model: str = MODEL, output: Path = OUTPUT, scheme: str = SCHEME, group_size: Optional[int] = GROUP,
+        kv_cache: Optional[str] = KV, kv_per_head: bool = KV_PER_HEAD,
+        calib: str = CALIB, samples: int = SAMPLES, seq_len: int = SEQ_LEN, seed: int = SEED,
         overwrite: bool = OVERWRITE, device: str = DEVICE):
-    """Round-to-nearest INT4 weights (no calibration): the baseline for AWQ and GPTQ."""
-    _quantize("rtn", model, output, scheme, group_size, overwrite, device)
+    """Round-to-nearest INT4 weights: the baseline for AWQ and GPTQ (calibration text is
+    used only for --kv-cache)."""
+    from quantkit.quantize import Calibration
+
+    _quantize("rtn", model, output, scheme, group_size, overwrite, device, Calibration(calib, samples, seq_len, seed),
+              kv_cache=kv_cache, kv_per_head=kv_per_head)
 
 
 @command
@@ -128,13 +142,15 @@ def awq(
     clip: bool = typer.Option(True, help="Search per-group clipping ranges (not for q/k)."),
     save_search: Optional[Path] = typer.Option(None, help="Write the found scales and clips (safetensors)."),
     load_search: Optional[Path] = typer.Option(None, help="Apply a saved search instead of calibrating."),
+    kv_cache: Optional[str] = KV, kv_per_head: bool = KV_PER_HEAD,
     overwrite: bool = OVERWRITE, device: str = DEVICE,
 ):
     """AWQ INT4 (Lin et al.): activation-aware scales folded into the previous op, clipping, RTN."""
     from quantkit.quantize import Calibration
 
     _quantize("awq", model, output, scheme, group_size, overwrite, device, Calibration(calib, samples, seq_len, seed),
-              {"grid": grid, "duo": duo, "clip": clip, "save_search": save_search, "load_search": load_search})
+              {"grid": grid, "duo": duo, "clip": clip, "save_search": save_search, "load_search": load_search},
+              kv_cache=kv_cache, kv_per_head=kv_per_head)
 
 
 @command
@@ -145,13 +161,14 @@ def fp8(
     calib: str = CALIB, samples: int = SAMPLES, seq_len: int = SEQ_LEN, seed: int = SEED,
     smooth: bool = typer.Option(False, help="Migrate activation outliers into the weights first (SmoothQuant, "
                                 "α searched per mapping on --calib)."),
+    kv_cache: Optional[str] = KV, kv_per_head: bool = KV_PER_HEAD,
     overwrite: bool = OVERWRITE, device: str = DEVICE,
 ):
     """FP8 e4m3 weights and activations (static scales and --smooth are calibrated on --calib)."""
     from quantkit.quantize import Calibration
 
     _quantize("fp8", model, output, scheme, None, overwrite, device, Calibration(calib, samples, seq_len, seed),
-              {"smooth_grid": 10 if smooth else 0})
+              {"smooth_grid": 10 if smooth else 0}, kv_cache=kv_cache, kv_per_head=kv_per_head)
 
 
 @command
@@ -162,6 +179,7 @@ def gptq(
                                   "group (desc_act with g_idx) or none."),
     damp: float = typer.Option(0.01, help="Hessian dampening, as a fraction of its mean diagonal."),
     block_size: int = typer.Option(128, help="Columns per lazy-update block."),
+    kv_cache: Optional[str] = KV, kv_per_head: bool = KV_PER_HEAD,
     overwrite: bool = OVERWRITE, device: str = DEVICE,
 ):
     """GPTQ INT4 (Frantar et al.): Hessian-based error feedback, true-sequential, act-order."""
@@ -170,7 +188,8 @@ def gptq(
     if act_order not in ("static", "group", "none"):
         raise QuantkitError(f"--act-order {act_order!r} is unknown; use static, group or none.")
     _quantize("gptq", model, output, scheme, group_size, overwrite, device, Calibration(calib, samples, seq_len, seed),
-              {"damp": damp, "block_size": block_size}, None if act_order == "none" else act_order)
+              {"damp": damp, "block_size": block_size}, None if act_order == "none" else act_order,
+              kv_cache=kv_cache, kv_per_head=kv_per_head)
 
 
 @command
@@ -194,6 +213,30 @@ def eval(
         ("perplexity", f"{result['ppl']:.4f}"),
         ("windows × seq_len", f"{result['windows']} × {result['seq_len']} = {result['tokens']} tokens"),
         ("time", f"{result['eval_time_s']:.1f} s"),
+    ]))
+
+
+@command
+def kv(
+    model: str = typer.Argument(..., help="A float model or a checkpoint (built-in name, folder or hub id)."),
+    output: Path = OUTPUT,
+    dtype: str = typer.Option("fp8", help="KV-cache type: fp8 or int8."),
+    per_head: bool = typer.Option(False, help="One scale per KV head instead of per layer."),
+    calib: str = CALIB, samples: int = SAMPLES, seq_len: int = SEQ_LEN, seed: int = SEED,
+    overwrite: bool = typer.Option(False, help="Replace an existing output folder, or KV scales the model already has."),
+):
+    """Add calibrated KV-cache scales (k_scale/v_scale) to a model or checkpoint; weights stay as they are."""
+    from quantkit.kv import add_kv_scales, kv_args
+    from quantkit.quantize import Calibration
+
+    args = kv_args(dtype, per_head)
+    with _progress() as track:
+        prov = add_kv_scales(model, args, output, Calibration(calib, samples, seq_len, seed), overwrite, track)
+    k = prov["kv_cache"]
+    out.print(_table(f"kv → {output}", [
+        ("kv cache", f"{dtype}, one scale per {'head' if per_head else 'layer'}"),
+        ("calibration", f"{calib}: {samples} × {seq_len} tokens, seed {seed}"),
+        ("wall time", f"{k['wall_time_s']:.1f} s"),
     ]))
 
 

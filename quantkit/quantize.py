@@ -25,6 +25,7 @@ from quantkit.models.arch import ArchSpec, arch_for, get_module
 from quantkit.models.loading import load_float_model
 from quantkit.primitives import check_group_size
 from quantkit.progress import Track, no_progress
+from quantkit.runtime import kv_attention
 from quantkit.scheme import QuantScheme, to_quantization_config
 
 
@@ -70,7 +71,8 @@ def pack_model(model: nn.Module, scheme: QuantScheme, results: dict[str, QParams
                 packed = pack_quantized.compress(t, p.scale, p.zero_point, scheme.weights, p.g_idx)
             tensors.update({f"{module}.{k}": v for k, v in packed.items()})
         else:
-            tensors[key] = t.to(dtype) if t.is_floating_point() else t
+            keep = not t.is_floating_point() or key.endswith("_scale")  # KV-cache scales stay fp32
+            tensors[key] = t if keep else t.to(dtype)
     return tensors
 
 
@@ -82,6 +84,19 @@ def checkpoint_config(model: nn.Module, scheme: QuantScheme, results: dict[str, 
     config["dtype"] = str(dtype).removeprefix("torch.")
     config["quantization_config"] = to_quantization_config(scheme.replace(ignore=ignore))
     return config
+
+
+def _observe_kv_after(step, spec: ArchSpec):
+    """Record K/V maxima only in the runner's pass over the quantized block, not in the
+    algorithm's own forwards."""
+
+    def wrapped(index, prefix, block, inputs):
+        state = getattr(get_module(block, spec.attention), kv_attention.STATE_ATTR)
+        state.recording = False
+        step(index, prefix, block, inputs)
+        state.recording = True
+
+    return wrapped
 
 
 def _read_search(path: Path) -> dict[str, torch.Tensor]:
@@ -131,6 +146,7 @@ def quantize(
     dtype = model.dtype
     quantized_linears(model, spec, scheme)  # validates group sizes before any work
     results: dict[str, QParams] = {}
+    kv = scheme.kv_cache
     options = dict(options or {})
     save_search, load_search = options.pop("save_search", None), options.pop("load_search", None)
     if load_search:
@@ -139,11 +155,16 @@ def quantize(
         options["record"] = {}
     step = STEPS[algorithm](spec, scheme, dtype, results, log, **options)
     samples = None
-    if getattr(step, "needs_data", True):
+    if step.needs_data or kv is not None:
         c = calibration
         samples = calibration_samples(tokenizer, load_documents(c.dataset, "calib"), c.samples, c.seq_len, c.seed)
     model.float()
-    run_blocks(model, spec, step, samples, batch_size=calibration.batch_size, device=device, track=track)
+    if kv is None:
+        run_blocks(model, spec, step, samples, batch_size=calibration.batch_size, device=device, track=track)
+    else:
+        with kv_attention.record_kv_amax(model):
+            run_blocks(model, spec, _observe_kv_after(step, spec), samples, calibration.batch_size, device, track)
+        kv_attention.quantize_kv(model, kv_attention.calibrated_scales(model, kv), kv)
     if save_search:
         _write_search(Path(save_search), options["record"])
     tensors = pack_model(model, scheme, results, dtype)
@@ -155,6 +176,7 @@ def quantize(
         "scheme": scheme.name,
         "weights": dataclasses.asdict(scheme.weights),
         "input_activations": dataclasses.asdict(scheme.input_activations) if scheme.input_activations else None,
+        "kv_cache": dataclasses.asdict(kv) if kv else None,
         "calibration": dataclasses.asdict(calibration) if samples is not None else None,
         "options": {k: v for k, v in options.items() if k not in ("loaded", "record")},
         "search": {"saved_to": str(save_search) if save_search else None,

@@ -69,3 +69,24 @@ def test_awq_gptq_export_commands(tiny_llama, tiny_corpus, tmp_path):
         r = runner.invoke(app, argv)
         assert r.exit_code == 2 and message in " ".join(r.output.split()), (argv, r.output)
     assert not (tmp_path / "x").exists()
+
+
+def test_fp8_and_kv_commands(tiny_llama, tiny_corpus, tmp_path):
+    calib = ["--calib", str(tiny_corpus), "--samples", "4", "--seq-len", "32"]
+    r = runner.invoke(app, ["fp8", "--model", str(tiny_llama), "--scheme", "fp8", *calib, "--kv-cache", "fp8",
+                            "-o", str(tmp_path / "fp8")])
+    assert r.exit_code == 0, r.output
+    assert "kv cache" in r.stdout and "static tensor activations" in " ".join(r.stdout.split())
+    r = runner.invoke(app, ["rtn", "--model", str(tiny_llama), "--group-size", "32", "-o", str(tmp_path / "rtn")])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["kv", str(tmp_path / "rtn"), "--dtype", "int8", "--per-head", *calib,
+                            "-o", str(tmp_path / "kv")])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["inspect", str(tmp_path / "kv"), "--json", str(tmp_path / "i.json")])
+    assert json.loads((tmp_path / "i.json").read_text())["kv_cache_scheme"]["strategy"] == "attn_head"
+    r = runner.invoke(app, ["kv", str(tmp_path / "kv"), *calib, "-o", str(tmp_path / "kv2")])
+    assert r.exit_code == 2 and "already has KV-cache scales" in " ".join(r.output.split())
+    r = runner.invoke(app, ["rtn", "--model", str(tiny_llama), "--group-size", "32", "--kv-cache", "fp4",
+                            "-o", str(tmp_path / "x")])
+    assert r.exit_code == 2 and "KV-cache type 'fp4' is unknown" in " ".join(r.output.split())
+    assert not (tmp_path / "kv2").exists() and not (tmp_path / "x").exists()

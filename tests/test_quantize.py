@@ -89,7 +89,7 @@ def test_bad_inputs_write_nothing(tiny_llama, tmp_path):
     out = tmp_path / "q"
     with pytest.raises(QuantkitError, match="does not divide the input width 64"):
         quantize(str(tiny_llama), preset("w4a16"), out)  # group 128 > 64
-    with pytest.raises(QuantkitError, match="not an int weight-only scheme"):
+    with pytest.raises(QuantkitError, match="scheme .fp8. does not fit rtn; use w4a16 or w4a16-asym"):
         quantize(str(tiny_llama), preset("fp8"), out)
     with pytest.raises(QuantkitError, match="does not exist"):
         quantize(str(tmp_path / "nope"), preset("w4a16"), out)

@@ -18,11 +18,13 @@ from torch import nn
 from quantkit.errors import QuantkitError
 from quantkit.formats.checkpoint import read_tensors
 from quantkit.models.loading import check_causal_lm, load_float_model, resolve_model
+from quantkit.models.arch import arch_for
+from quantkit.runtime import kv_attention
 from quantkit.runtime.qlinear import Fp8Linear, PackedInt4Linear
 from quantkit.scheme import from_quantization_config
 
 SUPPORTED = ("compressed-tensors pack-quantized (int4)", "compressed-tensors float-quantized (fp8)")
-FORMATS = ("pack-quantized", "float-quantized")
+FORMATS = ("pack-quantized", "float-quantized", "dense")  # dense: float weights (e.g. KV-cache scales only)
 
 
 @contextlib.contextmanager
@@ -89,6 +91,7 @@ def load(path: str | os.PathLike, dtype: torch.dtype | None = None) -> nn.Module
         if scheme is not None:
             _replace(model, name, _quantized_linear(module, scheme, dtype, path))
     tensors = read_tensors(path)
+    kv_tensors = {k: tensors.pop(k) for k in list(tensors) if k.endswith((".k_scale", ".v_scale"))}
     expected = set(model.state_dict())
     missing = expected - set(tensors)
     if getattr(config, "tie_word_embeddings", False):
@@ -102,4 +105,19 @@ def load(path: str | os.PathLike, dtype: torch.dtype | None = None) -> nn.Module
     model.load_state_dict(tensors, strict=False, assign=True)
     if getattr(config, "tie_word_embeddings", False):
         model.lm_head.weight = model.get_input_embeddings().weight
+    if ckpt.kv_cache is not None:
+        _quantize_kv(model, kv_tensors, ckpt.kv_cache, path)
     return model.eval()
+
+
+def _quantize_kv(model: nn.Module, tensors: dict, args, path: Path) -> None:
+    """K and V are fake-quantized with the checkpoint's scales, as serving will store them."""
+    spec = arch_for(model.config)
+    scales = {}
+    for i in range(len(model.get_submodule(spec.blocks))):
+        names = [f"{spec.blocks}.{i}.{spec.attention}.{n}" for n in ("k_scale", "v_scale")]
+        if any(n not in tensors for n in names):
+            raise QuantkitError(f"checkpoint {path} declares a KV-cache scheme but lacks {names[0]}; "
+                                "re-run quantkit kv on it.")
+        scales[i] = tuple(tensors[n] for n in names)
+    kv_attention.quantize_kv(model, scales, args)
