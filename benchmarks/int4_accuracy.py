@@ -2,7 +2,7 @@
 
     python benchmarks/int4_accuracy.py --runs rtn:w4a16-asym:64 rtn:w4a16:64 --out out/bench
 
-Each run is ALGORITHM:SCHEME:GROUP. Calibration: `news`, --samples x --seq-len, seed 0;
+Each run is ALGORITHM:SCHEME:GROUP (GPTQ with act-order static, the CLI's default). Calibration: `news`, --samples x --seq-len, seed 0;
 perplexity: `wiki`, --windows x 2048 (the papers' protocol). Prints a markdown table
 (ppl, increase over float, increase relative to RTN's on the same scheme and group,
 calibration wall time and peak memory) and writes results.json beside the checkpoints.
@@ -11,6 +11,7 @@ calibration wall time and peak memory) and writes results.json beside the checkp
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -44,8 +45,11 @@ def main() -> None:
         algorithm, scheme, group = run.split(":")
         out = a.out / run.replace(":", "-")
         calib = None if algorithm == "rtn" else Calibration("news", a.samples, a.seq_len, 0)
+        qscheme = preset(scheme).with_group_size(int(group))
+        if algorithm == "gptq":
+            qscheme = qscheme.replace(weights=dataclasses.replace(qscheme.weights, actorder="static"))
         if not out.exists():
-            prov = quantize(a.model, preset(scheme).with_group_size(int(group)), out, algorithm, calib)
+            prov = quantize(a.model, qscheme, out, algorithm, calib)
         else:
             prov = json.loads((out / "quantkit.json").read_text())
         rows.append((algorithm, scheme, group, ppl(str(out)), prov))
