@@ -3,7 +3,13 @@ byte-level BPE tokenizer trained on a few sentences."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# Triton kernels run in the interpreter on machines without a GPU; triton reads this when
+# a kernel is decorated, so it must be set before any kernel module is imported.
+if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
