@@ -104,26 +104,48 @@ def gptq_step(spec: ArchSpec, scheme: QuantScheme, scale_dtype, results: dict, l
 
 
 @torch.no_grad()
+def _observe_inputs(block: nn.Module, linears: dict[str, nn.Linear], inputs: BlockInputs, observe) -> None:
+    """Run the block on every calibration batch, calling observe(name, x) with the input
+    x of each named linear."""
+    hooks = [module.register_forward_pre_hook(lambda m, args, name=name: observe(name, args[0]))
+             for name, module in linears.items()]
+    try:
+        inputs.run(block)
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def capture_inputs(block: nn.Module, linears: dict[str, nn.Linear], inputs: BlockInputs, max_tokens: int):
     """Inputs [tokens, in] of each named linear over the calibration batches, run through
     the block as it is now; evenly spaced tokens, at most about `max_tokens` of them."""
     total = sum(h.shape[0] * h.shape[1] for h in inputs.hidden)
     stride = max(1, total // max_tokens)
     seen: dict[str, list[torch.Tensor]] = {name: [] for name in linears}
-    hooks = [
-        module.register_forward_pre_hook(
-            lambda m, args, name=name: seen[name].append(args[0].reshape(-1, args[0].shape[-1])[::stride].float()))
-        for name, module in linears.items()
-    ]
-    try:
-        inputs.run(block)
-    finally:
-        for h in hooks:
-            h.remove()
+    _observe_inputs(block, linears, inputs,
+                    lambda name, x: seen[name].append(x.reshape(-1, x.shape[-1])[::stride].float()))
     for name, chunks in seen.items():
         if not chunks or sum(c.shape[0] for c in chunks) == 0:
             raise QuantkitError(f"no calibration token reached {name}; calibrate on more text.")
     return {name: torch.cat(chunks) for name, chunks in seen.items()}
+
+
+def _mappings(spec: ArchSpec, block: nn.Module, names: list[str]):
+    """(mapping, previous op, targeted linears) for each AWQ/SmoothQuant mapping of the
+    table that targets some of `names` and whose shapes allow it (not v → o under
+    grouped-query attention)."""
+    for m in spec.awq:
+        linears = [get_module(block, n) for n in m.linears if n in names]
+        prev = get_module(block, m.prev)
+        if linears and not (isinstance(prev, nn.Linear) and prev.out_features != linears[0].in_features):
+            yield m, prev, linears
+
+
+def _group_inputs(spec: ArchSpec, block: nn.Module, names: list[str], inputs: BlockInputs, max_tokens: int):
+    """capture_inputs for the input each sequential group of `names` reads, keyed by the
+    group's first linear."""
+    return capture_inputs(block, {n: get_module(block, n) for n in {_owner(spec, n) for n in names}},
+                          inputs, max_tokens)
 
 
 def _owner(spec: ArchSpec, name: str) -> str:
@@ -131,9 +153,27 @@ def _owner(spec: ArchSpec, name: str) -> str:
     return next(g[0] for g in spec.sequential if name in g)
 
 
+def _module_output(module: nn.Module, linears: list[nn.Linear], x: torch.Tensor, n_tokens: int):
+    """output_fn for the AWQ search: `module`'s output on evenly spaced tokens of x with
+    the linears' weights swapped for the candidates."""
+    xs = x[:: max(1, x.shape[0] // n_tokens)][:n_tokens]  # xs [n, ci]
+
+    def output_fn(weights: list[torch.Tensor]) -> torch.Tensor:
+        saved = [l.weight.data for l in linears]
+        for l, w in zip(linears, weights):
+            l.weight.data = w
+        try:
+            return module(xs)
+        finally:
+            for l, w in zip(linears, saved):
+                l.weight.data = w
+
+    return output_fn
+
+
 def awq_step(spec: ArchSpec, scheme: QuantScheme, scale_dtype, results: dict, log: Callable | None = None,
              grid: int = 20, duo: bool = False, clip: bool = True, search_tokens: int = 16384,
-             loaded: dict | None = None, record: dict | None = None) -> Step:
+             module_tokens: int = 4096, loaded: dict | None = None, record: dict | None = None) -> Step:
     """AWQ: per mapping (norm → q,k,v; v → o when shapes allow; norm → gate,up; up → down)
     search activation-aware scales and fold them into the previous op, then search
     per-group clipping for each linear (not q/k, whose errors the attention softmax
@@ -143,15 +183,8 @@ def awq_step(spec: ArchSpec, scheme: QuantScheme, scale_dtype, results: dict, lo
 
     def step(index: int, prefix: str, block: nn.Module, inputs: BlockInputs | None) -> None:
         names = _targets(spec, scheme, prefix, spec.linears)
-        feats = {}
-        if loaded is None:
-            feats = capture_inputs(block, {n: get_module(block, n) for n in {_owner(spec, n) for n in names}},
-                                   inputs, search_tokens)
-        for m in spec.awq:
-            linears = [get_module(block, n) for n in m.linears if n in names]
-            prev = get_module(block, m.prev)
-            if not linears or (isinstance(prev, nn.Linear) and prev.out_features != linears[0].in_features):
-                continue  # e.g. v → o under grouped-query attention
+        feats = _group_inputs(spec, block, names, inputs, search_tokens) if loaded is None else {}
+        for m, prev, linears in _mappings(spec, block, names):
             key = f"{prefix}.{m.prev}.awq_scales"
             if loaded is not None:
                 if key not in loaded:
@@ -160,7 +193,9 @@ def awq_step(spec: ArchSpec, scheme: QuantScheme, scale_dtype, results: dict, lo
                 scales = loaded[key].float()
             else:
                 x = feats[_owner(spec, m.linears[0])]
-                scales = awq.search_scales(x, [l.weight.data for l in linears], args, grid, duo,
+                output_fn = _module_output(get_module(block, m.inspect), linears, x, module_tokens) \
+                    if m.inspect else None
+                scales = awq.search_scales(x, [l.weight.data for l in linears], args, grid, duo, output_fn,
                                            scale_dtype=scale_dtype, name=f"{prefix}.{m.prev}").scales
                 feats[_owner(spec, m.linears[0])] = x / scales
             awq.fold_scales(prev.weight.data, getattr(prev, "bias", None), [l.weight.data for l in linears], scales)
@@ -185,7 +220,6 @@ def awq_step(spec: ArchSpec, scheme: QuantScheme, scale_dtype, results: dict, lo
     return step
 
 
-@torch.no_grad()
 def input_amax(block: nn.Module, linears: dict[str, nn.Linear], inputs: BlockInputs) -> dict[str, torch.Tensor]:
     """max |x| over all calibration tokens of each named linear's input."""
     amax = {name: None for name in linears}
@@ -194,13 +228,7 @@ def input_amax(block: nn.Module, linears: dict[str, nn.Linear], inputs: BlockInp
         m = x.detach().abs().amax().float()
         amax[name] = m if amax[name] is None else torch.maximum(amax[name], m)
 
-    hooks = [m.register_forward_pre_hook(lambda mod, args, name=name: observe(name, args[0]))
-             for name, m in linears.items()]
-    try:
-        inputs.run(block)
-    finally:
-        for h in hooks:
-            h.remove()
+    _observe_inputs(block, linears, inputs, observe)
     for name, value in amax.items():
         if value is None:
             raise QuantkitError(f"no calibration token reached {name}; calibrate on more text.")
@@ -220,13 +248,8 @@ def fp8_step(spec: ArchSpec, scheme: QuantScheme, scale_dtype, results: dict, lo
     static = acts is not None and not acts.dynamic
 
     def smooth_block(prefix: str, block: nn.Module, names: list[str], inputs: BlockInputs) -> None:
-        feats = capture_inputs(block, {n: get_module(block, n) for n in {_owner(spec, n) for n in names}},
-                               inputs, search_tokens)
-        for m in spec.awq:
-            linears = [get_module(block, n) for n in m.linears if n in names]
-            prev = get_module(block, m.prev)
-            if not linears or (isinstance(prev, nn.Linear) and prev.out_features != linears[0].in_features):
-                continue
+        feats = _group_inputs(spec, block, names, inputs, search_tokens)
+        for m, prev, linears in _mappings(spec, block, names):
             x = feats[_owner(spec, m.linears[0])]
             r = smooth.search_smooth_scales(x, [l.weight.data for l in linears], scheme.weights, acts,
                                             smooth_grid, name=f"{prefix}.{m.prev}")
