@@ -1,11 +1,15 @@
-"""Perplexity of INT4 checkpoints against the float model, side by side in one run.
+"""Perplexity of quantized checkpoints against the float model, side by side in one run.
 
-    python benchmarks/int4_accuracy.py --runs rtn:w4a16-asym:64 rtn:w4a16:64 --out out/bench
+    python benchmarks/accuracy.py --runs rtn:w4a16-asym:64 awq:w4a16-asym:64 fp8:fp8-dynamic kv:fp8
 
-Each run is ALGORITHM:SCHEME:GROUP (GPTQ with act-order static, the CLI's default). Calibration: `news`, --samples x --seq-len, seed 0;
-perplexity: `wiki`, --windows x 2048 (the papers' protocol). Prints a markdown table
-(ppl, increase over float, increase relative to RTN's on the same scheme and group,
-calibration wall time and peak memory) and writes results.json beside the checkpoints.
+A run is one of
+  rtn|awq|gptq:SCHEME:GROUP   INT4 weights (GPTQ with act-order static, the CLI's default)
+  fp8:fp8-dynamic|fp8[:smooth] FP8 weights and activations (smooth: SmoothQuant first)
+  kv:fp8|int8[:head]           KV-cache scales added to the float model (head: per KV head)
+Calibration: `news`, --samples x --seq-len, seed 0; perplexity: `wiki`, --windows x 2048
+(the papers' protocol). Prints a markdown table (ppl, increase over float, for INT4 the
+increase relative to RTN's on the same scheme and group, calibration wall time and peak
+memory) and keeps results.json beside the checkpoints, so an interrupted run resumes.
 """
 
 from __future__ import annotations
@@ -16,14 +20,28 @@ import json
 from pathlib import Path
 
 from quantkit.eval.run import evaluate
+from quantkit.kv import add_kv_scales, kv_args
 from quantkit.quantize import Calibration, quantize
 from quantkit.scheme import preset
+
+
+def make(run: str, model: str, out: Path, calib: Calibration) -> dict:
+    algorithm, scheme, *rest = run.split(":")
+    if algorithm == "kv":
+        return add_kv_scales(model, kv_args(scheme, "head" in rest), out, calib)["kv_cache"]
+    if algorithm == "fp8":
+        options = {"smooth_grid": 10 if "smooth" in rest else 0}
+        return quantize(model, preset(scheme), out, "fp8", calib, options)
+    qscheme = preset(scheme).with_group_size(int(rest[0]))
+    if algorithm == "gptq":
+        qscheme = qscheme.replace(weights=dataclasses.replace(qscheme.weights, actorder="static"))
+    return quantize(model, qscheme, out, algorithm, calib)
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--runs", nargs="+", default=["rtn:w4a16-asym:64", "rtn:w4a16:64"])
+    p.add_argument("--runs", nargs="+", default=["rtn:w4a16-asym:64", "awq:w4a16-asym:64", "gptq:w4a16-asym:64"])
     p.add_argument("--samples", type=int, default=64)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--windows", type=int, default=32)
@@ -32,6 +50,7 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     results_path = a.out / "results.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
+    calib = Calibration("news", a.samples, a.seq_len, 0)
 
     def ppl(model: str) -> float:
         if model not in results:
@@ -42,26 +61,21 @@ def main() -> None:
     base = ppl(a.model)
     rows = []
     for run in a.runs:
-        algorithm, scheme, group = run.split(":")
         out = a.out / run.replace(":", "-")
-        calib = None if algorithm == "rtn" else Calibration("news", a.samples, a.seq_len, 0)
-        qscheme = preset(scheme).with_group_size(int(group))
-        if algorithm == "gptq":
-            qscheme = qscheme.replace(weights=dataclasses.replace(qscheme.weights, actorder="static"))
-        if not out.exists():
-            prov = quantize(a.model, qscheme, out, algorithm, calib)
-        else:
-            prov = json.loads((out / "quantkit.json").read_text())
-        rows.append((algorithm, scheme, group, ppl(str(out)), prov))
+        prov = make(run, a.model, out, calib) if not out.exists() else json.loads((out / "quantkit.json").read_text())
+        prov = prov.get("kv_cache", prov) if run.startswith("kv:") else prov
+        rows.append((run, ppl(str(out)), prov))
 
-    print(f"\nfloat {a.model}: ppl {base:.4f} (wiki, {a.windows} x 2048)\n")
-    print("| algorithm | scheme | group | wiki ppl | Δ vs float | Δ / Δ(RTN) | calib time | peak RSS |")
-    print("|---|---|---|---|---|---|---|---|")
-    for algorithm, scheme, group, value, prov in rows:
-        rtn = next((v for al, s, g, v, _ in rows if al == "rtn" and s == scheme and g == group), None)
+    print(f"\nfloat {a.model}: ppl {base:.4f} (wiki, {a.windows} × 2048)\n")
+    print("| run | wiki ppl | Δ vs float | Δ / Δ(RTN) | calibration time | peak RSS |")
+    print("|---|---|---|---|---|---|")
+    for run, value, prov in rows:
+        _, scheme, *rest = run.split(":")
+        rtn = next((v for r, v, _ in rows if r == f"rtn:{scheme}:{rest[0]}"), None) if rest[:1] != [] else None
         ratio = f"{(value - base) / (rtn - base):.2f}" if rtn is not None and rtn != base else "–"
-        print(f"| {algorithm} | {scheme} | {group} | {value:.4f} | +{value - base:.4f} | {ratio} | "
-              f"{prov['wall_time_s']:.0f} s | {prov['peak_rss_mib']:.0f} MiB |")
+        peak = f"{prov['peak_rss_mib']:.0f} MiB" if "peak_rss_mib" in prov else "–"
+        print(f"| {run} | {value:.4f} | {value - base:+.4f} ({100 * (value - base) / base:+.2f}%) | {ratio} | "
+              f"{prov['wall_time_s']:.0f} s | {peak} |")
 
 
 if __name__ == "__main__":
