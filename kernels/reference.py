@@ -58,3 +58,70 @@ def fp8_gemm(
     x_fp8 = (xf / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     y = (x_fp8.float() @ w_fp8.float().t()) * x_scale * w_scale.float().reshape(1, -1)
     return y.to(x.dtype)
+
+
+# --- paged KV cache: kv_store and paged_attention (layout: kernels/paged_attention.py) ---
+
+
+def _quantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """x [n, kv_heads, head_dim] -> the cache's dtype; fp8/int8 store quantize(x / scale)."""
+    if scale is None:
+        return x.to(dtype)
+    y = x.float() / scale.float().reshape(-1, 1)  # scale [1] or [kv_heads] -> [1 or kv_heads, 1]
+    if dtype == torch.float8_e4m3fn:
+        return y.clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    return torch.round(y).clamp(-128, 127).to(torch.int8)
+
+
+def kv_store(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """Write k, v [num_tokens, kv_heads, head_dim] into the caches [num_blocks, block_size,
+    kv_heads, head_dim] at slot_mapping [num_tokens] (block * block_size + offset; negative =
+    skip), quantising for fp8/int8 caches with k_scale / v_scale fp32 [1] or [kv_heads]."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    block, offset = slots // k_cache.shape[1], slots % k_cache.shape[1]
+    k_cache[block, offset] = _quantize_kv(k[keep], k_cache.dtype, k_scale)
+    v_cache[block, offset] = _quantize_kv(v[keep], v_cache.dtype, v_scale)
+
+
+def gather_kv(
+    cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The first seq_len tokens of one sequence, dequantised: [seq_len, kv_heads, head_dim] fp32."""
+    blocks = block_table[: -(-seq_len // cache.shape[1])].long()
+    x = cache[blocks].flatten(0, 1)[:seq_len].float()  # [n_blocks, bs, h, d] -> [seq_len, h, d]
+    return x if scale is None else x * scale.float().reshape(-1, 1)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode attention: q [num_seqs, num_heads, head_dim], one new token per sequence, over
+    the first seq_lens[i] cached tokens of sequence i (block_tables [num_seqs, max_blocks]).
+    Query head h reads KV head h // (num_heads / kv_heads). fp32 softmax; returns q's dtype
+    (zeros for a sequence of length 0)."""
+    out = torch.zeros_like(q)
+    group = q.shape[1] // k_cache.shape[2]
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        if seq_len == 0:
+            continue
+        k = gather_kv(k_cache, block_tables[i], seq_len, k_scale).repeat_interleave(group, dim=1)  # [L, H, D]
+        v = gather_kv(v_cache, block_tables[i], seq_len, v_scale).repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,lhd->hl", q[i].float(), k) * scale  # [H, L]
+        out[i] = torch.einsum("hl,lhd->hd", scores.softmax(dim=-1), v).to(q.dtype)
+    return out

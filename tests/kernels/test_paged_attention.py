@@ -1,0 +1,245 @@
+"""paged_attention (Triton; under TRITON_INTERPRET=1 without a GPU) against its torch twin,
+the twin against dense attention computed from scratch (contiguous K/V per sequence,
+`fake_quantize_kv`, `torch.softmax`), and the torch paged_prefill against dense causal
+attention.
+
+Queries and caches are fp16/fp32 here: under the interpreter bf16 `tl.dot` is wrong and
+fp32 -> bf16 casts truncate, so bf16 is only checked on a GPU (test_bf16_on_gpu).
+Dequantisation is exact in both paths (stored * scale), so tolerances depend on the
+query/output dtype only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from quantkit.calibration.kv import fake_quantize_kv, kv_scales
+from quantkit.kernels import reference as ref
+from quantkit.kernels.paged_attention import paged_attention, paged_prefill
+from quantkit.scheme import preset
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# by query dtype; fp16: the kernel feeds p to the P.V dot in fp16, and outputs are fp16
+TOLERANCES = {
+    torch.float32: dict(atol=2e-5, rtol=2e-5),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
+CACHES = {  # name: (cache dtype, query dtype, scale strategy; None = not quantized)
+    "fp16": (torch.float16, torch.float16, None),
+    "fp32": (torch.float32, torch.float32, None),
+    "fp8-tensor": (torch.float8_e4m3fn, torch.float16, "tensor"),
+    "fp8-head": (torch.float8_e4m3fn, torch.float32, "attn_head"),
+    "int8-tensor": (torch.int8, torch.float32, "tensor"),
+    "int8-head": (torch.int8, torch.float16, "attn_head"),
+}
+GQA = {"mha": (8, 8), "gqa3": (6, 2), "mqa": (8, 1)}  # (num_heads, num_kv_heads)
+BLOCK_SIZE, MAX_BLOCKS = 16, 3
+# ends mid-block (-1 entries after it), at a block boundary, one token, fills the table, empty
+SEQ_LENS = [21, 32, 1, 48, 0]
+
+
+@dataclasses.dataclass
+class Case:
+    q: torch.Tensor  # [num_seqs, heads, head_dim]
+    keys: list[torch.Tensor]  # per sequence [seq_len, kv_heads, head_dim], q's dtype
+    values: list[torch.Tensor]
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+    args: object  # QuantArgs of the KV cache, None when not quantized
+
+    def cache_args(self):
+        return (self.k_cache, self.v_cache, self.block_tables, self.seq_lens)
+
+
+def kv_args(dtype: torch.dtype, strategy: str):
+    args = preset("kv-fp8" if dtype == torch.float8_e4m3fn else "kv-int8").kv_cache
+    return dataclasses.replace(args, strategy=strategy)
+
+
+def make_case(cache: str, heads: int, kv_heads: int, seq_lens=SEQ_LENS, head_dim=16, q_tokens=None, seed=0) -> Case:
+    """Random K/V per sequence stored (by the kv_store twin) into randomly chosen blocks of a
+    cache whose other slots hold NaN (or 127 for int8), so an unmasked read would show."""
+    dtype, q_dtype, strategy = CACHES[cache] if isinstance(cache, str) else cache
+    g = torch.Generator().manual_seed(seed)
+    spread = torch.logspace(-0.5, 0.5, kv_heads).reshape(1, kv_heads, 1)
+    keys = [(torch.randn(n, kv_heads, head_dim, generator=g) * spread * 2).to(q_dtype) for n in seq_lens]
+    values = [(torch.randn(n, kv_heads, head_dim, generator=g) * spread).to(q_dtype) for n in seq_lens]
+    used = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    num_blocks = sum(used) + 2
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    tables = torch.full((len(seq_lens), max(MAX_BLOCKS, *used)), -1, dtype=torch.int32)
+    for i, n in enumerate(used):
+        tables[i, :n] = torch.tensor(order[:n], dtype=torch.int32)
+        del order[:n]
+    shape = (num_blocks, BLOCK_SIZE, kv_heads, head_dim)
+    if dtype.itemsize == 1:
+        k_cache = torch.full(shape, 0x7F, dtype=torch.uint8).view(dtype)
+    else:
+        k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = k_cache.clone()
+    args = k_scale = v_scale = None
+    k_all, v_all = torch.cat(keys), torch.cat(values)
+    if strategy is not None:
+        args = kv_args(dtype, strategy)
+        k_scale, v_scale = (kv_scales(x.float().abs().amax(dim=(0, 2)), args) for x in (k_all, v_all))
+    slots = torch.cat([tables[i, torch.arange(n) // BLOCK_SIZE].long() * BLOCK_SIZE + torch.arange(n) % BLOCK_SIZE
+                       for i, n in enumerate(seq_lens)])
+    ref.kv_store(k_all, v_all, k_cache, v_cache, slots, k_scale, v_scale)
+    q = torch.randn(q_tokens or len(seq_lens), heads, head_dim, generator=g).to(q_dtype)
+    to = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    return Case(to(q), keys, values, to(k_cache), to(v_cache), to(tables), to(lens), to(k_scale), to(v_scale), args)
+
+
+def dense_kv(case: Case, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence i's K and V [kv_heads, seq_len, head_dim] in fp32, fake-quantized like the cache."""
+    k, v = (x[i].float().transpose(0, 1).to(DEVICE) for x in (case.keys, case.values))
+    if case.args is None:
+        return k, v
+    return (fake_quantize_kv(k[None], case.k_scale, case.args)[0],
+            fake_quantize_kv(v[None], case.v_scale, case.args)[0])
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [heads, n, d] (the last n of k's positions), k/v [kv_heads, L, d] -> [heads, n, d] fp32, causal."""
+    group = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+    n, seq_len = q.shape[1], k.shape[1]
+    scores = q.float() @ k.transpose(1, 2) * scale  # [heads, n, L]
+    positions = torch.arange(seq_len - n, seq_len, device=q.device)  # of the queries
+    future = torch.arange(seq_len, device=q.device)[None, :] > positions[:, None]  # [n, L]
+    return torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1) @ v
+
+
+@pytest.mark.parametrize("gqa", list(GQA))
+@pytest.mark.parametrize("cache", list(CACHES))
+def test_twin_matches_dense(cache, gqa):
+    case = make_case(cache, *GQA[gqa])
+    scale = 16**-0.5
+    out = ref.paged_attention(case.q, *case.cache_args(), scale, case.k_scale, case.v_scale)
+    want = torch.zeros_like(case.q)
+    for i, n in enumerate(SEQ_LENS):
+        if n:
+            want[i] = dense_attention(case.q[i, :, None], *dense_kv(case, i), scale)[:, 0].to(case.q.dtype)
+    torch.testing.assert_close(out, want, **TOLERANCES[case.q.dtype])
+
+
+@pytest.mark.parametrize("gqa", list(GQA))
+@pytest.mark.parametrize("cache", list(CACHES))
+def test_kernel_matches_twin(cache, gqa):
+    case = make_case(cache, *GQA[gqa])
+    out = paged_attention(case.q, *case.cache_args(), 0.3, case.k_scale, case.v_scale)
+    want = ref.paged_attention(case.q, *case.cache_args(), 0.3, case.k_scale, case.v_scale)
+    assert out.dtype == case.q.dtype and out.shape == case.q.shape
+    assert torch.equal(out[SEQ_LENS.index(0)], torch.zeros_like(out[0]))  # an empty sequence gives zeros
+    torch.testing.assert_close(out, want, **TOLERANCES[case.q.dtype])
+
+
+def test_kernel_head_dim_not_a_power_of_two():
+    case = make_case("fp8-head", 6, 2, seq_lens=[19, 33], head_dim=24)
+    out = paged_attention(case.q, *case.cache_args(), 24**-0.5, case.k_scale, case.v_scale)
+    want = ref.paged_attention(case.q, *case.cache_args(), 24**-0.5, case.k_scale, case.v_scale)
+    torch.testing.assert_close(out, want, **TOLERANCES[case.q.dtype])
+
+
+def test_kernel_softmax_is_stable_for_large_scores():
+    """Scores around 1e4 would overflow exp() without the running max."""
+    case = make_case("fp32", 4, 2, seq_lens=[40, 7])
+    out = paged_attention(case.q, *case.cache_args(), 300.0)
+    want = ref.paged_attention(case.q, *case.cache_args(), 300.0)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 tl.dot is wrong in the Triton interpreter")
+@pytest.mark.parametrize(
+    "cache", [(torch.bfloat16, torch.bfloat16, None), (torch.float8_e4m3fn, torch.bfloat16, "attn_head")]
+)
+def test_bf16_on_gpu(cache):
+    case = make_case(cache, 32, 8, seq_lens=[1, 16, 200, 513], head_dim=128)
+    out = paged_attention(case.q, *case.cache_args(), 128**-0.5, case.k_scale, case.v_scale)
+    want = ref.paged_attention(case.q, *case.cache_args(), 128**-0.5, case.k_scale, case.v_scale)
+    torch.testing.assert_close(out, want, **TOLERANCES[torch.bfloat16])
+
+
+PREFILL_SEQ_LENS = [21, 40, 17, 5]
+PREFILL_QUERY_LENS = [21, 8, 1, 0]  # a whole prompt, a chunk after 32 cached tokens, one token, none
+
+
+@pytest.mark.parametrize("gqa", list(GQA))
+@pytest.mark.parametrize("cache", ["fp16", "fp8-head", "int8-tensor"])
+def test_prefill_matches_dense(cache, gqa):
+    case = make_case(cache, *GQA[gqa], seq_lens=PREFILL_SEQ_LENS, q_tokens=sum(PREFILL_QUERY_LENS))
+    query_lens = torch.tensor(PREFILL_QUERY_LENS, dtype=torch.int32, device=DEVICE)
+    out = paged_prefill(case.q, *case.cache_args(), query_lens, 0.25, case.k_scale, case.v_scale)
+    starts = [0, 21, 29, 30]
+    for i, (start, n) in enumerate(zip(starts, PREFILL_QUERY_LENS)):
+        if n:
+            want = dense_attention(case.q[start : start + n].transpose(0, 1), *dense_kv(case, i), 0.25)
+            torch.testing.assert_close(out[start : start + n], want.transpose(0, 1).to(case.q.dtype),
+                                       **TOLERANCES[case.q.dtype])
+    # a one-token prefill is a decode step
+    decode = ref.paged_attention(case.q[29:30], case.k_cache, case.v_cache, case.block_tables[2:3], case.seq_lens[2:3],
+                                 0.25, case.k_scale, case.v_scale)
+    torch.testing.assert_close(out[29:30], decode, **TOLERANCES[case.q.dtype])
+
+
+def test_prefill_errors():
+    case = make_case("fp16", 4, 2, seq_lens=[10, 3], q_tokens=5)
+    with pytest.raises(ValueError, match=r"q has 5 tokens but query_lens add up to 4"):
+        paged_prefill(case.q, *case.cache_args(), torch.tensor([2, 2], dtype=torch.int32, device=DEVICE), 1.0)
+    with pytest.raises(ValueError, match=r"sequence 1 needs 0 <= query_len <= seq_len <= 48 .* query_len 4, seq_len 3"):
+        paged_prefill(case.q, *case.cache_args(), torch.tensor([1, 4], dtype=torch.int32, device=DEVICE), 1.0)
+    with pytest.raises(ValueError, match=r"query_lens must be int32 \[2\]"):
+        paged_prefill(case.q, *case.cache_args(), torch.tensor([1, 4], device=DEVICE), 1.0)
+
+
+def _good() -> dict:
+    case = make_case("int8-head", 4, 2, seq_lens=[5, 17])
+    return dict(q=case.q, k_cache=case.k_cache, v_cache=case.v_cache, block_tables=case.block_tables,
+                seq_lens=case.seq_lens, scale=0.25, k_scale=case.k_scale, v_scale=case.v_scale)
+
+
+BAD = {
+    "heads not a multiple of kv heads": (dict(q=torch.randn(2, 3, 16, dtype=torch.float16)),
+                                         r"num_heads a multiple of the cache's 2 KV heads"),
+    "q head_dim": (dict(q=torch.randn(2, 4, 8, dtype=torch.float16)), r"q must be \[tokens, num_heads, 16\]"),
+    "int q": (dict(q=torch.ones(2, 4, 16, dtype=torch.int32)), r"q must be float16, bfloat16 or float32"),
+    "int64 block table": (dict(block_tables=torch.zeros(2, 3, dtype=torch.int64)),
+                          r"block_tables must be int32 \[2, max_blocks_per_seq\]"),
+    "block table rows": (dict(block_tables=torch.zeros(3, 3, dtype=torch.int32)), r"block_tables must be int32 \[2,"),
+    "seq_lens length": (dict(seq_lens=torch.ones(3, dtype=torch.int32)), r"seq_lens must be int32 \[2\]"),
+    "missing v_scale": (dict(v_scale=None), r"needs v_scale"),
+    "block size 8": (dict(k_cache=torch.zeros(4, 8, 2, 16, dtype=torch.int8),
+                          v_cache=torch.zeros(4, 8, 2, 16, dtype=torch.int8)),
+                     r"block_size that is a power of two >= 16; got 8"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_launcher_errors(case):
+    changes, message = BAD[case]
+    kwargs = _good() | {name: t.to(DEVICE) if t is not None else None for name, t in changes.items()}
+    with pytest.raises(ValueError, match=message):
+        paged_attention(**kwargs)
+
+
+def test_float_cache_needs_a_query_of_its_dtype():
+    case = make_case("fp16", 4, 2, seq_lens=[5])
+    with pytest.raises(ValueError, match=r"q must be torch.float16 for a torch.float16 cache; got torch.float32"):
+        paged_attention(case.q.float(), *case.cache_args(), 0.25)
+
+
+def test_cpu_tensors_need_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    kwargs = {n: t.cpu() if isinstance(t, torch.Tensor) else t for n, t in _good().items()}
+    with pytest.raises(ValueError, match=r"needs a GPU; on CPU call quantkit.kernels.reference.paged_attention"):
+        paged_attention(**kwargs)
