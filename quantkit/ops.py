@@ -1,28 +1,53 @@
-"""The one place that chooses a kernel: `backend="auto"|"torch"` (Triton kernels join
-here as they land). Nothing else calls a kernel directly."""
+"""The one place that chooses a kernel. `backend="auto"` takes the Triton kernel when the
+tensors live on a GPU and the torch twin (`quantkit.kernels.reference`) otherwise;
+"triton" and "torch" force one. Nothing else in the code calls a kernel directly."""
 
 from __future__ import annotations
+
+import importlib
 
 import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.kernels import reference
 
-BACKENDS = ("auto", "torch")
+BACKENDS = ("auto", "triton", "torch")
 
 
-def _check(backend: str) -> None:
+def _triton(backend: str, module: str, x: torch.Tensor):
+    """The Triton launcher module to use, or None for the torch twin."""
     if backend not in BACKENDS:
         raise QuantkitError(f"backend {backend!r} is unknown; use one of {', '.join(BACKENDS)}.")
+    if backend == "torch" or (backend == "auto" and not x.is_cuda):
+        return None
+    try:
+        return importlib.import_module(f"quantkit.kernels.{module}")
+    except ImportError as e:
+        if backend == "triton":
+            raise QuantkitError(f"the Triton kernel {module} is unavailable ({e}); install triton or use backend torch.") from None
+        return None
 
 
 def int4_gemm(x, w_packed, scales, zeros, group_size, g_idx=None, backend: str = "auto") -> torch.Tensor:
     """W4A16 matmul; see `quantkit.kernels.reference.int4_gemm` for shapes and dtypes."""
-    _check(backend)
-    return reference.int4_gemm(x, w_packed, scales, zeros, group_size, g_idx)
+    k = _triton(backend, "int4_gemm", x)
+    return (k or reference).int4_gemm(x, w_packed, scales, zeros, group_size, g_idx)
 
 
 def fp8_gemm(x, w_fp8, w_scale, x_scale=None, backend: str = "auto") -> torch.Tensor:
     """W8A8 fp8 matmul; see `quantkit.kernels.reference.fp8_gemm` for shapes and dtypes."""
-    _check(backend)
-    return reference.fp8_gemm(x, w_fp8, w_scale, x_scale)
+    k = _triton(backend, "fp8_gemm", x)
+    return (k or reference).fp8_gemm(x, w_fp8, w_scale, x_scale)
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale=None, v_scale=None,
+                    backend: str = "auto") -> torch.Tensor:
+    """Decode attention over a block table; see `quantkit.kernels.paged_attention`."""
+    k = _triton(backend, "paged_attention", q)
+    return (k or reference).paged_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
+
+
+def kv_store(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None, backend: str = "auto") -> None:
+    """Write new keys/values into their cache slots, quantising on the way; see `quantkit.kernels.kv_store`."""
+    m = _triton(backend, "kv_store", k)
+    (m or reference).kv_store(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
