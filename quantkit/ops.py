@@ -51,3 +51,21 @@ def kv_store(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None, b
     """Write new keys/values into their cache slots, quantising on the way; see `quantkit.kernels.kv_store`."""
     m = _triton(backend, "kv_store", k)
     (m or reference).kv_store(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def int4_cpu_weight(w_packed, scales, zeros, group_size, g_idx=None):
+    """The weight in torch's CPU int4pack layout (built once, at load), or None when that
+    kernel cannot take its shape; see `quantkit.kernels.cpu`."""
+    from quantkit.kernels import cpu
+
+    out_features, in_features = scales.shape[0], w_packed.shape[1] * 8
+    if not cpu.supports(out_features, in_features, group_size, g_idx):
+        return None
+    return cpu.repack_int4_cpu(w_packed, scales, zeros, group_size, g_idx)
+
+
+def int4_gemm_cpu(x, weight) -> torch.Tensor:
+    """W4A16 on the CPU through torch's int4pack kernel (computes in bf16)."""
+    from quantkit.kernels import cpu
+
+    return cpu.int4_gemm_cpu(x, weight)

@@ -26,6 +26,7 @@ class PackedInt4Linear(nn.Module):
         self.weight_zero_point = getattr(self, "weight_zero_point", None)
         self.weight_g_idx = getattr(self, "weight_g_idx", None)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device="meta")) if bias else None
+        self._cpu_weight = None  # torch's int4pack layout, built on the first bf16 call on the CPU
 
     def zeros(self) -> torch.Tensor | None:
         if self.weight_zero_point is None:
@@ -34,6 +35,13 @@ class PackedInt4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = self.args.group_size if self.args.strategy == "group" else None
+        if x.device.type == "cpu" and x.dtype == torch.bfloat16:  # torch's fast CPU path needs bf16
+            if self._cpu_weight is None:
+                self._cpu_weight = ops.int4_cpu_weight(self.weight_packed, self.weight_scale, self.zeros(), group,
+                                                       self.weight_g_idx) or False
+            if self._cpu_weight:
+                y = ops.int4_gemm_cpu(x, self._cpu_weight)
+                return y if self.bias is None else y + self.bias.to(y.dtype)
         y = ops.int4_gemm(x, self.weight_packed, self.weight_scale, self.zeros(), group, self.weight_g_idx)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 

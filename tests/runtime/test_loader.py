@@ -61,3 +61,17 @@ def test_other_formats_are_refused_by_name(checkpoint, tmp_path):
     (other / "config.json").write_text(json.dumps(config))
     with pytest.raises(QuantkitError, match="'bitsandbytes' checkpoint .* quantkit loads compressed-tensors pack-quantized"):
         quantkit.load(other)
+
+
+def test_bf16_on_cpu_takes_torchs_int4pack_path(checkpoint):
+    from quantkit.kernels.cpu import Int4CpuWeight
+
+    model = quantkit.load(checkpoint)
+    ids = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids).logits
+        model.to(torch.bfloat16)
+        fast = model(ids).logits.float()
+    assert isinstance(model.model.layers[0].mlp.up_proj._cpu_weight, Int4CpuWeight)
+    # bf16 activations and scales against the fp32 twin: a bf16-sized difference, no more
+    assert (fast - ref).pow(2).mean().sqrt() < 0.03 * ref.pow(2).mean().sqrt()
