@@ -92,12 +92,19 @@ def gptq_step(spec: ArchSpec, scheme: QuantScheme, scale_dtype, results: dict, l
             if not names:
                 continue
             H = group_hessian(block, get_module(block, names[0]), inputs, f"{prefix}.{names[0]}")
-            for name in names:
-                linear = get_module(block, name)
-                r = gptq.quantize_weight(linear.weight.data, H, scheme.weights, block_size, damp,
-                                         scale_dtype=scale_dtype, log=log, name=f"{prefix}.{name}")
-                linear.weight.data = r.weight
-                results[f"{prefix}.{name}"] = QParams(r.scale, r.zero_point, r.g_idx)
+            # the rows of linears that share H are quantized independently, so one call on
+            # their stacked weights gives each one's result with one factorisation and loop
+            parts = [[n] for n in names] if scheme.weights.strategy == "tensor" else [names]
+            for part in parts:
+                linears = [get_module(block, n) for n in part]
+                r = gptq.quantize_weight(torch.cat([l.weight.data for l in linears]), H, scheme.weights, block_size,
+                                         damp, scale_dtype=scale_dtype, log=log, name=f"{prefix}.{'+'.join(part)}")
+                rows = [l.out_features for l in linears]
+                zeros = r.zero_point.split(rows) if r.zero_point is not None else [None] * len(rows)
+                for name, linear, w, scale, zero in zip(part, linears, r.weight.split(rows), r.scale.split(rows), zeros):
+                    linear.weight.data = w.contiguous()
+                    g_idx = r.g_idx.clone() if r.g_idx is not None else None  # one tensor per linear on disk
+                    results[f"{prefix}.{name}"] = QParams(scale.contiguous(), zero, g_idx)
 
     step.needs_data = True
     return step

@@ -179,3 +179,19 @@ def test_bad_inputs_get_clear_errors():
         quantize_weight(W, torch.full((96, 96), float("nan")), GROUP32)
     with pytest.raises(QuantkitError, match="actorder"):
         quantize_weight(W, H, GROUP32, actorder="dynamic")
+
+
+@pytest.mark.parametrize("actorder", [None, "static", "group"])
+def test_stacked_linears_equal_separate_calls(actorder):
+    """Linears that share a Hessian (q, k, v) are quantized in one call on their stacked
+    rows: each row's result must be exactly what its own call gives."""
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(512, 128, generator=g)
+    X[:, :4] *= 10
+    H, _ = accumulate_hessian(None, X, 0)
+    W1, W2 = torch.randn(64, 128, generator=g), torch.randn(32, 128, generator=g)
+    args = QuantArgs(4, symmetric=False, group_size=32, actorder=actorder)
+    both, one, two = (quantize_weight(w, H, args) for w in (torch.cat([W1, W2]), W1, W2))
+    assert torch.equal(both.weight, torch.cat([one.weight, two.weight]))
+    assert torch.equal(both.scale, torch.cat([one.scale, two.scale]))
+    assert torch.equal(both.zero_point, torch.cat([one.zero_point, two.zero_point]))
