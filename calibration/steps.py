@@ -104,7 +104,7 @@ def gptq_step(spec: ArchSpec, scheme: QuantScheme, scale_dtype, results: dict, l
                 for name, linear, w, scale, zero in zip(part, linears, r.weight.split(rows), r.scale.split(rows), zeros):
                     linear.weight.data = w.contiguous()
                     g_idx = r.g_idx.clone() if r.g_idx is not None else None  # one tensor per linear on disk
-                    results[f"{prefix}.{name}"] = QParams(scale.contiguous(), zero, g_idx)
+                    results[f"{prefix}.{name}"] = QParams(scale.clone(), None if zero is None else zero.clone(), g_idx)
 
     step.needs_data = True
     return step
