@@ -27,12 +27,11 @@ interpreter runs one fixed config (decided at import).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from quantkit.kernels.kv_store import FLOAT_CACHE_DTYPES, check_cache, check_device, interpreting, scale_stride
-from quantkit.kernels.reference import gather_kv
+from quantkit.kernels import reference
 
 LOG2E = 1.4426950408889634
 
@@ -186,6 +185,7 @@ def paged_prefill(
     query_len == seq_len, a chunk after cached tokens query_len < seq_len. Each sequence's
     blocks are gathered and dequantised to fp32 (`reference.gather_kv`) and fed to
     `F.scaled_dot_product_attention` with a bottom-right causal mask; returns q's shape and dtype.
+    This validates its arguments and runs `reference.paged_prefill`.
     """
     kind = check_cache("paged_prefill", k_cache, v_cache, k_scale, v_scale)
     _check_query("paged_prefill", q, k_cache, kind)
@@ -205,17 +205,4 @@ def paged_prefill(
                 f"paged_prefill: sequence {i} needs 0 <= query_len <= seq_len <= {capacity} (the block table's "
                 f"capacity); got query_len {q_len}, seq_len {seq_len}."
             )
-    out = torch.empty_like(q)
-    start = 0
-    for i, (seq_len, q_len) in enumerate(zip(lens, qlens)):
-        if q_len == 0:
-            continue
-        k = gather_kv(k_cache, block_tables[i], seq_len, k_scale).transpose(0, 1)  # [kv_heads, L, D]
-        v = gather_kv(v_cache, block_tables[i], seq_len, v_scale).transpose(0, 1)
-        qi = q[start : start + q_len].float().transpose(0, 1)  # [heads, q_len, D]
-        pos = torch.arange(seq_len - q_len, seq_len, device=q.device)  # absolute positions of the queries
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= pos[:, None]  # [q_len, L]
-        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[start : start + q_len] = o.transpose(0, 1).to(q.dtype)
-        start += q_len
-    return out
+    return reference.paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, scale, k_scale, v_scale)

@@ -125,3 +125,37 @@ def paged_attention(
         scores = torch.einsum("hd,lhd->hl", q[i].float(), k) * scale  # [H, L]
         out[i] = torch.einsum("hl,lhd->hd", scores.softmax(dim=-1), v).to(q.dtype)
     return out
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_lens: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention for the new tokens of several sequences: q [total_query_tokens,
+    num_heads, head_dim] holds sequence i's last query_lens[i] of its seq_lens[i] cached
+    tokens, back to back. Each sequence's blocks are gathered, dequantised to fp32 and fed
+    to SDPA with a bottom-right causal mask; returns q's shape and dtype."""
+    import torch.nn.functional as F
+
+    out = torch.empty_like(q)
+    start = 0
+    lens, qlens = seq_lens.tolist(), query_lens.tolist()
+    for i, (seq_len, q_len) in enumerate(zip(lens, qlens)):
+        if q_len == 0:
+            continue
+        k = gather_kv(k_cache, block_tables[i], seq_len, k_scale).transpose(0, 1)  # [kv_heads, L, D]
+        v = gather_kv(v_cache, block_tables[i], seq_len, v_scale).transpose(0, 1)
+        qi = q[start : start + q_len].float().transpose(0, 1)  # [heads, q_len, D]
+        pos = torch.arange(seq_len - q_len, seq_len, device=q.device)  # absolute positions of the queries
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= pos[:, None]  # [q_len, L]
+        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start : start + q_len] = o.transpose(0, 1).to(q.dtype)
+        start += q_len
+    return out

@@ -240,6 +240,58 @@ def kv(
     ]))
 
 
+DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+@command
+def generate(
+    model: str = typer.Argument(..., help="Built-in name, local folder, hub id or quantkit checkpoint."),
+    prompt: str = typer.Option(..., "--prompt", "-p", help="The prompt text."),
+    max_tokens: int = typer.Option(128, help="Tokens to generate at most."),
+    temperature: float = typer.Option(0.0, help="0 is greedy."),
+    top_p: float = typer.Option(1.0, help="Nucleus sampling mass."),
+    top_k: int = typer.Option(0, help="Keep the k most likely tokens (0: all)."),
+    seed: Optional[int] = typer.Option(None, help="Seed for sampling."),
+    chat: bool = typer.Option(False, help="Wrap the prompt in the tokenizer's chat template."),
+    dtype: str = typer.Option("auto", help="auto (the checkpoint's), float32, bfloat16 or float16."),
+):
+    """Stream a completion to the terminal through the engine, then print TTFT, TPOT and tokens/s."""
+    import torch
+
+    from quantkit.runtime.engine import LLM
+    from quantkit.runtime.sequence import SamplingParams
+
+    if dtype not in DTYPES:
+        raise QuantkitError(f"--dtype {dtype!r} is unknown; use one of {', '.join(DTYPES)}.")
+    llm = LLM(model, dtype=getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else None, max_num_seqs=1)
+    if chat:
+        if not getattr(llm.tokenizer, "chat_template", None):
+            raise QuantkitError(f"{model} has no chat template; drop --chat.")
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                   add_generation_prompt=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    request = llm.add_request(prompt, params)
+    shown = ""
+    output = None
+    while llm.has_unfinished():
+        for o in llm.step():
+            if o.request_id == request:
+                output = o
+                text = llm.tokenizer.decode(o.token_ids, skip_special_tokens=True)
+                if not text.endswith("\ufffd"):  # wait for the rest of a multibyte character
+                    out.print(text[len(shown):], end="", markup=False, highlight=False, soft_wrap=True)
+                    shown = text
+    out.print()
+    n = len(output.token_ids)
+    total = output.finish_time - output.arrival_time
+    out.print(_table("generation", [
+        ("tokens", f"{len(output.prompt_token_ids)} prompt, {n} generated ({output.finish_reason})"),
+        ("TTFT", f"{1000 * output.ttft:.1f} ms"),
+        ("TPOT", f"{1000 * output.tpot:.1f} ms" if output.tpot else "–"),
+        ("throughput", f"{n / total:.1f} tokens/s"),
+    ]))
+
+
 @command
 def export(
     checkpoint: Path = typer.Argument(..., help="A quantkit (compressed-tensors pack-quantized) checkpoint."),

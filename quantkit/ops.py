@@ -47,6 +47,12 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale=
     return (k or reference).paged_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
 
 
+def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, scale, k_scale=None, v_scale=None):
+    """Causal attention of the new tokens of several sequences over their cached blocks
+    (gathered blocks + SDPA on every backend); see `quantkit.kernels.reference.paged_prefill`."""
+    return reference.paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, scale, k_scale, v_scale)
+
+
 def kv_store(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None, backend: str = "auto") -> None:
     """Write new keys/values into their cache slots, quantising on the way; see `quantkit.kernels.kv_store`."""
     m = _triton(backend, "kv_store", k)

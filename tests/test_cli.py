@@ -90,3 +90,14 @@ def test_fp8_and_kv_commands(tiny_llama, tiny_corpus, tmp_path):
                             "-o", str(tmp_path / "x")])
     assert r.exit_code == 2 and "KV-cache type 'fp4' is unknown" in " ".join(r.output.split())
     assert not (tmp_path / "kv2").exists() and not (tmp_path / "x").exists()
+
+
+def test_generate_streams_and_reports_timings(tiny_llama):
+    r = runner.invoke(app, ["generate", str(tiny_llama), "--prompt", "The quick brown fox", "--max-tokens", "5"])
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.stdout.split())
+    assert "TTFT" in text and "TPOT" in text and "tokens/s" in text and "generated" in text
+    r = runner.invoke(app, ["generate", str(tiny_llama), "--prompt", "x", "--dtype", "int3"])
+    assert r.exit_code == 2 and "--dtype 'int3' is unknown" in " ".join(r.output.split())
+    r = runner.invoke(app, ["generate", str(tiny_llama), "--prompt", "x", "--max-tokens", "0"])
+    assert r.exit_code == 2 and "max_tokens must be at least 1" in " ".join(r.output.split())

@@ -1,0 +1,199 @@
+"""The engine: continuous batching over the paged KV cache.
+
+    llm = LLM("out/smollm2-awq")
+    outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
+
+Each `step` asks the scheduler what to run, builds one flat batch of prefill and decode
+tokens, runs the model, samples one token per finished prefill or decode, and hands the
+tokens back to the scheduler (which stops sequences and frees their blocks).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.models.loading import load_tokenizer, resolve_model
+from quantkit.progress import Track, no_progress
+from quantkit.runtime.block_manager import BlockManager
+from quantkit.runtime.loader import load
+from quantkit.runtime.model_runner import Batch, ModelRunner, check_supported, kv_bytes_per_block
+from quantkit.runtime.sampling import Sampler
+from quantkit.runtime.scheduler import Scheduler, SchedulerOutput
+from quantkit.runtime.sequence import SamplingParams, Sequence
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A finished (or streaming) request: text and ids so far, why it stopped, timings."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list | None = None
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        if len(self.token_times) < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+
+def num_blocks_for(config, kv_cache_memory: float, block_size: int, dtype: torch.dtype) -> int:
+    """Blocks that fit in `kv_cache_memory`: bytes when > 1, else a fraction of free RAM/VRAM."""
+    if kv_cache_memory <= 0:
+        raise QuantkitError(f"--kv-cache-memory must be positive, got {kv_cache_memory}.")
+    if kv_cache_memory <= 1:
+        import os
+
+        kv_cache_memory *= os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    n = int(kv_cache_memory // kv_bytes_per_block(config, block_size, dtype))
+    if n < 2:
+        raise QuantkitError(f"--kv-cache-memory {kv_cache_memory:.0f} bytes holds fewer than 2 KV blocks; give more.")
+    return n
+
+
+class LLM:
+    """Offline engine over a float model or a quantkit checkpoint."""
+
+    def __init__(self, model: str, dtype: torch.dtype | None = None, kv_cache_memory: float = 1 << 30,
+                 block_size: int = 16, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 enable_prefix_caching: bool = True, num_blocks: int | None = None):
+        path = resolve_model(model)
+        self.model = load(path, dtype)
+        check_supported(self.model)
+        self.tokenizer = load_tokenizer(path)
+        kv_dtype = self.model.get_input_embeddings().weight.dtype
+        num_blocks = num_blocks or num_blocks_for(self.model.config, kv_cache_memory, block_size, kv_dtype)
+        self.runner = ModelRunner(self.model, num_blocks, block_size)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        eos = self.model.generation_config.eos_token_id if getattr(self.model, "generation_config", None) else None
+        eos = eos if eos is not None else self.tokenizer.eos_token_id
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, eos_token_id=eos)
+        self.sampler = Sampler()
+        self.context = getattr(self.model.config, "max_position_embeddings", None) or 1 << 30
+        self._ids = itertools.count()
+        self.outputs: dict[int, RequestOutput] = {}
+        self.seqs: dict[int, Sequence] = {}
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        return list(prompt) if not isinstance(prompt, str) else self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
+        """Queue a request; returns its id."""
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        if len(ids) + params.max_tokens > self.context:
+            raise QuantkitError(f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
+                                f"model's context of {self.context} tokens; shorten one of them.")
+        seq = Sequence(next(self._ids), ids, params)
+        self.scheduler.add(seq)
+        self.seqs[seq.seq_id] = seq
+        self.outputs[seq.seq_id] = RequestOutput(seq.seq_id, ids, [], "", None, [] if params.logprobs is not None
+                                                 else None, time.perf_counter())
+        return seq.seq_id
+
+    def abort(self, request_id: int) -> None:
+        seq = self.scheduler.abort(request_id)
+        if seq is not None:
+            self.outputs[request_id].finish_reason = "abort"
+            self._release(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def _release(self, request_id: int) -> None:
+        self.seqs.pop(request_id, None)
+        self.sampler.forget(request_id)
+
+    def _batch(self, out: SchedulerOutput) -> Batch:
+        bm, ids, pos, slots = self.block_manager, [], [], []
+        pre_tables, pre_lens, pre_q, index = [], [], [], {}
+        for seq, n in out.prefill:
+            start = seq.num_computed_tokens
+            tokens = seq.token_ids
+            ids += tokens[start:start + n]
+            pos += range(start, start + n)
+            slots += [bm.slot(seq, p) for p in range(start, start + n)]
+            pre_tables.append(seq.block_table)
+            pre_lens.append(start + n)
+            pre_q.append(n)
+            index[seq.seq_id] = len(ids) - 1
+        for seq in out.decode:
+            ids.append(seq.last_token)
+            pos.append(seq.num_tokens - 1)
+            slots.append(bm.slot(seq, seq.num_tokens - 1))
+            index[seq.seq_id] = len(ids) - 1
+        dev = self.runner.device
+
+        def table(rows):
+            width = max((len(r) for r in rows), default=0)
+            return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32, device=dev) \
+                if rows else torch.zeros(0, 1, dtype=torch.int32, device=dev)
+
+        def ints(values, dtype=torch.int64):
+            return torch.tensor(values, dtype=dtype, device=dev)
+
+        return Batch(ints(ids), ints(pos), ints(slots), table(pre_tables), ints(pre_lens, torch.int32),
+                     ints(pre_q, torch.int32), table([s.block_table for s in out.decode]),
+                     ints([s.num_tokens for s in out.decode], torch.int32),
+                     ints([index[s.seq_id] for s in out.sampled]))
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; returns the outputs of the requests that got a token."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        self.runner.copy_blocks(out.copies)
+        logits = self.runner.forward(self._batch(out))
+        tokens, records = self.sampler.sample(logits, [(s.seq_id, s.params) for s in out.sampled])
+        self.scheduler.postprocess(out, tokens)
+        now = time.perf_counter()
+        touched = []
+        for seq, token, record in zip(out.sampled, tokens, records):
+            o = self.outputs[seq.seq_id]
+            if o.finish_reason == "abort":
+                continue
+            o.token_ids = list(seq.output_token_ids)
+            o.token_times.append(now)
+            o.first_token_time = o.first_token_time or now
+            if record is not None:
+                o.logprobs.append(record)
+            if seq.params.stop or seq.is_finished:
+                o.text = self.tokenizer.decode(o.token_ids, skip_special_tokens=True)
+            hit = next((s for s in seq.params.stop if s in o.text), None)
+            if hit is not None:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, "stop")
+                o.text = o.text[: o.text.index(hit)]
+            if seq.is_finished:
+                o.finish_reason, o.finish_time = seq.finish_reason, now
+                self._release(seq.seq_id)
+            touched.append(o)
+        return touched
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 track: Track = no_progress) -> list[RequestOutput]:
+        """Run the prompts to completion together; outputs in prompt order."""
+        params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        steps = iter(int, 1)  # forever, until nothing is left
+        for _ in track(steps, "generating", None):
+            if not self.has_unfinished():
+                break
+            self.step()
+        return [self.outputs.pop(i) for i in ids]
