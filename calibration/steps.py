@@ -160,17 +160,38 @@ def _owner(spec: ArchSpec, name: str) -> str:
     return next(g[0] for g in spec.sequential if name in g)
 
 
-def _module_output(module: nn.Module, linears: list[nn.Linear], x: torch.Tensor, n_tokens: int):
-    """output_fn for the AWQ search: `module`'s output on evenly spaced tokens of x with
-    the linears' weights swapped for the candidates."""
-    xs = x[:: max(1, x.shape[0] // n_tokens)][:n_tokens]  # xs [n, ci]
+@torch.no_grad()
+def _capture_calls(block: nn.Module, modules: dict[str, nn.Module], inputs: BlockInputs, max_tokens: int):
+    """The (args, kwargs) each named module receives on the first calibration batches,
+    at least `max_tokens` tokens' worth (whole sequences, so attention can run on them)."""
+    calls = {name: [] for name in modules}
+    hooks = [m.register_forward_pre_hook(lambda mod, a, kw, name=name: calls[name].append((a, dict(kw))),
+                                         with_kwargs=True) for name, m in modules.items()]
+    try:
+        seen = 0
+        for h, kw in zip(inputs.hidden, inputs.kwargs):
+            if seen >= max_tokens:
+                break
+            block(h, **kw)
+            seen += h.shape[0] * h.shape[1]
+    finally:
+        for h in hooks:
+            h.remove()
+    return calls
+
+
+def _module_output(module: nn.Module, linears: list[nn.Linear], calls: list):
+    """output_fn for the AWQ search: `module`'s output on its captured calls with the
+    linears' weights swapped for the candidates."""
 
     def output_fn(weights: list[torch.Tensor]) -> torch.Tensor:
         saved = [l.weight.data for l in linears]
         for l, w in zip(linears, weights):
             l.weight.data = w
         try:
-            return module(xs)
+            outs = [module(*args, **kwargs) for args, kwargs in calls]
+            outs = [o[0] if isinstance(o, tuple) else o for o in outs]  # attention returns (output, weights)
+            return torch.cat([o.reshape(-1, o.shape[-1]) for o in outs])
         finally:
             for l, w in zip(linears, saved):
                 l.weight.data = w
@@ -191,6 +212,8 @@ def awq_step(spec: ArchSpec, scheme: QuantScheme, scale_dtype, results: dict, lo
     def step(index: int, prefix: str, block: nn.Module, inputs: BlockInputs | None) -> None:
         names = _targets(spec, scheme, prefix, spec.linears)
         feats = _group_inputs(spec, block, names, inputs, search_tokens) if loaded is None else {}
+        inspected = {m.inspect: get_module(block, m.inspect) for m in spec.awq if m.inspect}
+        calls = _capture_calls(block, inspected, inputs, module_tokens) if loaded is None and inspected else {}
         for m, prev, linears in _mappings(spec, block, names):
             key = f"{prefix}.{m.prev}.awq_scales"
             if loaded is not None:
@@ -200,8 +223,7 @@ def awq_step(spec: ArchSpec, scheme: QuantScheme, scale_dtype, results: dict, lo
                 scales = loaded[key].float()
             else:
                 x = feats[_owner(spec, m.linears[0])]
-                output_fn = _module_output(get_module(block, m.inspect), linears, x, module_tokens) \
-                    if m.inspect else None
+                output_fn = _module_output(inspected[m.inspect], linears, calls[m.inspect]) if m.inspect else None
                 scales = awq.search_scales(x, [l.weight.data for l in linears], args, grid, duo, output_fn,
                                            scale_dtype=scale_dtype, name=f"{prefix}.{m.prev}").scales
                 feats[_owner(spec, m.linears[0])] = x / scales

@@ -14,8 +14,8 @@ class Mapping:
 
     prev: str  # a norm or linear inside the block whose output feeds `linears`
     linears: tuple[str, ...]
-    # the module whose output the scale search minimises the error of, when it runs on
-    # single tokens (an MLP); None: the linears' own outputs (attention needs whole sequences)
+    # the module whose output the scale search minimises the error of (run on whole
+    # calibration sequences); None: the linears' own outputs
     inspect: str | None = None
 
 
@@ -48,7 +48,7 @@ LLAMA = ArchSpec(
         ("mlp.down_proj",),
     ),
     awq=(
-        Mapping("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        Mapping("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), inspect="self_attn"),
         Mapping("self_attn.v_proj", ("self_attn.o_proj",)),
         Mapping("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), inspect="mlp"),
         Mapping("mlp.up_proj", ("mlp.down_proj",)),
