@@ -42,8 +42,12 @@ def test_rtn_checkpoint_loads_to_the_fake_quantized_model(tiny_llama, tmp_path, 
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_transformers_loads_symmetric_checkpoint_unchanged(tiny_llama, tmp_path):
-    quantize(str(tiny_llama), preset("w4a16").with_group_size(32), tmp_path / "q")
+@pytest.mark.parametrize("algorithm", ["rtn", "awq", "gptq"])
+def test_transformers_loads_symmetric_checkpoint_unchanged(tiny_llama, tiny_corpus, tmp_path, algorithm):
+    from quantkit.quantize import Calibration
+
+    quantize(str(tiny_llama), preset("w4a16").with_group_size(32), tmp_path / "q", algorithm,
+             Calibration(str(tiny_corpus), 4, 32))
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "q").eval()
     ours = quantkit.load(tmp_path / "q")
     with torch.no_grad():
