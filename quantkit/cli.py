@@ -292,6 +292,145 @@ def generate(
     ]))
 
 
+def _report_rows(r: dict) -> list[tuple[str, object]]:
+    def pct(d):
+        return " / ".join(f"{d[k]:.1f}" for k in ("p50", "p90", "p95", "p99")) if d and d.get("p50") is not None else "–"
+
+    rows = [
+        ("requests", f"{r['num_requests']} ({r['input_tokens']} prompt + {r['output_tokens']} output tokens)"),
+        ("duration", f"{r['duration_s']:.1f} s"),
+        ("requests/s", f"{r['requests_per_s']:.3f}"),
+        ("output tokens/s", f"{r['output_tokens_per_s']:.1f}"),
+        ("total tokens/s", f"{r['total_tokens_per_s']:.1f}"),
+        ("TTFT p50/p90/p95/p99 (ms)", pct(r["ttft_ms"])),
+        ("TPOT p50/p90/p95/p99 (ms)", pct(r["tpot_ms"])),
+        ("latency p50/p90/p95/p99 (ms)", pct(r["e2e_ms"])),
+        ("KV usage peak / preemptions", f"{100 * (r.get('kv_usage_peak') or 0):.1f}% / {r.get('preemptions', 0)}"),
+    ]
+    if r.get("goodput_requests_per_s") is not None:
+        rows.append(("goodput (requests/s in SLO)", f"{r['goodput_requests_per_s']:.3f}"))
+    if r.get("cost_per_1m_output_tokens") is not None:
+        rows.append(("cost per 1M output tokens", f"${r['cost_per_1m_output_tokens']:.2f}"))
+    return rows
+
+
+@command
+def serve(
+    model: str = typer.Argument(..., help="Built-in name, local folder, hub id or quantkit checkpoint."),
+    host: str = typer.Option("127.0.0.1", help="Address to bind (loopback by default)."),
+    port: int = typer.Option(8000, help="Port to listen on."),
+    api_key: Optional[str] = typer.Option(None, help="Require `Authorization: Bearer KEY` on /v1 (or QUANTKIT_API_KEY)."),
+    max_num_seqs: int = typer.Option(64, help="Sequences per engine step at most."),
+    max_queue: int = typer.Option(256, help="Requests that may wait beyond those running; more get 429."),
+    kv_cache_memory: float = typer.Option(1 << 30, help="KV-cache bytes (or a fraction of free memory)."),
+    served_model_name: Optional[str] = typer.Option(None, help="The model name clients use (default: MODEL)."),
+    dtype: str = typer.Option("auto", help="auto, float32, bfloat16 or float16."),
+):
+    """An OpenAI-compatible HTTP server (completions, chat, streaming, /metrics) on quantkit's engine."""
+    import torch
+
+    from quantkit.serve.server import serve as run_server
+
+    if dtype not in DTYPES:
+        raise QuantkitError(f"--dtype {dtype!r} is unknown; use one of {', '.join(DTYPES)}.")
+    run_server(model, host, port, api_key, max_num_seqs, max_queue, kv_cache_memory, served_model_name,
+               getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else None)
+
+
+@command
+def bench(
+    model: str = typer.Argument(..., help="Built-in name, local folder, hub id or quantkit checkpoint."),
+    workload: Optional[Path] = typer.Option(None, help="jsonl of {prompt or prompt_token_ids, max_tokens}."),
+    num_requests: int = typer.Option(64, help="Synthetic requests (without --workload)."),
+    input_len: str = typer.Option("32:512", help="Prompt tokens, A:B uniform."),
+    output_len: str = typer.Option("16:256", help="Output tokens, A:B uniform (EOS ignored)."),
+    seed: int = typer.Option(0, help="Seed of the workload and the arrivals."),
+    mode: str = typer.Option("offline", help="offline (all at once) or online (arrivals at --rate)."),
+    rate: float = typer.Option(float("inf"), help="Online: Poisson arrival rate, requests/s (inf: all at once)."),
+    concurrency: Optional[int] = typer.Option(None, help="Online: a closed loop of C clients instead."),
+    url: Optional[str] = typer.Option(None, help="Benchmark a running OpenAI-compatible server instead."),
+    slo_ttft: Optional[float] = typer.Option(None, "--slo-ttft", help="TTFT objective (ms) for goodput."),
+    slo_tpot: Optional[float] = typer.Option(None, "--slo-tpot", help="TPOT objective (ms) for goodput."),
+    gpu_cost_per_hour: Optional[float] = typer.Option(None, help="Machine price, for cost per 1M tokens."),
+    compare: Optional[str] = typer.Option(None, help="hf: also run transformers (one at a time, static batches of 16)."),
+    dtype: str = typer.Option("auto", help="auto, float32, bfloat16 or float16."),
+    max_num_seqs: int = typer.Option(64, help="Engine: sequences per step at most."),
+    kv_cache_memory: float = typer.Option(1 << 30, help="Engine: KV-cache bytes (or a fraction of free memory)."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the report here."),
+    plot: Optional[Path] = typer.Option(None, help="Online: sweep rates and plot latency against throughput (PNG)."),
+):
+    """Throughput, TTFT, TPOT, latency percentiles, goodput and cost of serving a model."""
+    import torch
+
+    from quantkit.eval import bench as b
+    from quantkit.models.loading import load_tokenizer, resolve_model
+
+    if dtype not in DTYPES:
+        raise QuantkitError(f"--dtype {dtype!r} is unknown; use one of {', '.join(DTYPES)}.")
+    if compare not in (None, "hf"):
+        raise QuantkitError(f"--compare {compare!r} is unknown; use hf.")
+    torch_dtype = getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else None
+    slo = {"slo_ttft_ms": slo_ttft, "slo_tpot_ms": slo_tpot, "cost_per_hour": gpu_cost_per_hour}
+    tokenizer = load_tokenizer(resolve_model(model))
+    requests = b.load_workload(workload) if workload else b.synthetic_workload(
+        tokenizer, num_requests, input_len, output_len, seed)
+    with _progress() as track:
+        if url:
+            report = b.run_http(url, requests, rate, concurrency, model, track, seed, **slo)
+        else:
+            from quantkit.runtime.engine import LLM
+
+            llm = LLM(model, dtype=torch_dtype, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs)
+            if plot:
+                rates = [r for r in (0.5, 1, 2, 4, 8) if r < rate] + ([rate] if rate != float("inf") else [])
+                reports = b.sweep(llm, requests, rates, track, seed, **slo)
+                b.plot_sweep(reports, plot)
+            report = b.run(llm, requests, mode, rate, concurrency, track, seed, **slo)
+            if compare == "hf":
+                report["compare"] = b.compare_hf(model, requests, report, torch_dtype, track=track)
+    if json_path:
+        _write_json(json_path, report)
+    out.print(_table(f"bench {model} ({report['mode']})", _report_rows(report)))
+    if report.get("compare"):
+        c = report["compare"]
+        out.print(_table("against transformers (output tokens/s)", [
+            ("hf, one request at a time", f"{c['hf_sequential']['output_tokens_per_s']:.1f} "
+                                          f"(ours ×{c['ratio_vs_hf_sequential']:.2f})"),
+            ("hf, static batches of 16", f"{c['hf_static']['output_tokens_per_s']:.1f} "
+                                         f"(ours ×{c['ratio_vs_hf_static']:.2f})"),
+        ]))
+
+
+@command
+def plan(
+    model: str = typer.Argument(..., help="Built-in name, local folder or hub id (only config.json is read)."),
+    scheme: list[str] = typer.Option(["bf16", "w4a16", "fp8-dynamic"], help="Schemes to compare (repeatable)."),
+    kv_cache: Optional[str] = typer.Option(None, help="KV-cache type: bf16, fp8 or int8."),
+    gpu: str = typer.Option("h100-80gb", help="h100-80gb, a100-80gb, h200, l40s, l4, rtx4090 or cpu."),
+    context: int = typer.Option(4096, help="Tokens per sequence."),
+    gpu_cost_per_hour: Optional[float] = typer.Option(None, help="Overrides the table's illustrative price."),
+):
+    """Memory, concurrent sequences, decode-time bounds and cost per scheme, from the config alone."""
+    from quantkit.eval.plan import model_config
+    from quantkit.eval.plan import plan as make_plan
+
+    rows = make_plan(model_config(model), list(scheme), kv_cache, gpu, context, gpu_cost_per_hour)
+    table = Table(title=f"plan {model} on {gpu}, {context}-token sequences, KV {kv_cache or 'bf16'}",
+                  title_justify="left")
+    for column in ("scheme", "weights", "KV/token", "seqs that fit", "TPOT bound b=1", "TPOT bound full",
+                   "tokens/s full", "$ / 1K tokens"):
+        table.add_column(column)
+    for r in rows:
+        table.add_row(
+            r["scheme"], _mib(r["weight_bytes"]), f"{r['kv_bytes_per_token'] / 1024:.1f} KiB", str(r["max_seqs"]),
+            f"{r['tpot_ms_batch1']:.2f} ms",
+            f"{r['tpot_ms_full']:.2f} ms" if r["tpot_ms_full"] is not None else "–",
+            f"{r['tokens_per_s_full']:.0f}" if r["tokens_per_s_full"] is not None else "–",
+            f"{r['usd_per_1k_output_tokens']:.5f}" if r["usd_per_1k_output_tokens"] is not None else "–",
+        )
+    out.print(table)
+
+
 @command
 def export(
     checkpoint: Path = typer.Argument(..., help="A quantkit (compressed-tensors pack-quantized) checkpoint."),

@@ -101,3 +101,18 @@ def test_generate_streams_and_reports_timings(tiny_llama):
     assert r.exit_code == 2 and "--dtype 'int3' is unknown" in " ".join(r.output.split())
     r = runner.invoke(app, ["generate", str(tiny_llama), "--prompt", "x", "--max-tokens", "0"])
     assert r.exit_code == 2 and "max_tokens must be at least 1" in " ".join(r.output.split())
+
+
+def test_plan_and_bench_commands(tiny_llama, tmp_path):
+    r = runner.invoke(app, ["plan", str(tiny_llama), "--gpu", "l4", "--scheme", "bf16", "--scheme", "w4a16"])
+    assert r.exit_code == 0, r.output
+    assert "w4a16" in r.stdout and "bf16" in r.stdout
+    r = runner.invoke(app, ["plan", str(tiny_llama), "--gpu", "tpu9"])
+    assert r.exit_code == 2 and "tpu9" in r.output
+    r = runner.invoke(app, ["bench", str(tiny_llama), "--num-requests", "3", "--input-len", "4:8", "--output-len",
+                            "2:4", "--kv-cache-memory", "1000000", "--json", str(tmp_path / "b.json")])
+    assert r.exit_code == 0, r.output
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert report["num_requests"] == 3 and report["output_tokens"] >= 6 and report["output_tokens_per_s"] > 0
+    r = runner.invoke(app, ["bench", str(tiny_llama), "--compare", "vllm"])
+    assert r.exit_code == 2 and "--compare 'vllm' is unknown" in " ".join(r.output.split())

@@ -1,0 +1,188 @@
+"""Capacity planning from a model's config.json alone (no weights): weight and KV-cache
+memory per scheme, how many sequences fit on a GPU, and the memory-bandwidth lower
+bounds on decode latency, throughput and cost. Bounds, not measurements: real engines
+land above these latencies (`quantkit bench` measures them)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from quantkit.errors import QuantkitError
+from quantkit.scheme import PRESETS, QuantArgs
+
+FLOAT_BYTES = 2  # serving dtype (bf16/fp16) of everything left unquantized
+KV_BYTES = {None: 2, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
+FLOAT_SCHEMES = ("bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class GPU:
+    """Public spec-sheet numbers (dense TFLOP/s). `usd_per_hour` is an illustrative cloud
+    price, not a quote: pass `cost_per_hour` for your own."""
+
+    memory: float  # bytes
+    bandwidth: float  # bytes/s
+    bf16_tflops: float
+    fp8_tflops: float | None  # None: no fp8 tensor cores (fp8 runs weight-only, bf16 math)
+    usd_per_hour: float
+
+
+GB = 1e9
+GPUS: dict[str, GPU] = {
+    "h100-80gb": GPU(80 * GB, 3.35e12, 989, 1979, 2.99),
+    "a100-80gb": GPU(80 * GB, 2.0e12, 312, None, 1.79),
+    "h200": GPU(141 * GB, 4.8e12, 989, 1979, 3.79),
+    "l40s": GPU(48 * GB, 864 * GB, 362, 733, 1.29),
+    "l4": GPU(24 * GB, 300 * GB, 121, 242, 0.80),
+    "rtx4090": GPU(24 * GB, 1.0e12, 165, 330, 0.69),
+    "cpu": GPU(24 * GB, 22 * GB, 0.2, None, 0.10),  # a small cloud VM, roughly
+}
+
+
+def linear_shapes(config: dict) -> dict[str, tuple[int, int]]:
+    """[out, in] of the linears of one decoder block (Llama/Mistral/Qwen2 layout)."""
+    h, inter = config["hidden_size"], config["intermediate_size"]
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    hd = config.get("head_dim") or h // heads
+    return {"q_proj": (heads * hd, h), "k_proj": (kv_heads * hd, h), "v_proj": (kv_heads * hd, h),
+            "o_proj": (h, heads * hd), "gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}
+
+
+def _float_params(config: dict) -> int:
+    """Parameters that stay in float: embeddings, lm_head, norms, biases."""
+    h, vocab, shapes = config["hidden_size"], config["vocab_size"], linear_shapes(config)
+    biased = set()
+    if config.get("attention_bias") or config.get("model_type") == "qwen2":
+        biased |= {"q_proj", "k_proj", "v_proj"} | ({"o_proj"} if config.get("attention_bias") else set())
+    if config.get("mlp_bias"):
+        biased |= {"gate_proj", "up_proj", "down_proj"}
+    per_block = 2 * h + sum(shapes[n][0] for n in biased)  # two norms + biases
+    heads = 1 if config.get("tie_word_embeddings", False) else 2
+    return config["num_hidden_layers"] * per_block + h + heads * vocab * h
+
+
+def param_count(config: dict) -> int:
+    """All parameters of the model described by `config` (HF config.json dict)."""
+    linear = sum(o * i for o, i in linear_shapes(config).values())
+    return config["num_hidden_layers"] * linear + _float_params(config)
+
+
+def linear_bytes(out: int, inp: int, args: QuantArgs | None, static_input: bool = False) -> float:
+    """Bytes of one [out, in] linear in memory: values, scales (and zero points)."""
+    if args is None:
+        return out * inp * FLOAT_BYTES
+    scale_bytes = 4 if args.type == "float" else FLOAT_BYTES  # fp8 scales are fp32, int scales model dtype
+    scales = {"group": out * math.ceil(inp / (args.group_size or inp)), "channel": out}.get(args.strategy, 1)
+    total = out * inp * args.num_bits / 8 + scales * scale_bytes + (4 if static_input else 0)
+    if not args.symmetric:  # zero points, packed like the weights
+        total += scales * args.num_bits / 8
+    return total
+
+
+def weight_bytes(config: dict, scheme: str) -> float:
+    """Bytes of all weights with the block linears quantized per `scheme`."""
+    args, static_input = _scheme_args(scheme)
+    block = sum(linear_bytes(o, i, args, static_input) for o, i in linear_shapes(config).values())
+    return config["num_hidden_layers"] * block + _float_params(config) * FLOAT_BYTES
+
+
+def kv_bytes_per_token(config: dict, kv_cache: str | None = None) -> int:
+    """2 (K and V) × layers × KV heads × head_dim × bytes per element."""
+    if kv_cache not in KV_BYTES:
+        raise QuantkitError(f"unknown KV-cache type {kv_cache!r}; use one of: bf16, fp16, fp8, int8.")
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    hd = config.get("head_dim") or config["hidden_size"] // heads
+    return 2 * config["num_hidden_layers"] * kv_heads * hd * KV_BYTES[kv_cache]
+
+
+def _scheme_args(scheme: str) -> tuple[QuantArgs | None, bool]:
+    if scheme in FLOAT_SCHEMES:
+        return None, False
+    known = [n for n, p in PRESETS.items() if p.weights is not None]
+    if scheme not in known:
+        options = ", ".join(FLOAT_SCHEMES + tuple(known))
+        raise QuantkitError(f"unknown scheme {scheme!r} for planning; use one of: {options}.")
+    p = PRESETS[scheme]
+    return p.weights, p.input_activations is not None and not p.input_activations.dynamic
+
+
+def gpu_spec(name: str) -> GPU:
+    try:
+        return GPUS[name]
+    except KeyError:
+        raise QuantkitError(f"unknown GPU {name!r}; use one of: {', '.join(GPUS)}.") from None
+
+
+def plan(config: dict, schemes: list[str] = ("bf16", "w4a16", "fp8-dynamic"), kv_cache: str | None = None,
+         gpu: str = "h100-80gb", context: int = 4096, cost_per_hour: float | None = None, *,
+         memory: float | None = None, bandwidth: float | None = None, memory_utilization: float = 0.9,
+         max_num_seqs: int | None = None) -> list[dict]:
+    """One row per scheme: memory, sequences of `context` tokens that fit in
+    `memory_utilization` of the GPU, and lower bounds on decode TPOT (all weights, and
+    at full batch all KV too, read once per step), throughput and cost per 1K output
+    tokens at full batch; `prefill_ms` is the compute bound on one `context`-token prompt.
+    `memory` (bytes) and `bandwidth` (bytes/s) override the GPU table; `max_num_seqs`
+    caps the batch as an engine's scheduler would."""
+    config = {**config, **(config.get("text_config") or {})}
+    spec = gpu_spec(gpu)
+    if context < 1 or not 0 < memory_utilization <= 1:
+        raise QuantkitError(f"need context >= 1 and 0 < memory utilization <= 1, got {context}, {memory_utilization}.")
+    try:
+        params, kv_token = param_count(config), kv_bytes_per_token(config, kv_cache)
+    except KeyError as e:
+        raise QuantkitError(f"config.json lacks {e.args[0]!r}; planning needs a decoder-only LM config.") from None
+    memory, bandwidth = memory or spec.memory, bandwidth or spec.bandwidth
+    price = spec.usd_per_hour if cost_per_hour is None else cost_per_hour
+    rows = []
+    for scheme in schemes:
+        weights = weight_bytes(config, scheme)
+        seqs = max(0, int((memory * memory_utilization - weights) // (kv_token * context)))
+        seqs = min(seqs, max_num_seqs) if max_num_seqs else seqs
+        args, _ = _scheme_args(scheme)
+        fp8_math = args is not None and args.type == "float" and spec.fp8_tflops is not None
+        attention = 2 * config["num_hidden_layers"] * context**2 * linear_shapes(config)["q_proj"][0]  # causal QK, PV
+        flops = 2 * params * context + attention
+        tpot_full = (weights + seqs * context * kv_token) / bandwidth if seqs else None
+        tokens_s = seqs / tpot_full if seqs else None
+        rows.append({
+            "scheme": scheme, "gpu": gpu, "context": context, "kv_cache": kv_cache or "bf16",
+            "params": params, "weight_bytes": weights, "kv_bytes_per_token": kv_token,
+            "kv_bytes_per_seq": kv_token * context, "max_seqs": seqs, "fits": seqs > 0,
+            "weights_fit": weights <= memory * memory_utilization,
+            "tpot_ms_batch1": weights / bandwidth * 1e3,
+            "tpot_ms_full": tpot_full * 1e3 if seqs else None,
+            "tokens_per_s_full": tokens_s,
+            "prefill_ms": flops / ((spec.fp8_tflops if fp8_math else spec.bf16_tflops) * 1e12) * 1e3,
+            "cost_per_hour": price,
+            "usd_per_1k_output_tokens": price / 3600 / tokens_s * 1000 if seqs else None,
+        })
+    return rows
+
+
+def model_config(name_or_path: str) -> dict:
+    """config.json of a local folder, a built-in model or a hub id (fetches only config.json)."""
+    from pathlib import Path
+
+    from quantkit.models.loading import BUILTIN_MODELS, read_config, resolve_model
+
+    if name_or_path in BUILTIN_MODELS or Path(name_or_path).expanduser().exists() \
+            or str(name_or_path).startswith((".", "/", "~")):
+        return read_config(resolve_model(name_or_path))
+    from huggingface_hub import hf_hub_download
+
+    from quantkit.hub import hub_reachable
+
+    for offline in (True, False):
+        if not offline and not hub_reachable():
+            break
+        try:
+            return read_config(Path(hf_hub_download(name_or_path, "config.json", local_files_only=offline)).parent)
+        except QuantkitError:
+            raise
+        except Exception:
+            continue
+    raise QuantkitError(f"could not get config.json of {name_or_path!r} (not a local folder, not cached, "
+                        "and the hub is unreachable or has no such model); check the name.")

@@ -1,0 +1,92 @@
+"""`quantkit plan` arithmetic against hand-computed cases from public configs."""
+
+import math
+
+import pytest
+
+from quantkit.errors import QuantkitError
+from quantkit.eval.plan import GPUS, kv_bytes_per_token, model_config, param_count, plan, weight_bytes
+
+LLAMA2_7B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+             "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+             "tie_word_embeddings": False}
+LLAMA2_70B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 8192, "intermediate_size": 28672,
+              "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+              "tie_word_embeddings": False}
+SMOLLM2_135M = {"model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+                "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+                "tie_word_embeddings": True}
+# widths divisible by 128: q 256x256, k/v 128x256, o 256x256, gate/up 512x256, down 256x512
+SMALL = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+SMALL_LINEAR = 256 * 256 + 2 * 128 * 256 + 256 * 256 + 3 * 512 * 256  # 589,824 weights per block
+SMALL_FLOAT = 2 * 2 * 256 + 256 + 2 * 1000 * 256  # norms, final norm, embed + lm_head
+
+
+def test_parameter_counts():
+    assert param_count(SMOLLM2_135M) == 134_515_008
+    assert param_count(LLAMA2_7B) == 6_738_415_616
+    assert param_count(SMALL) == 2 * SMALL_LINEAR + SMALL_FLOAT
+    # qwen2 carries q/k/v biases
+    assert param_count({**SMALL, "model_type": "qwen2"}) == param_count(SMALL) + 2 * (256 + 128 + 128)
+
+
+def test_kv_bytes_per_token():
+    assert kv_bytes_per_token(LLAMA2_70B) == 2 * 80 * 8 * 128 * 2 == 320 * 1024
+    assert kv_bytes_per_token(LLAMA2_70B, "fp8") == 160 * 1024
+    assert kv_bytes_per_token(SMOLLM2_135M) == 2 * 30 * 3 * 64 * 2
+
+
+def test_weight_bytes_by_hand():
+    assert weight_bytes(SMALL, "bf16") == (2 * SMALL_LINEAR + SMALL_FLOAT) * 2
+    # 4 bits + one 16-bit scale per 128 weights = 4.125 bits per weight
+    assert weight_bytes(SMALL, "w4a16") == 2 * SMALL_LINEAR * 4.125 / 8 + SMALL_FLOAT * 2 == 1_634_816
+    # asymmetric adds a 4-bit zero point per group
+    assert weight_bytes(SMALL, "w4a16-asym") == weight_bytes(SMALL, "w4a16") + 2 * SMALL_LINEAR / 128 / 2
+    # fp8 per channel: 1 byte per weight + an fp32 scale per output row
+    rows = 256 + 128 + 128 + 256 + 512 + 512 + 256
+    assert weight_bytes(SMALL, "fp8-dynamic") == 2 * (SMALL_LINEAR + rows * 4) + SMALL_FLOAT * 2
+
+
+def test_seqs_tpot_and_cost():
+    bf16, w4 = plan(LLAMA2_70B, ["bf16", "w4a16"], gpu="h100-80gb", context=4096, cost_per_hour=3.6)
+    assert bf16["max_seqs"] == 0 and not bf16["fits"] and bf16["tpot_ms_full"] is None  # 138 GB > 72 GB
+    kv_seq = 327_680 * 4096
+    assert w4["kv_bytes_per_seq"] == kv_seq
+    assert w4["max_seqs"] == math.floor((80e9 * 0.9 - w4["weight_bytes"]) / kv_seq) > 0
+    assert w4["tpot_ms_batch1"] == pytest.approx(w4["weight_bytes"] / 3.35e12 * 1e3)
+    full = (w4["weight_bytes"] + w4["max_seqs"] * kv_seq) / 3.35e12
+    assert w4["tpot_ms_full"] == pytest.approx(full * 1e3)
+    assert w4["tokens_per_s_full"] == pytest.approx(w4["max_seqs"] / full)
+    assert w4["usd_per_1k_output_tokens"] == pytest.approx(3.6 / 3600 / w4["tokens_per_s_full"] * 1000)
+    # 7B in bf16 on an H100 at batch 1: 13.5 GB read per token, about 4 ms
+    (row,) = plan(LLAMA2_7B, ["bf16"])
+    assert row["tpot_ms_batch1"] == pytest.approx(6_738_415_616 * 2 / 3.35e12 * 1e3)
+    assert row["cost_per_hour"] == GPUS["h100-80gb"].usd_per_hour
+
+
+def test_fp8_kv_and_overrides():
+    (bf16_kv,) = plan(LLAMA2_7B, ["w4a16"], gpu="l40s", context=2048)
+    (fp8_kv,) = plan(LLAMA2_7B, ["w4a16"], kv_cache="fp8", gpu="l40s", context=2048)
+    assert fp8_kv["kv_bytes_per_token"] * 2 == bf16_kv["kv_bytes_per_token"]
+    assert fp8_kv["max_seqs"] >= 2 * bf16_kv["max_seqs"]
+    (custom,) = plan(LLAMA2_7B, ["bf16"], memory=200e9, bandwidth=1e12)
+    assert custom["tpot_ms_batch1"] == pytest.approx(6_738_415_616 * 2 / 1e12 * 1e3)
+    (capped,) = plan(SMOLLM2_135M, ["bf16"], max_num_seqs=64)
+    assert capped["max_seqs"] == 64 and plan(SMOLLM2_135M, ["bf16"])[0]["max_seqs"] > 64
+    (too_big,) = plan(LLAMA2_70B, ["bf16"], gpu="l4")
+    assert not too_big["weights_fit"] and not too_big["fits"] and too_big["usd_per_1k_output_tokens"] is None
+
+
+def test_errors_name_the_options(tiny_llama):
+    with pytest.raises(QuantkitError, match="h100-80gb"):
+        plan(SMALL, ["bf16"], gpu="tpu-v9")
+    with pytest.raises(QuantkitError, match="w4a16"):
+        plan(SMALL, ["int3"])
+    with pytest.raises(QuantkitError, match="fp8"):
+        plan(SMALL, ["bf16"], kv_cache="int2")
+    with pytest.raises(QuantkitError, match="intermediate_size"):
+        plan({k: v for k, v in SMALL.items() if k != "intermediate_size"}, ["bf16"])
+    assert param_count(model_config(str(tiny_llama))) > 0
+    with pytest.raises(QuantkitError):
+        model_config("/no/such/model")
