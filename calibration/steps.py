@@ -201,7 +201,8 @@ def _module_output(module: nn.Module, linears: list[nn.Linear], calls: list):
 
 def awq_step(spec: ArchSpec, scheme: QuantScheme, scale_dtype, results: dict, log: Callable | None = None,
              grid: int = 20, duo: bool = False, clip: bool = True, search_tokens: int = 16384,
-             module_tokens: int = 4096, loaded: dict | None = None, record: dict | None = None) -> Step:
+             module_loss: bool = False, module_tokens: int = 4096, loaded: dict | None = None,
+             record: dict | None = None) -> Step:
     """AWQ: per mapping (norm → q,k,v; v → o when shapes allow; norm → gate,up; up → down)
     search activation-aware scales and fold them into the previous op, then search
     per-group clipping for each linear (not q/k, whose errors the attention softmax
@@ -212,7 +213,7 @@ def awq_step(spec: ArchSpec, scheme: QuantScheme, scale_dtype, results: dict, lo
     def step(index: int, prefix: str, block: nn.Module, inputs: BlockInputs | None) -> None:
         names = _targets(spec, scheme, prefix, spec.linears)
         feats = _group_inputs(spec, block, names, inputs, search_tokens) if loaded is None else {}
-        inspected = {m.inspect: get_module(block, m.inspect) for m in spec.awq if m.inspect}
+        inspected = {m.inspect: get_module(block, m.inspect) for m in spec.awq if m.inspect and module_loss}
         calls = _capture_calls(block, inspected, inputs, module_tokens) if loaded is None and inspected else {}
         for m, prev, linears in _mappings(spec, block, names):
             key = f"{prefix}.{m.prev}.awq_scales"
@@ -223,7 +224,8 @@ def awq_step(spec: ArchSpec, scheme: QuantScheme, scale_dtype, results: dict, lo
                 scales = loaded[key].float()
             else:
                 x = feats[_owner(spec, m.linears[0])]
-                output_fn = _module_output(inspected[m.inspect], linears, calls[m.inspect]) if m.inspect else None
+                output_fn = _module_output(inspected[m.inspect], linears, calls[m.inspect]) \
+                    if m.inspect in inspected else None
                 scales = awq.search_scales(x, [l.weight.data for l in linears], args, grid, duo, output_fn,
                                            scale_dtype=scale_dtype, name=f"{prefix}.{m.prev}").scales
                 feats[_owner(spec, m.linears[0])] = x / scales

@@ -140,6 +140,8 @@ def awq(
     grid: int = typer.Option(20, help="Points of the scale-exponent grid in [0, 1)."),
     duo: bool = typer.Option(False, help="Blend weight magnitudes into the scales (duo scaling)."),
     clip: bool = typer.Option(True, help="Search per-group clipping ranges (not for q/k)."),
+    module_loss: bool = typer.Option(False, help="Score q,k,v scales on the attention output and gate,up on the "
+                                     "MLP output (slower) instead of the linears' own outputs."),
     save_search: Optional[Path] = typer.Option(None, help="Write the found scales and clips (safetensors)."),
     load_search: Optional[Path] = typer.Option(None, help="Apply a saved search instead of calibrating."),
     kv_cache: Optional[str] = KV, kv_per_head: bool = KV_PER_HEAD,
@@ -149,7 +151,8 @@ def awq(
     from quantkit.quantize import Calibration
 
     _quantize("awq", model, output, scheme, group_size, overwrite, device, Calibration(calib, samples, seq_len, seed),
-              {"grid": grid, "duo": duo, "clip": clip, "save_search": save_search, "load_search": load_search},
+              {"grid": grid, "duo": duo, "clip": clip, "module_loss": module_loss, "save_search": save_search,
+               "load_search": load_search},
               kv_cache=kv_cache, kv_per_head=kv_per_head)
 
 

@@ -45,14 +45,15 @@ def test_awq_folding_keeps_the_float_function(tiny_llama, monkeypatch):
     assert len(results) == 14
 
 
-@pytest.mark.parametrize("algorithm,bound", [("gptq", 0.85), ("awq", 0.95)])  # measured 0.65-0.71, 0.79-0.84
+@pytest.mark.parametrize("algorithm,options,bound", [("gptq", {}, 0.85), ("awq", {}, 0.95),
+                                                      ("awq", {"module_loss": True}, 0.95)])
 @pytest.mark.parametrize("name", ["w4a16", "w4a16-asym"])
-def test_beats_rtn_on_calibration_data(tiny_llama, algorithm, bound, name):
+def test_beats_rtn_on_calibration_data(tiny_llama, algorithm, options, bound, name):
     scheme = preset(name).with_group_size(32)
     float_model = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
     ids = calibration_ids()
     rtn_error = logits_error(run(tiny_llama, "rtn", scheme)[0], float_model, ids)
-    error = logits_error(run(tiny_llama, algorithm, scheme)[0], float_model, ids)
+    error = logits_error(run(tiny_llama, algorithm, scheme, **options)[0], float_model, ids)
     assert error < bound * rtn_error
 
 
