@@ -61,10 +61,6 @@ def _quantized_linear(linear: nn.Linear, scheme, dtype: torch.dtype, path: Path)
                         f"{' with quantized activations' if acts else ''}; quantkit loads {', '.join(SUPPORTED)}.")
 
 
-def is_quantized(path: Path) -> bool:
-    return getattr(check_causal_lm(path), "quantization_config", None) is not None
-
-
 def load(path: str | os.PathLike, dtype: torch.dtype | None = None) -> nn.Module:
     """A model in eval mode on the CPU: float models through transformers, compressed-
     tensors `pack-quantized` checkpoints with `PackedInt4Linear` modules and
