@@ -45,8 +45,7 @@ def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of K and V for one block across all layers."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return 2 * config.num_hidden_layers * block_size * kv_heads * head_dim * torch.finfo(dtype).bits // 8 \
-        if dtype.is_floating_point else 2 * config.num_hidden_layers * block_size * kv_heads * head_dim
+    return 2 * config.num_hidden_layers * block_size * kv_heads * head_dim * dtype.itemsize
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
