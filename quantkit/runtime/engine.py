@@ -21,7 +21,7 @@ from quantkit.models.loading import load_tokenizer, resolve_model
 from quantkit.progress import Track, no_progress
 from quantkit.runtime.block_manager import BlockManager
 from quantkit.runtime.loader import load
-from quantkit.runtime.model_runner import Batch, ModelRunner, check_supported, kv_bytes_per_block
+from quantkit.runtime.model_runner import Batch, ModelRunner, check_supported, kv_bytes_per_block, kv_cache_dtype
 from quantkit.runtime.sampling import Sampler
 from quantkit.runtime.scheduler import Scheduler, SchedulerOutput
 from quantkit.runtime.sequence import SamplingParams, Sequence
@@ -77,8 +77,8 @@ class LLM:
         self.model = load(path, dtype)
         check_supported(self.model)
         self.tokenizer = load_tokenizer(path)
-        kv_dtype = self.model.get_input_embeddings().weight.dtype
-        num_blocks = num_blocks or num_blocks_for(self.model.config, kv_cache_memory, block_size, kv_dtype)
+        num_blocks = num_blocks or num_blocks_for(self.model.config, kv_cache_memory, block_size,
+                                                  kv_cache_dtype(self.model))
         self.runner = ModelRunner(self.model, num_blocks, block_size)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         eos = self.model.generation_config.eos_token_id if getattr(self.model, "generation_config", None) else None

@@ -48,6 +48,13 @@ def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
     return 2 * config.num_hidden_layers * block_size * kv_heads * head_dim * dtype.itemsize
 
 
+def kv_cache_dtype(model: nn.Module) -> torch.dtype:
+    """The cache's dtype: fp8/int8 when the checkpoint has a KV-cache scheme, else the model's."""
+    attention = get_module(get_module(model, arch_for(model.config).blocks)[0], arch_for(model.config).attention)
+    args = getattr(getattr(attention, "quantkit_kv", None), "args", None)
+    return KV_DTYPES[args.type] if args is not None else model.get_input_embeddings().weight.dtype
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -72,7 +79,7 @@ class ModelRunner:
         self.device = model.get_input_embeddings().weight.device
         kv = getattr(self.attn[0], "quantkit_kv", None)
         self.kv_args = getattr(kv, "args", None)
-        kv_dtype = KV_DTYPES[self.kv_args.type] if self.kv_args is not None else self.dtype
+        kv_dtype = kv_cache_dtype(model)
         shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
         self.k_cache = [torch.zeros(shape, dtype=kv_dtype, device=self.device) for _ in self.blocks]
         self.v_cache = [torch.zeros(shape, dtype=kv_dtype, device=self.device) for _ in self.blocks]
