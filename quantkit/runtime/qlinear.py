@@ -27,11 +27,14 @@ class PackedInt4Linear(nn.Module):
         self.weight_g_idx = getattr(self, "weight_g_idx", None)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device="meta")) if bias else None
         self._cpu_weight = None  # torch's int4pack layout, built on the first bf16 call on the CPU
+        self._zeros = None  # the unpacked zero points, built on the first call
 
     def zeros(self) -> torch.Tensor | None:
         if self.weight_zero_point is None:
             return None
-        return pack_quantized.unpack(self.weight_zero_point, self.out_features, 4, dim=0)
+        if self._zeros is None or self._zeros.device != self.weight_zero_point.device:
+            self._zeros = pack_quantized.unpack(self.weight_zero_point, self.out_features, 4, dim=0)
+        return self._zeros
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = self.args.group_size if self.args.strategy == "group" else None
