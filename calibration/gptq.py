@@ -149,42 +149,65 @@ def _inverse_cholesky(H, damp, log, name):
 
 def _column_loop(W, Hinv, gid, args, block_size, scale_dtype):
     out, n = W.shape
-    # one column is quantized as a channel with its group's [out, 1] qparams
-    col_args = dataclasses.replace(args, strategy="channel", group_size=None) if args.strategy == "group" else args
     qp = [None] * (int(gid.max()) + 1)  # (scale, zero_point) per group id
+    fast = [None] * len(qp)  # the same as [out] vectors for the inner loop
     if args.strategy != "group":
         qp[0] = compute_qparams(W, args, scale_dtype)
     gids = gid.tolist()
-    Q = torch.zeros_like(W)  # Q [out, in], fake-quantized, visiting order
+    # rows of the transposed weight are columns: the loop reads and writes contiguous memory
+    Wt = W.T.contiguous()  # Wt [in, out]
+    Qt = torch.zeros_like(Wt)  # Qt [in, out], fake-quantized, visiting order
     for i1 in range(0, n, block_size):
         i2 = min(i1 + block_size, n)
-        W1 = W[:, i1:i2].clone()  # W1 [out, b]
-        Err1 = torch.zeros_like(W1)  # Err1 [out, b]
+        W1 = Wt[i1:i2].clone()  # W1 [b, out]
+        Err1 = torch.zeros_like(W1)  # Err1 [b, out]
         Hinv1 = Hinv[i1:i2, i1:i2]  # Hinv1 [b, b]
+        diag = Hinv1.diagonal().tolist()
         for k in range(i2 - i1):
             g = gids[i1 + k]
             if qp[g] is None:  # a group starts: qparams from its weights as updated so far
                 cols = (gid == g).nonzero()[:, 0]  # visiting positions, all >= i1 + k
-                qp[g] = compute_qparams(_current(W, W1, Err1, Hinv, cols, i1, k), args, scale_dtype)
-            s, z = qp[g]
-            w = W1[:, k]  # w [out]
-            q = dequantize(quantize(w[:, None], s, z, col_args), s, z, col_args, dtype=torch.float32)[:, 0]
-            Q[:, i1 + k] = q
-            err = (w - q) / Hinv1[k, k]
-            W1[:, k:] -= err[:, None] * Hinv1[k, k:][None, :]
-            Err1[:, k] = err
-        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]  # lazy batch update of the later blocks
+                qp[g] = compute_qparams(_current(Wt, W1, Err1, Hinv, cols, i1, k), args, scale_dtype)
+            if fast[g] is None:
+                fast[g] = _column_qparams(*qp[g], out)
+            w = W1[k]  # w [out]
+            q = _fake_quantize_column(w, *fast[g], args.qmin, args.qmax)
+            Qt[i1 + k] = q
+            err = (w - q) / diag[k]
+            W1[k:] -= Hinv1[k, k:, None] * err[None, :]
+            Err1[k] = err
+        Wt[i2:] -= Hinv[i1:i2, i2:].T @ Err1  # lazy batch update of the later blocks
+    Q = Qt.T
     if args.strategy != "group":
         return Q, *qp[0]
     zeros = [z for _, z in qp]
     return Q, torch.cat([s for s, _ in qp], 1), None if zeros[0] is None else torch.cat(zeros, 1)
 
 
+def _column_qparams(scale, zero, out):
+    # [out] vectors of a column's qparams: fp32 scale, fp32 zero (or None), and the scale in
+    # its own dtype when dequantization must round there (as `primitives.dequantize` does)
+    s = scale.reshape(-1).expand(out)
+    z = None if zero is None else zero.reshape(-1).expand(out).float()
+    return s.float(), z, None if s.dtype == torch.float32 else s
 
-def _current(W, W1, Err1, Hinv, cols, i1, k):
-    # columns `cols` of W with this block's feedback so far; those inside the block are taken
-    # from W1 itself, bit for bit, as a symmetric group's extreme value sits on a rounding tie
-    vals = W[:, cols] - Err1[:, :k] @ Hinv[i1 : i1 + k, cols]  # vals [out, len(cols)]
-    inside = cols < i1 + W1.shape[1]
-    vals[:, inside] = W1[:, cols[inside] - i1]
-    return vals
+
+def _fake_quantize_column(w, s, z, s_native, qmin, qmax):
+    # primitives.quantize then dequantize of one column w [out], in the same arithmetic
+    y = w / s
+    if z is not None:
+        y = y + z
+    q = y.round_().clamp_(qmin, qmax)
+    if z is not None:
+        q = q - z
+    return q * s if s_native is None else (q.to(s_native.dtype) * s_native).float()
+
+
+def _current(Wt, W1, Err1, Hinv, cols, i1, k):
+    # columns `cols` of W [out, len(cols)] with this block's feedback so far; those inside the
+    # block are taken from W1 itself, bit for bit, as a symmetric group's extreme value sits
+    # on a rounding tie
+    vals = Wt[cols] - Hinv[i1 : i1 + k, cols].T @ Err1[:k]  # vals [len(cols), out]
+    inside = cols < i1 + W1.shape[0]
+    vals[inside] = W1[cols[inside] - i1]
+    return vals.T

@@ -6,6 +6,7 @@ inputs (`step.needs_data`)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -52,10 +53,37 @@ def rtn_step(spec: ArchSpec, scheme: QuantScheme, scale_dtype, results: dict, lo
     return step
 
 
+class Replay:
+    """Reuse a finished sub-module's outputs across passes over the calibration batches:
+    while active, the module's calls of the first pass run and are kept, and the calls of
+    later passes (one per batch, in the same order) return the kept outputs. Only valid
+    while the module's weights and inputs stay as they were."""
+
+    def __init__(self, module: nn.Module, batches: int):
+        self.module, self.batches, self.outputs, self.calls = module, batches, [], 0
+
+    @contextlib.contextmanager
+    def active(self):
+        forward = self.module.forward
+
+        def replay(*args, **kwargs):
+            i, self.calls = self.calls % self.batches, self.calls + 1
+            if len(self.outputs) <= i:
+                self.outputs.append(forward(*args, **kwargs))
+            return self.outputs[i]
+
+        self.module.forward = replay
+        try:
+            yield
+        finally:
+            del self.module.forward
+
+
 @torch.no_grad()
-def group_hessian(block: nn.Module, linear: nn.Linear, inputs: BlockInputs, name: str) -> torch.Tensor:
+def group_hessian(block: nn.Module, linear: nn.Linear, inputs: BlockInputs, name: str,
+                  replay: Replay | None = None) -> torch.Tensor:
     """H = 2·XᵀX / n of the inputs of `linear` over all calibration batches, running the
-    block (as it is now) only as far as that linear."""
+    block (as it is now) only as far as that linear (reusing `replay`'s module outputs)."""
     H, n = None, 0
 
     def hook(module, args):
@@ -65,11 +93,12 @@ def group_hessian(block: nn.Module, linear: nn.Linear, inputs: BlockInputs, name
 
     handle = linear.register_forward_pre_hook(hook)
     try:
-        for h, kw in zip(inputs.hidden, inputs.kwargs):
-            try:
-                block(h, **kw)
-            except _Stop:
-                pass
+        with replay.active() if replay else contextlib.nullcontext():
+            for h, kw in zip(inputs.hidden, inputs.kwargs):
+                try:
+                    block(h, **kw)
+                except _Stop:
+                    pass
     finally:
         handle.remove()
     if H is None or n == 0:
@@ -84,14 +113,20 @@ def gptq_step(spec: ArchSpec, scheme: QuantScheme, scale_dtype, results: dict, l
               block_size: int = 128, damp: float = 0.01) -> Step:
     """GPTQ, true-sequential inside the block: each group of linears that share an input
     (q,k,v → o → gate,up → down) is quantized on inputs recomputed after the groups
-    before it were quantized."""
+    before it were quantized. Once the attention's linears are all done, its outputs are
+    computed once and reused by the later groups' passes."""
+    attention = [n for n in spec.linears if n.startswith(spec.attention + ".")]
 
     def step(index: int, prefix: str, block: nn.Module, inputs: BlockInputs | None) -> None:
+        done, replay = set(), None
         for group in spec.sequential:
+            if replay is None and all(n in done for n in attention):
+                replay = Replay(get_module(block, spec.attention), len(inputs.hidden))
+            done.update(group)
             names = _targets(spec, scheme, prefix, group)
             if not names:
                 continue
-            H = group_hessian(block, get_module(block, names[0]), inputs, f"{prefix}.{names[0]}")
+            H = group_hessian(block, get_module(block, names[0]), inputs, f"{prefix}.{names[0]}", replay)
             # the rows of linears that share H are quantized independently, so one call on
             # their stacked weights gives each one's result with one factorisation and loop
             parts = [[n] for n in names] if scheme.weights.strategy == "tensor" else [names]

@@ -1,6 +1,8 @@
 """The runner steps on a tiny model: AWQ folding keeps the float function, GPTQ and AWQ
 beat round-to-nearest on the calibration data, act-order checkpoints round-trip."""
 
+import contextlib
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -90,3 +92,30 @@ def test_gptq_and_awq_record_calibration(tiny_llama, tiny_corpus, tmp_path):
     assert prov["calibration"] == {"dataset": str(tiny_corpus), "samples": 4, "seq_len": 32, "seed": 1,
                                    "batch_size": 8}
     assert prov["options"] == {"damp": 0.02}
+
+
+def test_gptq_reusing_the_attention_outputs_changes_nothing(tiny_llama, monkeypatch):
+    from transformers.models.llama import modeling_llama
+
+    scheme = preset("w4a16").with_group_size(32)
+    calls = []
+    forward = modeling_llama.LlamaAttention.forward
+
+    def counted(self, *args, **kwargs):
+        calls.append(self)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_llama.LlamaAttention, "forward", counted)
+    model, results = run(tiny_llama, "gptq", scheme)
+    reused = len(calls)
+    monkeypatch.setattr(steps.Replay, "active", lambda self: contextlib.nullcontext())
+    calls.clear()
+    recomputed, again = run(tiny_llama, "gptq", scheme)
+    # per layer and batch (2 batches) the attention is entered by the passes of q,k,v (which
+    # stop inside it), o, gate/up, down and the runner's own; down's reuses gate/up's outputs
+    layers = model.config.num_hidden_layers
+    assert (reused, len(calls)) == (4 * 2 * layers, 5 * 2 * layers)
+    for name in results:
+        assert torch.equal(results[name].scale, again[name].scale), name
+    for (name, a), b in zip(model.named_parameters(), recomputed.parameters()):
+        assert torch.equal(a, b), name
