@@ -1,5 +1,5 @@
-"""Export to the GPTQ v1 layout (AutoGPTQ / GPTQModel `checkpoint_format: gptq`), which
-vLLM, transformers (through gptqmodel/optimum) and many other runtimes read.
+"""The GPTQ v1 layout (AutoGPTQ / GPTQModel `checkpoint_format: gptq`), which vLLM,
+transformers (through gptqmodel/optimum) and many other runtimes read.
 
 Per quantized linear `<name>` (W [out, in], G groups):
 
@@ -11,19 +11,22 @@ Per quantized linear `<name>` (W [out, in], G groups):
 | `g_idx` | int32 | [in] | group of each input row (i // group_size without act-order) |
 
 w = (q_unsigned - (qzeros_nibble + 1)) * scale. Symmetric checkpoints store zero 8 (7 on disk).
+v1 cannot store an unsigned zero point of 0 (nor read one of 16); such groups are refused.
+On import, a non-trivial `g_idx` becomes compressed-tensors act-order `group` with
+`weight_g_idx`, and zero points that are all 8 make the checkpoint symmetric, whatever
+`sym` and `desc_act` say (the tensors are what every kernel computes with).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.formats.checkpoint import read_provenance, read_tensors, save_checkpoint
-from quantkit.formats.pack_quantized import decompress_ints, pack
-from quantkit.scheme import from_quantization_config
+from quantkit.formats.awq import fp16_scales
+from quantkit.formats.pack_quantized import pack, unpack
+from quantkit.scheme import QuantArgs
 
 
 def to_gptq(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int | None,
@@ -41,37 +44,66 @@ def to_gptq(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, gro
     return {
         "qweight": pack(q.t().contiguous(), 4, dim=0),  # [in / 8, out]: pack adds 8 -> unsigned
         "qzeros": pack((zero.to(torch.int16) - 1).to(torch.int8).t().contiguous(), 4, dim=1),  # z + 8 - 1
-        "scales": scale.t().to(torch.float16).contiguous(),
+        "scales": fp16_scales(scale, name, "GPTQ").t().contiguous(),
         "g_idx": g_idx.to(torch.int32),
     }
 
 
-def export_gptq(src: Path, out: Path, overwrite: bool = False) -> Path:
-    """Write the GPTQ v1 checkpoint of a compressed-tensors int4 `pack-quantized` one."""
-    src, out = Path(src), Path(out)
-    config = json.loads((src / "config.json").read_text()) if (src / "config.json").is_file() else {}
-    qc = config.get("quantization_config") or {}
-    if qc.get("quant_method") != "compressed-tensors" or qc.get("format") != "pack-quantized":
-        raise QuantkitError(f"{src} is not a compressed-tensors pack-quantized checkpoint; export one made by "
-                            "quantkit rtn, awq or gptq.")
-    ckpt = from_quantization_config(qc)
-    schemes = {s.weights for s in ckpt.schemes}
-    if len(schemes) != 1 or next(iter(schemes)).num_bits != 4:
-        raise QuantkitError(f"{src} mixes schemes or is not 4-bit; GPTQ export takes one int4 scheme.")
-    args = next(iter(schemes))
-    tensors = read_tensors(src)
-    modules = sorted(k.removesuffix(".weight_packed") for k in tensors if k.endswith(".weight_packed"))
-    exported = {k: v for k, v in tensors.items() if k.rsplit(".", 1)[0] not in modules or k.endswith(".bias")}
-    for m in modules:
-        part = {k.rsplit(".", 1)[1]: v for k, v in tensors.items() if k.rsplit(".", 1)[0] == m}
-        q, scale, zero, g_idx = decompress_ints(part, args)
-        group = args.group_size if args.strategy == "group" else None
-        exported.update({f"{m}.{k}": v for k, v in to_gptq(q, scale, zero, group, g_idx, m).items()})
-    config["quantization_config"] = {
+def zero_points(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """Signed zero points int8 [out, G] of one linear's GPTQ v1 `qzeros` (nibble + 1 - 8)."""
+    qzeros = tensors["qzeros"]
+    zero = unpack(qzeros, qzeros.shape[1] * 8, 4, dim=1).to(torch.int16) + 1  # [G, out]
+    if (zero > 7).any():
+        raise QuantkitError(f"{name} stores a qzeros nibble of 15 (unsigned zero point 16), which no 4-bit format "
+                            "holds; the checkpoint is damaged or its zero points of 0 wrapped around.")
+    return zero.to(torch.int8).t().contiguous()
+
+
+def decode(tensors: dict[str, torch.Tensor], name: str):
+    """(q int8 [out, in], scale fp16 [out, G], signed zero int8 [out, G], g_idx int32 [in] or
+    None) of one linear's `qweight`, `qzeros`, `scales` and `g_idx`."""
+    qweight, qzeros, scales = tensors["qweight"], tensors["qzeros"], tensors["scales"]
+    in_f, out_f = qweight.shape[0] * 8, qweight.shape[1]
+    if scales.dim() != 2 or scales.shape[1] != out_f or qzeros.shape != (scales.shape[0], out_f // 8):
+        raise QuantkitError(f"{name} has qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)} and scales "
+                            f"{tuple(scales.shape)}, which do not fit the GPTQ v1 layout; the checkpoint is damaged.")
+    g_idx = tensors.get("g_idx")
+    if g_idx is not None and (g_idx.shape != (in_f,) or g_idx.min() < 0 or g_idx.max() >= scales.shape[0]):
+        raise QuantkitError(f"{name} has a g_idx that does not index its {scales.shape[0]} groups; "
+                            "the checkpoint is damaged.")
+    q = unpack(qweight.t(), in_f, 4, dim=1)  # [out, in]
+    return q, scales.t().contiguous(), zero_points(tensors, name), g_idx
+
+
+def gptq_config(args: QuantArgs) -> dict:
+    """The `quantization_config` of a GPTQ v1 checkpoint with int4 weights `args`."""
+    return {
         "quant_method": "gptq", "checkpoint_format": "gptq", "bits": 4,
         "group_size": args.group_size if args.strategy == "group" else -1,
         "desc_act": args.actorder == "group", "sym": args.symmetric, "true_sequential": True,
         "static_groups": False, "damp_percent": 0.01, "modules_in_block_to_quantize": None,
     }
-    provenance = dict(read_provenance(src) or {}, exported_from=str(src), export_format="gptq")
-    return save_checkpoint(out, exported, config, provenance, src, overwrite)
+
+
+def unsupported(qc: dict) -> str | None:
+    """Why a GPTQ `quantization_config` is not one quantkit reads (completes "<path> ..."), or None."""
+    bits = qc.get("bits")
+    fmt = "marlin" if qc.get("is_marlin_format") else str(qc.get("checkpoint_format") or qc.get("format") or "gptq")
+    if bits != 4:
+        return f"is a GPTQ checkpoint with {bits}-bit weights"
+    if fmt.lower() != "gptq":
+        return f"is a GPTQ checkpoint in format {fmt!r}, not v1 (checkpoint_format gptq)"
+    return None
+
+
+def group_size(qc: dict) -> int | None:
+    """The group size of a GPTQ `quantization_config` (None: per output channel)."""
+    group = qc.get("group_size", 128)
+    return None if group in (None, -1) else int(group)
+
+
+def export_gptq(src: Path, out: Path, overwrite: bool = False) -> Path:
+    """Write the GPTQ v1 checkpoint of a compressed-tensors int4 `pack-quantized` (or AWQ) one."""
+    from quantkit.formats.interop import export  # interop imports this module
+
+    return export(src, out, "gptq", overwrite)

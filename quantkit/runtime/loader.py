@@ -16,14 +16,16 @@ import torch
 from torch import nn
 
 from quantkit.errors import QuantkitError
+from quantkit.formats import interop
 from quantkit.formats.checkpoint import read_tensors
 from quantkit.models.loading import check_causal_lm, load_float_model, resolve_model
 from quantkit.models.arch import arch_for
 from quantkit.runtime import kv_attention
 from quantkit.runtime.qlinear import Fp8Linear, PackedInt4Linear
-from quantkit.scheme import from_quantization_config
+from quantkit.scheme import CheckpointConfig, from_quantization_config
 
-SUPPORTED = ("compressed-tensors pack-quantized (int4)", "compressed-tensors float-quantized (fp8)")
+SUPPORTED = ("compressed-tensors pack-quantized (int4)", "compressed-tensors float-quantized (fp8)",
+             "AutoAWQ GEMM (int4)", "GPTQ v1 (int4)")
 FORMATS = ("pack-quantized", "float-quantized", "dense")  # dense: float weights (e.g. KV-cache scales only)
 
 
@@ -63,21 +65,20 @@ def _quantized_linear(linear: nn.Linear, scheme, dtype: torch.dtype, path: Path)
 
 def load(path: str | os.PathLike, dtype: torch.dtype | None = None) -> nn.Module:
     """A model in eval mode on the CPU: float models through transformers, compressed-
-    tensors `pack-quantized` checkpoints with `PackedInt4Linear` modules and
-    `float-quantized` ones with `Fp8Linear` modules."""
+    tensors `pack-quantized` checkpoints (and AutoAWQ GEMM / GPTQ v1 ones, converted to
+    pack-quantized in memory) with `PackedInt4Linear` modules and `float-quantized` ones
+    with `Fp8Linear` modules."""
     from transformers import AutoModelForCausalLM
 
     path = resolve_model(path)
     config = check_causal_lm(path)
-    qc = getattr(config, "quantization_config", None)
+    qc = getattr(config, "quantization_config", None) or interop.sidecar_config(path)
     if qc is None:
         return load_float_model(path, dtype)[0]
     qc = qc if isinstance(qc, dict) else qc.to_dict()
-    if qc.get("quant_method") != "compressed-tensors" or qc.get("format") not in FORMATS:
-        raise QuantkitError(f"{path} is a {qc.get('quant_method')!r} checkpoint in format {qc.get('format')!r}; "
-                            f"quantkit loads {', '.join(SUPPORTED)}.")
-    ckpt = from_quantization_config(qc)
-    del config.quantization_config
+    ckpt, tensors = _packed_checkpoint(path, qc)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
     dtype = dtype or getattr(config, "dtype", None) or torch.float32
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     with _params_on_meta():
@@ -86,13 +87,15 @@ def load(path: str | os.PathLike, dtype: torch.dtype | None = None) -> nn.Module
         scheme = ckpt.scheme_for(name) if isinstance(module, nn.Linear) else None
         if scheme is not None:
             _replace(model, name, _quantized_linear(module, scheme, dtype, path))
-    tensors = read_tensors(path)
     kv_tensors = {k: tensors.pop(k) for k in list(tensors) if k.endswith((".k_scale", ".v_scale"))}
     expected = set(model.state_dict())
     missing = expected - set(tensors)
     if getattr(config, "tie_word_embeddings", False):
         missing.discard("lm_head.weight")
     unexpected = set(tensors) - expected
+    for k in [k for k in unexpected if k.endswith(".bias") and not tensors[k].any()]:  # older AutoGPTQ saves these
+        unexpected.discard(k)
+        del tensors[k]
     if missing or unexpected:
         what = f"lacks {sorted(missing)[:3]}" if missing else f"has unexpected {sorted(unexpected)[:3]}"
         raise QuantkitError(f"checkpoint {path} {what}; it is truncated or was made for another model.")
@@ -104,6 +107,18 @@ def load(path: str | os.PathLike, dtype: torch.dtype | None = None) -> nn.Module
     if ckpt.kv_cache is not None:
         _quantize_kv(model, kv_tensors, ckpt.kv_cache, path)
     return model.eval()
+
+
+def _packed_checkpoint(path: Path, qc: dict) -> tuple[CheckpointConfig, dict[str, torch.Tensor]]:
+    """The scheme and tensors of a compressed-tensors checkpoint, or of an AWQ / GPTQ one
+    converted in memory to compressed-tensors pack-quantized."""
+    if qc.get("quant_method") == "compressed-tensors" and qc.get("format") in FORMATS:
+        return from_quantization_config(qc), read_tensors(path)
+    reason = interop.unsupported(qc)
+    if reason:
+        raise QuantkitError(f"{path} {reason}; quantkit loads {', '.join(SUPPORTED)}.")
+    qc, tensors = interop.as_pack_quantized(path)
+    return from_quantization_config(qc), tensors
 
 
 def _quantize_kv(model: nn.Module, tensors: dict, args, path: Path) -> None:
