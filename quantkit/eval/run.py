@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 
 from quantkit.calibration.datasets import eval_tokens, load_documents
@@ -10,6 +11,35 @@ from quantkit.eval.perplexity import perplexity
 from quantkit.models.loading import load_tokenizer, resolve_model
 from quantkit.progress import Track, no_progress
 from quantkit.runtime.loader import load
+
+
+def load_for_eval(model_name: str, dtype=None):
+    """(model, tokenizer) of a float model or a checkpoint, as `quantkit.load` builds it."""
+    path = resolve_model(model_name)
+    return load(path, dtype), load_tokenizer(path)
+
+
+def context_length(model) -> int:
+    return getattr(model.config, "max_position_embeddings", 2048) or 2048
+
+
+def window_length(model, seq_len: int | None) -> int:
+    """`seq_len`, or 2048 (the model's context if shorter); longer than the context is an error."""
+    context = context_length(model)
+    seq_len = seq_len or min(2048, context)
+    if seq_len > context:
+        raise QuantkitError(f"--seq-len {seq_len} exceeds the model's context of {context} tokens; use at most {context}.")
+    return seq_len
+
+
+def text_perplexity(model, tokenizer, ppl: str = "wiki", seq_len: int | None = None, limit: int | None = None,
+                    batch_size: int = 1, track: Track = no_progress) -> dict:
+    """Perplexity of a loaded model on the eval split of `ppl` (the papers' protocol), with
+    the dataset name and the sha256 of its text ("\\n\\n"-joined documents)."""
+    seq_len = window_length(model, seq_len)
+    text = "\n\n".join(load_documents(ppl, "eval"))
+    result = perplexity(model, eval_tokens(tokenizer, [text]), seq_len, limit, batch_size, track)
+    return {"dataset": ppl, **result, "data_sha256": hashlib.sha256(text.encode()).hexdigest()}
 
 
 def evaluate(
@@ -23,13 +53,7 @@ def evaluate(
     """Perplexity of `model_name` on the eval split of `ppl` (the papers' protocol).
 
     `seq_len` defaults to 2048, or the model's context if shorter."""
-    path = resolve_model(model_name)
-    model = load(path)
-    context = getattr(model.config, "max_position_embeddings", 2048) or 2048
-    seq_len = seq_len or min(2048, context)
-    if seq_len > context:
-        raise QuantkitError(f"--seq-len {seq_len} exceeds the model's context of {context} tokens; use at most {context}.")
-    tokens = eval_tokens(load_tokenizer(path), load_documents(ppl, "eval"))
+    model, tokenizer = load_for_eval(model_name)
     start = time.perf_counter()
-    result = perplexity(model, tokens, seq_len, limit, batch_size, track)
-    return {"model": str(model_name), "dataset": ppl, **result, "eval_time_s": round(time.perf_counter() - start, 2)}
+    result = text_perplexity(model, tokenizer, ppl, seq_len, limit, batch_size, track)
+    return {"model": str(model_name), **result, "eval_time_s": round(time.perf_counter() - start, 2)}

@@ -1,0 +1,184 @@
+"""Accuracy regression gates: score a candidate (a quantized checkpoint) and its baseline
+(the float model) on the same data, one after the other, and compare metric by metric.
+
+Recovery is candidate / baseline for metrics where higher is better (accuracy) and
+baseline / candidate where lower is better (perplexities, bits per byte), so 1.0 means
+nothing was lost. `max_ppl_increase` (a fraction: 0.02 is 2%) bounds every perplexity;
+`min_recovery` bounds every other metric, and the perplexities too when
+`max_ppl_increase` is not given.
+"""
+
+from __future__ import annotations
+
+import gc
+import platform
+import time
+from importlib import metadata
+
+from quantkit.errors import QuantkitError
+from quantkit.progress import Track, no_progress
+
+PROBE = "Quantization keeps 4 bits per weight; naïve rounding loses ~1.5% — AWQ & GPTQ recover most of it.\n"
+
+
+def _is_perplexity(metric: str) -> bool:
+    return metric.rsplit("/", 1)[-1] in ("ppl", "perplexity") or metric.endswith("_perplexity")
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den else (1.0 if num == den else None)
+
+
+def compare_metric(metric: str, candidate: float, baseline: float | None, higher_is_better: bool,
+                   max_ppl_increase: float | None = None, min_recovery: float | None = None) -> tuple[dict, str | None]:
+    """({metric, baseline, candidate, delta, recovery, passed}, the failure sentence or None).
+    `passed` is None where no threshold applies (or there is no baseline)."""
+    row = {"metric": metric, "baseline": baseline, "candidate": candidate, "delta": None, "recovery": None,
+           "passed": None}
+    if baseline is None:
+        return row, None
+    delta = candidate - baseline
+    recovery = _ratio(candidate, baseline) if higher_is_better else _ratio(baseline, candidate)
+    row.update(delta=delta, recovery=recovery)
+    change, failure = f"({baseline:.4g} → {candidate:.4g})", None
+    if max_ppl_increase is not None and _is_perplexity(metric):
+        row["passed"] = candidate <= baseline * (1 + max_ppl_increase)
+        failure = f"{metric} rose {delta / baseline:.2%} {change}, more than the allowed {max_ppl_increase:.2%}."
+    elif min_recovery is not None:
+        no_worse = candidate >= baseline if higher_is_better else candidate <= baseline
+        row["passed"] = no_worse if recovery is None else recovery >= min_recovery
+        shown = "n/a" if recovery is None else f"{recovery:.4f}"
+        failure = f"{metric} recovered {shown} of the baseline {change}, below the required {min_recovery:g}."
+    return row, (failure if row["passed"] is False else None)
+
+
+def compare(candidate: dict, baseline: dict | None, max_ppl_increase: float | None = None,
+            min_recovery: float | None = None) -> tuple[list[dict], list[str]]:
+    """Rows and failure sentences for the metrics of two `measure` results (baseline None: one model)."""
+    rows, failures = [], []
+    for metric, value in candidate["metrics"].items():
+        base = None if baseline is None else baseline["metrics"].get(metric)
+        row, failure = compare_metric(metric, value, base, candidate["higher_is_better"][metric],
+                                      max_ppl_increase, min_recovery)
+        rows.append(row)
+        failures += [failure] if failure else []
+    if baseline is not None and baseline["data_sha256"] != candidate["data_sha256"]:
+        failures.append("the baseline and the candidate were scored on different data (their data sha256 differ).")
+    return rows, failures
+
+
+def check_same_tokenizer(candidate: str, baseline: str) -> None:
+    """A `QuantkitError` unless both models' tokenizers have the same vocabulary size and
+    encode a fixed probe text to the same ids."""
+    from quantkit.models.loading import load_tokenizer, resolve_model
+
+    a, b = (load_tokenizer(resolve_model(m)) for m in (candidate, baseline))
+    if len(a) != len(b) or a.encode(PROBE) != b.encode(PROBE):
+        raise QuantkitError(f"the tokenizer of {candidate} differs from the baseline {baseline}'s (vocabulary "
+                            f"{len(a)} vs {len(b)} tokens, or another encoding of the same text); compare a "
+                            "checkpoint with the model it was made from.")
+
+
+def measure(model_name: str, ppl: str | None, tasks, manager=None, *, limit=None, seq_len=None, num_fewshot=None,
+            batch_size: int = 1, track: Track = no_progress) -> dict:
+    """Load one model and score it: {"metrics", "higher_is_better", "data_sha256", "ppl"
+    (details or None), "docs", "eval_time_s"}; the model is freed on return."""
+    from quantkit.eval.run import load_for_eval, text_perplexity, window_length
+
+    model, tokenizer = load_for_eval(model_name)
+    start = time.perf_counter()
+    result = {"metrics": {}, "higher_is_better": {}, "data_sha256": {}, "ppl": None, "docs": {}}
+    if ppl:
+        details = text_perplexity(model, tokenizer, ppl, seq_len, limit, batch_size, track)
+        result["metrics"]["ppl"], result["higher_is_better"]["ppl"] = details["ppl"], False
+        result["data_sha256"]["ppl"] = details["data_sha256"]
+        result["ppl"] = {k: details[k] for k in ("dataset", "nll", "tokens", "windows", "seq_len")}
+    if tasks:
+        from quantkit.eval.harness import QuantkitLM, run_tasks
+
+        lm = QuantkitLM(model=model, tokenizer=tokenizer, batch_size=batch_size,
+                        max_length=window_length(model, seq_len), track=track)
+        scores = run_tasks(lm, list(tasks), manager, limit=limit, num_fewshot=num_fewshot)
+        for key in ("metrics", "higher_is_better", "data_sha256", "docs"):
+            result[key].update(scores[key])
+    result["eval_time_s"] = round(time.perf_counter() - start, 2)
+    return result
+
+
+def _versions() -> dict:
+    def version(name):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    import quantkit
+
+    return {"quantkit": quantkit.__version__, "torch": version("torch"), "transformers": version("transformers"),
+            "lm_eval": version("lm_eval"), "python": platform.python_version()}
+
+
+def _check_args(baseline, ppl, tasks, max_ppl_increase, min_recovery) -> None:
+    if not ppl and not tasks:
+        raise QuantkitError("nothing to evaluate: give a perplexity text (--ppl) or --tasks.")
+    if baseline is None and (max_ppl_increase is not None or min_recovery is not None):
+        raise QuantkitError("--max-ppl-increase and --min-recovery compare against a baseline; add --baseline MODEL.")
+    if max_ppl_increase is not None and max_ppl_increase < 0:
+        raise QuantkitError(f"--max-ppl-increase must be at least 0, got {max_ppl_increase}.")
+    if min_recovery is not None and min_recovery <= 0:
+        raise QuantkitError(f"--min-recovery must be above 0 (e.g. 0.98), got {min_recovery}.")
+
+
+def _task_manager(tasks, include_path):
+    if not tasks:
+        return None
+    try:
+        from quantkit.eval.harness import task_manager
+    except ImportError as e:
+        raise QuantkitError(f"--tasks needs lm-eval ({e.name} is missing); install it with "
+                            "pip install -e '.[eval]' -c constraints.txt.") from None
+    return task_manager(list(tasks), include_path)
+
+
+def evaluate_gates(candidate: str, baseline: str | None = None, *, ppl: str | None = "wiki", tasks: list[str] = (),
+                   limit: int | None = None, seq_len: int | None = None, num_fewshot: int | None = None,
+                   include_path: str | None = None, max_ppl_increase: float | None = None,
+                   min_recovery: float | None = None, track: Track | None = None, batch_size: int = 1) -> dict:
+    """Score `candidate` (and `baseline`, on the same data, after it) on perplexity of the
+    text `ppl` (quantkit's protocol; None to skip) and the lm-eval `tasks` (built-in
+    wiki_cloze and wiki_wordppl, folders under `include_path`, lm-eval's own), `limit`
+    windows / documents each, and apply the thresholds.
+
+    Returns {"candidate", "baseline", "ppl", "tasks", "limit", "seq_len", "num_fewshot",
+    "thresholds", "rows": [{metric, baseline, candidate, delta, recovery, passed}],
+    "failures": [one sentence per failed threshold], "passed", "results": {"candidate",
+    "baseline": each model's `measure`}, "data_sha256", "versions", "seeds"}.
+    """
+    tasks = [t for t in tasks if t]
+    _check_args(baseline, ppl, tasks, max_ppl_increase, min_recovery)
+    if baseline is not None:
+        check_same_tokenizer(candidate, baseline)
+    manager = _task_manager(tasks, include_path)
+    options = dict(limit=limit, seq_len=seq_len, num_fewshot=num_fewshot, batch_size=batch_size,
+                   track=track or no_progress)
+    scored = {"candidate": measure(candidate, ppl, tasks, manager, **options)}
+    gc.collect()
+    if baseline is not None:
+        scored["baseline"] = measure(baseline, ppl, tasks, manager, **options)
+        gc.collect()
+    rows, failures = compare(scored["candidate"], scored.get("baseline"), max_ppl_increase, min_recovery)
+    seeds = {}
+    if tasks:
+        from quantkit.eval import tasks as builtin
+        from quantkit.eval.harness import SEEDS
+
+        seeds = {"lm_eval": SEEDS, **({"wiki_cloze": builtin.CLOZE_SEED} if "wiki_cloze" in tasks else {})}
+    return {
+        "candidate": str(candidate), "baseline": None if baseline is None else str(baseline), "ppl": ppl,
+        "tasks": tasks, "limit": limit, "seq_len": seq_len, "num_fewshot": num_fewshot,
+        "include_path": None if include_path is None else str(include_path),
+        "thresholds": {"max_ppl_increase": max_ppl_increase, "min_recovery": min_recovery},
+        "rows": rows, "failures": failures, "passed": not failures,
+        "results": {"candidate": scored["candidate"], "baseline": scored.get("baseline")},
+        "data_sha256": scored["candidate"]["data_sha256"], "versions": _versions(), "seeds": seeds,
+    }
