@@ -12,6 +12,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -53,7 +54,7 @@ def command(fn):
             _quiet_transformers()
             return fn(*args, **kwargs)
         except QuantkitError as e:
-            console.print(f"[bold red]error:[/] {e}")
+            console.print(f"[bold red]error:[/] {escape(str(e))}")
             raise typer.Exit(2) from None
 
     return app.command()(wrapper)
@@ -87,22 +88,33 @@ KV = typer.Option(None, "--kv-cache", help="Also calibrate KV-cache scales: fp8 
 KV_PER_HEAD = typer.Option(False, help="One KV-cache scale per KV head instead of per layer.")
 
 
-def _quantize(algorithm, model, output, scheme, group_size, overwrite, device, calibration=None, options=None,
-              actorder=None, kv_cache=None, kv_per_head=False):
-    import dataclasses
+QOUTPUT = typer.Option(None, "--output", "-o", help="Folder to write the checkpoint to.")
+PRINT_RECIPE = typer.Option(False, help="Print the equivalent recipe (YAML for `quantkit run`) and exit.")
 
-    from quantkit.kv import kv_args
-    from quantkit.quantize import quantize
-    from quantkit.scheme import preset
 
-    qscheme = preset(scheme).with_group_size(group_size)
-    if kv_cache:
-        qscheme = qscheme.replace(kv_cache=kv_args(kv_cache, kv_per_head))
-    if actorder and qscheme.weights is not None:
-        qscheme = qscheme.replace(weights=dataclasses.replace(qscheme.weights, actorder=actorder))
-    with _progress() as track:
-        prov = quantize(model, qscheme, output, algorithm, calibration, options, overwrite=overwrite, device=device,
-                        track=track, log=lambda message: console.print(f"[yellow]warning:[/] {message}"))
+def _weights_recipe(algorithm, model, output, scheme, group_size, calib, samples, seq_len, seed, options, kv_cache,
+                    kv_per_head, device, weights=None) -> dict:
+    """The recipe dict a quantizing command means, so each command and `quantkit run` share one path."""
+    kv = [{"kv": {"dtype": kv_cache, "per_head": kv_per_head}}] if kv_cache else []
+    return {"model": model, "scheme": {"preset": scheme} | ({"group_size": group_size} if group_size else {})
+            | (weights or {}), "steps": [{algorithm: options}, *kv],
+            "calibration": {"dataset": calib, "samples": samples, "seq_len": seq_len, "seed": seed},
+            "output": None if output is None else str(output), "device": device}
+
+
+def _command_recipe(raw: dict, overwrite: bool, print_recipe: bool) -> None:
+    from quantkit.recipe import from_dict
+
+    recipe = from_dict(raw)
+    if print_recipe:
+        typer.echo(recipe.to_yaml(), nl=False)
+        return
+    if recipe.output is None:
+        raise QuantkitError("-o/--output is missing; name the folder to write the checkpoint to.")
+    _run_recipe(recipe, None, overwrite)
+
+
+def _quantize_rows(prov: dict) -> list[tuple[str, object]]:
     w, c = prov["weights"], prov["calibration"]
     if w["type"] == "float":
         a = prov["input_activations"]
@@ -116,26 +128,54 @@ def _quantize(algorithm, model, output, scheme, group_size, overwrite, device, c
         rows.append(("kv cache", f"{k['type']}{k['num_bits']}, one scale per {'head' if k['strategy'] == 'attn_head' else 'layer'}"))
     if c:
         rows.append(("calibration", f"{c['dataset']}: {c['samples']} × {c['seq_len']} tokens, seed {c['seed']}"))
-    rows += [("wall time", f"{prov['wall_time_s']:.1f} s"), ("peak memory (RSS)", f"{prov['peak_rss_mib']:.0f} MiB")]
-    out.print(_table(f"{algorithm} → {output}", rows))
+    return rows + [("wall time", f"{prov['wall_time_s']:.1f} s"), ("peak memory (RSS)", f"{prov['peak_rss_mib']:.0f} MiB")]
+
+
+def _kv_rows(prov: dict) -> list[tuple[str, object]]:
+    k, c = prov["kv_cache"], prov["kv_cache"]["calibration"]
+    return [
+        ("kv cache", f"{k['args']['type'].replace('float', 'fp')}{k['args']['num_bits']}, one scale per "
+                     f"{'head' if k['args']['strategy'] == 'attn_head' else 'layer'}"),
+        ("calibration", f"{c['dataset']}: {c['samples']} × {c['seq_len']} tokens, seed {c['seed']}"),
+        ("wall time", f"{k['wall_time_s']:.1f} s"),
+    ]
+
+
+def _run_recipe(recipe, output: Optional[Path], overwrite: bool) -> None:
+    """Run a recipe, print what was made and the eval gates; a failed gate exits 1 (the
+    checkpoint stays written)."""
+    from quantkit.recipe import run_recipe
+
+    if recipe.eval is not None and recipe.eval["tasks"]:
+        _quiet_lm_eval()
+    with _progress() as track:
+        prov = run_recipe(recipe, output, overwrite, track,
+                          log=lambda message: console.print(f"[yellow]warning:[/] {message}"))
+    name = recipe.steps[0].name
+    out.print(_table(f"{name} → {output or recipe.output}", _kv_rows(prov) if name == "kv" else _quantize_rows(prov)))
+    gates = prov.get("gates")
+    if gates is not None:
+        out.print(_gate_table(gates))
+        for failure in gates["failures"]:
+            console.print(f"[bold red]gate failed:[/] {escape(failure)}")
+        if gates["failures"]:
+            raise typer.Exit(1)
 
 
 @command
-def rtn(model: str = MODEL, output: Path = OUTPUT, scheme: str = SCHEME, group_size: Optional[int] = GROUP,
+def rtn(model: str = MODEL, output: Optional[Path] = QOUTPUT, scheme: str = SCHEME, group_size: Optional[int] = GROUP,
         kv_cache: Optional[str] = KV, kv_per_head: bool = KV_PER_HEAD,
         calib: str = CALIB, samples: int = SAMPLES, seq_len: int = SEQ_LEN, seed: int = SEED,
-        overwrite: bool = OVERWRITE, device: str = DEVICE):
+        overwrite: bool = OVERWRITE, device: str = DEVICE, print_recipe: bool = PRINT_RECIPE):
     """Round-to-nearest INT4 weights: the baseline for AWQ and GPTQ (calibration text is
     used only for --kv-cache)."""
-    from quantkit.quantize import Calibration
-
-    _quantize("rtn", model, output, scheme, group_size, overwrite, device, Calibration(calib, samples, seq_len, seed),
-              kv_cache=kv_cache, kv_per_head=kv_per_head)
+    _command_recipe(_weights_recipe("rtn", model, output, scheme, group_size, calib, samples, seq_len, seed, {},
+                                    kv_cache, kv_per_head, device), overwrite, print_recipe)
 
 
 @command
 def awq(
-    model: str = MODEL, output: Path = OUTPUT, scheme: str = SCHEME, group_size: Optional[int] = GROUP,
+    model: str = MODEL, output: Optional[Path] = QOUTPUT, scheme: str = SCHEME, group_size: Optional[int] = GROUP,
     calib: str = CALIB, samples: int = SAMPLES, seq_len: int = SEQ_LEN, seed: int = SEED,
     grid: int = typer.Option(20, help="Points of the scale-exponent grid in [0, 1)."),
     duo: bool = typer.Option(False, help="Blend weight magnitudes into the scales (duo scaling)."),
@@ -145,102 +185,189 @@ def awq(
     save_search: Optional[Path] = typer.Option(None, help="Write the found scales and clips (safetensors)."),
     load_search: Optional[Path] = typer.Option(None, help="Apply a saved search instead of calibrating."),
     kv_cache: Optional[str] = KV, kv_per_head: bool = KV_PER_HEAD,
-    overwrite: bool = OVERWRITE, device: str = DEVICE,
+    overwrite: bool = OVERWRITE, device: str = DEVICE, print_recipe: bool = PRINT_RECIPE,
 ):
     """AWQ INT4 (Lin et al.): activation-aware scales folded into the previous op, clipping, RTN."""
-    from quantkit.quantize import Calibration
-
-    _quantize("awq", model, output, scheme, group_size, overwrite, device, Calibration(calib, samples, seq_len, seed),
-              {"grid": grid, "duo": duo, "clip": clip, "module_loss": module_loss, "save_search": save_search,
-               "load_search": load_search},
-              kv_cache=kv_cache, kv_per_head=kv_per_head)
+    options = {"grid": grid, "duo": duo, "clip": clip, "module_loss": module_loss,
+               "save_search": str(save_search) if save_search else None,
+               "load_search": str(load_search) if load_search else None}
+    _command_recipe(_weights_recipe("awq", model, output, scheme, group_size, calib, samples, seq_len, seed, options,
+                                    kv_cache, kv_per_head, device), overwrite, print_recipe)
 
 
 @command
 def fp8(
-    model: str = MODEL, output: Path = OUTPUT,
+    model: str = MODEL, output: Optional[Path] = QOUTPUT,
     scheme: str = typer.Option("fp8-dynamic", help="fp8-dynamic (per-channel weights, per-token activations at run "
                                "time) or fp8 (per-tensor weights and calibrated static activation scales)."),
     calib: str = CALIB, samples: int = SAMPLES, seq_len: int = SEQ_LEN, seed: int = SEED,
     smooth: bool = typer.Option(False, help="Migrate activation outliers into the weights first (SmoothQuant, "
                                 "α searched per mapping on --calib)."),
     kv_cache: Optional[str] = KV, kv_per_head: bool = KV_PER_HEAD,
-    overwrite: bool = OVERWRITE, device: str = DEVICE,
+    overwrite: bool = OVERWRITE, device: str = DEVICE, print_recipe: bool = PRINT_RECIPE,
 ):
     """FP8 e4m3 weights and activations (static scales and --smooth are calibrated on --calib)."""
-    from quantkit.quantize import Calibration
-
-    _quantize("fp8", model, output, scheme, None, overwrite, device, Calibration(calib, samples, seq_len, seed),
-              {"smooth_grid": 10 if smooth else 0}, kv_cache=kv_cache, kv_per_head=kv_per_head)
+    _command_recipe(_weights_recipe("fp8", model, output, scheme, None, calib, samples, seq_len, seed,
+                                    {"smooth_grid": 10 if smooth else 0}, kv_cache, kv_per_head, device),
+                    overwrite, print_recipe)
 
 
 @command
 def gptq(
-    model: str = MODEL, output: Path = OUTPUT, scheme: str = SCHEME, group_size: Optional[int] = GROUP,
+    model: str = MODEL, output: Optional[Path] = QOUTPUT, scheme: str = SCHEME, group_size: Optional[int] = GROUP,
     calib: str = CALIB, samples: int = SAMPLES, seq_len: int = SEQ_LEN, seed: int = SEED,
     act_order: str = typer.Option("static", help="static (columns by descending Hessian diagonal, groups kept), "
                                   "group (desc_act with g_idx) or none."),
     damp: float = typer.Option(0.01, help="Hessian dampening, as a fraction of its mean diagonal."),
     block_size: int = typer.Option(128, help="Columns per lazy-update block."),
     kv_cache: Optional[str] = KV, kv_per_head: bool = KV_PER_HEAD,
-    overwrite: bool = OVERWRITE, device: str = DEVICE,
+    overwrite: bool = OVERWRITE, device: str = DEVICE, print_recipe: bool = PRINT_RECIPE,
 ):
     """GPTQ INT4 (Frantar et al.): Hessian-based error feedback, true-sequential, act-order."""
-    from quantkit.quantize import Calibration
-
     if act_order not in ("static", "group", "none"):
         raise QuantkitError(f"--act-order {act_order!r} is unknown; use static, group or none.")
-    _quantize("gptq", model, output, scheme, group_size, overwrite, device, Calibration(calib, samples, seq_len, seed),
-              {"damp": damp, "block_size": block_size}, None if act_order == "none" else act_order,
-              kv_cache=kv_cache, kv_per_head=kv_per_head)
+    _command_recipe(_weights_recipe("gptq", model, output, scheme, group_size, calib, samples, seq_len, seed,
+                                    {"damp": damp, "block_size": block_size}, kv_cache, kv_per_head, device,
+                                    {"actorder": act_order} if act_order != "none" else None),
+                    overwrite, print_recipe)
+
+
+@command
+def run(
+    recipe: Path = typer.Argument(..., help="A recipe YAML file (see recipes/)."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Folder to write the checkpoint to "
+                                          "(default: the recipe's output)."),
+    set_: Optional[list[str]] = typer.Option(None, "--set", help="Change a recipe key, e.g. --set "
+                                             "calibration.samples=16 or --set steps.0.awq.grid=10 (repeatable)."),
+    overwrite: bool = OVERWRITE, print_recipe: bool = PRINT_RECIPE,
+):
+    """Make a checkpoint from a recipe: model, scheme, steps, calibration and eval gates in one
+    YAML file (a failed gate exits 1; the checkpoint stays written)."""
+    from quantkit.recipe import load_recipe
+
+    r = load_recipe(recipe, set_ or ())
+    if print_recipe:
+        typer.echo(r.replace(output=str(output) if output else r.output).to_yaml(), nl=False)
+        return
+    _run_recipe(r, output, overwrite)
+
+
+def _fraction(value: str | None) -> float | None:
+    """"2%" or "0.02" -> 0.02."""
+    if value is None:
+        return None
+    text = value.strip()
+    try:
+        return float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise QuantkitError(f"--max-ppl-increase {value!r} is neither a percentage nor a fraction; "
+                            "write 2% or 0.02.") from None
+
+
+def _number(value: float | None, signed: bool = False) -> str:
+    if value is None:
+        return "—"
+    return f"{value:{'+' if signed else ''}.4f}" if abs(value) < 1e6 else f"{value:{'+' if signed else ''}.4g}"
+
+
+def _gate_table(report: dict) -> Table:
+    pair = report["baseline"] is not None
+    title = f"{report['candidate']} vs {report['baseline']}" if pair else f"scores of {report['candidate']}"
+    table = Table(title=title, title_justify="left")
+    for name in ("metric", "baseline", "candidate", "delta", "recovery", "gate") if pair else ("metric", "value"):
+        table.add_column(name, justify="left" if name == "metric" else "right")
+    for row in report["rows"]:
+        if not pair:
+            table.add_row(row["metric"], _number(row["candidate"]))
+            continue
+        gate = {True: "[green]pass[/]", False: "[bold red]FAIL[/]", None: ""}[row["passed"]]
+        table.add_row(row["metric"], _number(row["baseline"]), _number(row["candidate"]),
+                      _number(row["delta"], signed=True), _number(row["recovery"]), gate)
+    c = report["results"]["candidate"]
+    scope = [f"{c['ppl']['dataset']}: {c['ppl']['windows']} × {c['ppl']['seq_len']} tokens"] if c["ppl"] else []
+    scope += [f"{task}: {n} docs" for task, n in c["docs"].items()]
+    table.caption = " · ".join(scope)
+    return table
+
+
+def _quiet_lm_eval() -> None:
+    import logging
+
+    import datasets
+
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)
+    datasets.disable_progress_bars()
 
 
 @command
 def eval(
     model: str = typer.Argument(..., help="Built-in name, local folder, hub id or quantkit checkpoint."),
-    ppl: str = typer.Option("wiki", help="Perplexity text: wiki, news, wikitext2, c4, pileval or a .txt/.jsonl/.parquet file."),
+    ppl: str = typer.Option("wiki", help="Perplexity text: wiki, news, wikitext2, c4, pileval, a .txt/.jsonl/.parquet "
+                            "file, or none."),
+    tasks: Optional[str] = typer.Option(None, help="lm-eval tasks, comma-separated: wiki_cloze, wiki_wordppl (built in, "
+                                        "offline), lm-eval's own (need the hub) or yours under --include-path."),
+    include_path: Optional[Path] = typer.Option(None, help="A folder of your own lm-eval task YAMLs."),
+    num_fewshot: Optional[int] = typer.Option(None, help="Few-shot examples per prompt (default: each task's own)."),
     seq_len: Optional[int] = typer.Option(None, help="Window length (default 2048, or the model's context if shorter)."),
-    limit: Optional[int] = typer.Option(None, help="Score only the first N windows."),
-    batch_size: int = typer.Option(1, help="Windows per forward pass."),
+    limit: Optional[int] = typer.Option(None, help="Score only the first N windows, and N documents per task."),
+    batch_size: int = typer.Option(1, help="Windows (or task requests) per forward pass."),
+    baseline: Optional[str] = typer.Option(None, help="The model to compare against, scored on the same data."),
+    max_ppl_increase: Optional[str] = typer.Option(None, help="Gate: fail when a perplexity rises more than this over "
+                                                   "the baseline (2% or 0.02)."),
+    min_recovery: Optional[float] = typer.Option(None, help="Gate: fail when a metric keeps less than this fraction of "
+                                                 "the baseline's (e.g. 0.98)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the result to this JSON file."),
 ):
-    """Perplexity on the papers' protocol (non-overlapping windows, mean token NLL)."""
-    from quantkit.eval.run import evaluate
+    """Perplexity on the papers' protocol (non-overlapping windows, mean token NLL) and
+    lm-eval tasks; with --baseline, side by side, exiting 1 when a gate fails."""
+    text = None if ppl.lower() == "none" else ppl
+    task_list = [t.strip() for t in (tasks or "").split(",") if t.strip()]
+    max_increase = _fraction(max_ppl_increase)
+    if baseline is None and not task_list and text and max_increase is None and min_recovery is None:
+        from quantkit.eval.run import evaluate
 
+        with _progress() as track:
+            result = evaluate(model, text, seq_len, limit, batch_size, track)
+        if json_path:
+            _write_json(json_path, result)
+        out.print(_table(f"perplexity of {model}", [
+            ("dataset", result["dataset"]),
+            ("perplexity", f"{result['ppl']:.4f}"),
+            ("windows × seq_len", f"{result['windows']} × {result['seq_len']} = {result['tokens']} tokens"),
+            ("time", f"{result['eval_time_s']:.1f} s"),
+        ]))
+        return
+    from quantkit.eval.gates import evaluate_gates
+
+    if task_list:
+        _quiet_lm_eval()
     with _progress() as track:
-        result = evaluate(model, ppl, seq_len, limit, batch_size, track)
+        report = evaluate_gates(model, baseline, ppl=text, tasks=task_list, limit=limit, seq_len=seq_len,
+                                num_fewshot=num_fewshot, include_path=include_path, max_ppl_increase=max_increase,
+                                min_recovery=min_recovery, track=track, batch_size=batch_size)
     if json_path:
-        _write_json(json_path, result)
-    out.print(_table(f"perplexity of {model}", [
-        ("dataset", result["dataset"]),
-        ("perplexity", f"{result['ppl']:.4f}"),
-        ("windows × seq_len", f"{result['windows']} × {result['seq_len']} = {result['tokens']} tokens"),
-        ("time", f"{result['eval_time_s']:.1f} s"),
-    ]))
+        _write_json(json_path, report)
+    out.print(_gate_table(report))
+    for failure in report["failures"]:
+        console.print(f"[bold red]gate failed:[/] {failure}")
+    if report["failures"]:
+        raise typer.Exit(1)
 
 
 @command
 def kv(
     model: str = typer.Argument(..., help="A float model or a checkpoint (built-in name, folder or hub id)."),
-    output: Path = OUTPUT,
+    output: Optional[Path] = QOUTPUT,
     dtype: str = typer.Option("fp8", help="KV-cache type: fp8 or int8."),
     per_head: bool = typer.Option(False, help="One scale per KV head instead of per layer."),
     calib: str = CALIB, samples: int = SAMPLES, seq_len: int = SEQ_LEN, seed: int = SEED,
     overwrite: bool = typer.Option(False, help="Replace an existing output folder, or KV scales the model already has."),
+    print_recipe: bool = PRINT_RECIPE,
 ):
     """Add calibrated KV-cache scales (k_scale/v_scale) to a model or checkpoint; weights stay as they are."""
-    from quantkit.kv import add_kv_scales, kv_args
-    from quantkit.quantize import Calibration
-
-    args = kv_args(dtype, per_head)
-    with _progress() as track:
-        prov = add_kv_scales(model, args, output, Calibration(calib, samples, seq_len, seed), overwrite, track)
-    k = prov["kv_cache"]
-    out.print(_table(f"kv → {output}", [
-        ("kv cache", f"{dtype}, one scale per {'head' if per_head else 'layer'}"),
-        ("calibration", f"{calib}: {samples} × {seq_len} tokens, seed {seed}"),
-        ("wall time", f"{k['wall_time_s']:.1f} s"),
-    ]))
+    _command_recipe({"model": model, "steps": [{"kv": {"dtype": dtype, "per_head": per_head}}],
+                     "calibration": {"dataset": calib, "samples": samples, "seq_len": seq_len, "seed": seed},
+                     "output": None if output is None else str(output)}, overwrite, print_recipe)
 
 
 DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
@@ -436,17 +563,15 @@ def plan(
 
 @command
 def export(
-    checkpoint: Path = typer.Argument(..., help="A quantkit (compressed-tensors pack-quantized) checkpoint."),
-    format: str = typer.Option(..., "--format", help="gptq (the GPTQ v1 layout)."),
+    checkpoint: Path = typer.Argument(..., help="An int4 checkpoint: compressed-tensors pack-quantized, AWQ or GPTQ."),
+    format: str = typer.Option(..., "--format", help="awq (AutoAWQ GEMM), gptq (GPTQ v1) or compressed-tensors."),
     output: Path = OUTPUT,
     overwrite: bool = OVERWRITE,
 ):
-    """Write a checkpoint in another tool's layout."""
-    from quantkit.formats.gptq import export_gptq
+    """Convert an int4 checkpoint between the compressed-tensors, AWQ and GPTQ layouts."""
+    from quantkit.formats import interop
 
-    if format != "gptq":
-        raise QuantkitError(f"export format {format!r} is unknown; use gptq.")
-    export_gptq(checkpoint, output, overwrite)
+    interop.export(checkpoint, output, format, overwrite)
     out.print(f"wrote {output} ({format})")
 
 

@@ -39,9 +39,10 @@ def kv_scale_names(config, layer: int) -> tuple[str, str]:
 
 @torch.no_grad()
 def add_kv_scales(model_name: str, args: QuantArgs, out: Path, calibration: Calibration = Calibration(),
-                  overwrite: bool = False, track: Track = no_progress) -> dict:
+                  overwrite: bool = False, track: Track = no_progress, recipe: dict | None = None) -> dict:
     """Calibrate per-layer k_scale / v_scale on `calibration` and write `out`: the source's
-    tensors unchanged plus the scales, and `kv_cache_scheme` in its quantization_config."""
+    tensors unchanged plus the scales, and `kv_cache_scheme` in its quantization_config
+    (`recipe`, the `quantkit run` recipe this call carries out, goes into the provenance)."""
     start = time.perf_counter()
     path = resolve_model(model_name)
     out = Path(out)
@@ -75,6 +76,7 @@ def add_kv_scales(model_name: str, args: QuantArgs, out: Path, calibration: Cali
         "args": dataclasses.asdict(args),
         "calibration": dataclasses.asdict(c),
         "wall_time_s": round(time.perf_counter() - start, 2),
+        "recipe": recipe,
     }
     save_checkpoint(out, tensors, config, provenance, path, overwrite)
     return provenance

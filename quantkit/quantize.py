@@ -22,7 +22,7 @@ from quantkit.errors import QuantkitError
 from quantkit.formats import float_quantized, pack_quantized
 from quantkit.formats.checkpoint import check_output, save_checkpoint
 from quantkit.models.arch import ArchSpec, arch_for, get_module
-from quantkit.models.loading import load_float_model
+from quantkit.models.loading import load_float_model, to_owned_float32
 from quantkit.primitives import check_group_size
 from quantkit.progress import Track, no_progress
 from quantkit.runtime import kv_attention
@@ -46,11 +46,12 @@ def quantized_linears(model: nn.Module, spec: ArchSpec, scheme: QuantScheme) -> 
     for i, block in enumerate(get_module(model, spec.blocks)):
         for name in spec.linears:
             full = f"{spec.blocks}.{i}.{name}"
-            if scheme.is_ignored(full):
+            args = scheme.scheme_for(full)
+            if args is None:
                 continue
             linear = get_module(block, name)
-            if scheme.weights.strategy == "group":
-                check_group_size(full, linear.in_features, scheme.weights.group_size)
+            if args.weights.strategy == "group":
+                check_group_size(full, linear.in_features, args.weights.group_size)
             found[full] = linear
     return found
 
@@ -64,11 +65,11 @@ def pack_model(model: nn.Module, scheme: QuantScheme, results: dict[str, QParams
     for key, t in state.items():
         module = key.rsplit(".", 1)[0]
         if module in results and key.endswith(".weight"):
-            p = results[module]
+            p, args = results[module], scheme.scheme_for(module).weights
             if scheme.format == "float-quantized":
-                packed = float_quantized.compress(t, p.scale, scheme.weights, p.input_scale)
+                packed = float_quantized.compress(t, p.scale, args, p.input_scale)
             else:
-                packed = pack_quantized.compress(t, p.scale, p.zero_point, scheme.weights, p.g_idx)
+                packed = pack_quantized.compress(t, p.scale, p.zero_point, args, p.g_idx)
             tensors.update({f"{module}.{k}": v for k, v in packed.items()})
         else:
             keep = not t.is_floating_point() or key.endswith("_scale")  # KV-cache scales stay fp32
@@ -97,6 +98,38 @@ def _observe_kv_after(step, spec: ArchSpec):
         state.recording = True
 
     return wrapped
+
+
+def check_scaled_together(spec: ArchSpec, blocks: int, linears: list[str]) -> None:
+    """AWQ and SmoothQuant fold one scale into the op before each mapping's linears and
+    compensate only the quantized ones, so a mapping must be quantized whole or not at all."""
+    for i in range(blocks):
+        for m in spec.awq:
+            names = [f"{spec.blocks}.{i}.{n}" for n in m.linears]
+            left_out = [n for n in names if n not in linears]
+            if left_out and len(left_out) < len(names):
+                raise QuantkitError(f"{left_out[0]} is ignored but shares the scales folded into "
+                                    f"{spec.blocks}.{i}.{m.prev} with {', '.join(m.linears)}; with awq or fp8 "
+                                    "smoothing ignore all of them or none.")
+
+
+def _make_step(algorithm: str, spec: ArchSpec, scheme: QuantScheme, linears: list[str], dtype, results: dict,
+               log, options: dict):
+    """The algorithm's runner step; with per-module overrides, one step per scheme, each
+    blind to the other schemes' linears, run one after the other on every block."""
+    if not scheme.overrides:
+        return STEPS[algorithm](spec, scheme, dtype, results, log, **options)
+    parts = [(s, [n for n in linears if scheme.scheme_for(n) is s]) for s in (scheme, *scheme.overrides)]
+    steps = [STEPS[algorithm](spec, s.replace(ignore=scheme.ignore + tuple(n for n in linears if n not in names),
+                                               overrides=()), dtype, results, log, **options)
+             for s, names in parts if names]
+
+    def step(index, prefix, block, inputs):
+        for s in steps:
+            s(index, prefix, block, inputs)
+
+    step.needs_data = any(s.needs_data for s in steps)
+    return step
 
 
 def _read_search(path: Path) -> dict[str, torch.Tensor]:
@@ -128,23 +161,31 @@ def quantize(
     device: str = "cpu",
     track: Track = no_progress,
     log: Callable[[str], None] | None = None,
+    recipe: dict | None = None,
 ) -> dict:
     """Quantize `model_name` with `algorithm` (rtn, gptq, ...) and write the checkpoint to
-    `out`; `options` go to the algorithm's step. Returns the provenance it recorded."""
+    `out`; `options` go to the algorithm's step, `recipe` (the `quantkit run` recipe this
+    call carries out) is recorded in the provenance. Returns the provenance it recorded."""
     if algorithm not in STEPS:
         raise QuantkitError(f"algorithm {algorithm!r} is unknown; use one of {', '.join(STEPS)}.")
     calibration = calibration or Calibration()
     wanted = "float-quantized" if algorithm == "fp8" else "pack-quantized"
-    if scheme.weights is None or scheme.format != wanted:
+    if any(s.weights is None or s.format != wanted for s in (scheme, *scheme.overrides)):
         hint = "fp8-dynamic or fp8" if algorithm == "fp8" else "w4a16 or w4a16-asym"
         raise QuantkitError(f"scheme {scheme.name!r} does not fit {algorithm}; use {hint}.")
+    if scheme.overrides and (algorithm == "awq" or (options or {}).get("smooth_grid")):
+        raise QuantkitError(f"{'awq' if algorithm == 'awq' else 'fp8 smoothing'} folds one scale into the op before "
+                            "several linears, so it cannot give some of them other args; use per-module overrides "
+                            "with rtn, gptq or fp8 without smoothing (ignoring modules works with every algorithm).")
     out = Path(out)
     check_output(out, overwrite)
     start = time.perf_counter()
     model, tokenizer, source = load_float_model(model_name)
     spec = arch_for(model.config)
     dtype = model.dtype
-    quantized_linears(model, spec, scheme)  # validates group sizes before any work
+    linears = list(quantized_linears(model, spec, scheme))  # validates group sizes before any work
+    if algorithm == "awq" or (options or {}).get("smooth_grid"):
+        check_scaled_together(spec, len(get_module(model, spec.blocks)), linears)
     results: dict[str, QParams] = {}
     kv = scheme.kv_cache
     options = dict(options or {})
@@ -153,12 +194,12 @@ def quantize(
         options["loaded"] = _read_search(Path(load_search))
     if save_search:
         options["record"] = {}
-    step = STEPS[algorithm](spec, scheme, dtype, results, log, **options)
+    step = _make_step(algorithm, spec, scheme, linears, dtype, results, log, options)
     samples = None
     if step.needs_data or kv is not None:
         c = calibration
         samples = calibration_samples(tokenizer, load_documents(c.dataset, "calib"), c.samples, c.seq_len, c.seed)
-    model.float()
+    to_owned_float32(model)  # the file's mapping released: peak memory is the weights, not twice
     if kv is None:
         run_blocks(model, spec, step, samples, batch_size=calibration.batch_size, device=device, track=track)
     else:
@@ -184,6 +225,7 @@ def quantize(
         "quantized_linears": len(results),
         "wall_time_s": round(time.perf_counter() - start, 2),
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "recipe": recipe,
     }
     save_checkpoint(out, tensors, checkpoint_config(model, scheme, results, dtype), provenance, source, overwrite)
     return provenance

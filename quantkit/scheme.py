@@ -91,6 +91,7 @@ class QuantScheme:
     targets: tuple[str, ...] = ("Linear",)
     ignore: tuple[str, ...] = ("lm_head",)
     kv_cache: QuantArgs | None = None
+    overrides: tuple[QuantScheme, ...] = ()  # per-module schemes, targets by regex ("re:...")
 
     @property
     def format(self) -> str:
@@ -115,6 +116,17 @@ class QuantScheme:
 
     def is_ignored(self, module_name: str) -> bool:
         return any(_matches(pattern, module_name) for pattern in self.ignore)
+
+    def scheme_for(self, module_name: str) -> QuantScheme | None:
+        """The scheme this module is quantized with: None if ignored, else the one override
+        whose targets match it, else this scheme."""
+        if self.is_ignored(module_name):
+            return None
+        hits = [o for o in self.overrides if any(_matches(t, module_name) for t in o.targets)]
+        if len(hits) > 1:
+            raise QuantkitError(f"{module_name} is matched by the overrides {hits[0].targets[0]!r} and "
+                                f"{hits[1].targets[0]!r}; make their targets disjoint.")
+        return hits[0] if hits else self
 
 
 def _matches(pattern: str, name: str) -> bool:
@@ -160,6 +172,14 @@ def to_quantization_config(scheme: QuantScheme) -> dict:
             "output_activations": None,
             "format": scheme.format,
         }
+    for i, o in enumerate(scheme.overrides, 1):  # regex targets win over "Linear" (compressed-tensors order)
+        groups[f"group_{i}"] = {
+            "targets": list(o.targets),
+            "weights": o.weights.to_dict(),
+            "input_activations": o.input_activations.to_dict() if o.input_activations else None,
+            "output_activations": None,
+            "format": o.format,
+        }
     return {
         "quant_method": "compressed-tensors",
         "format": scheme.format,
@@ -183,13 +203,14 @@ class CheckpointConfig:
     kv_cache: QuantArgs | None = None
 
     def scheme_for(self, module_name: str, module_type: str = "Linear") -> QuantScheme | None:
-        """The scheme whose targets match this module (None if it is ignored or untargeted)."""
+        """The scheme whose targets match this module (None if it is ignored or untargeted); a
+        name or regex target wins over a module-type target such as "Linear", as in
+        compressed-tensors and vLLM."""
         if any(_matches(p, module_name) for p in self.ignore):
             return None
-        for scheme in self.schemes:
-            if any(t == module_type or _matches(t, module_name) for t in scheme.targets):
-                return scheme
-        return None
+        by_name = (s for s in self.schemes if any(_matches(t, module_name) for t in s.targets))
+        by_type = (s for s in self.schemes if module_type in s.targets)
+        return next(by_name, None) or next(by_type, None)
 
 
 def from_quantization_config(qc: dict) -> CheckpointConfig:

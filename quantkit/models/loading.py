@@ -122,6 +122,17 @@ def load_float_model(name_or_path, dtype: torch.dtype | None = None):
     return model, load_tokenizer(path), path
 
 
+def to_owned_float32(model) -> None:
+    """Make every parameter an fp32 tensor in the process's own memory, one at a time.
+
+    transformers leaves tensors that need no conversion as views of the memory-mapped
+    safetensors file; their pages would stay resident next to the calibrated copies and
+    double the peak. Copying releases the mapping once the last view is gone.
+    """
+    for p in model.parameters():
+        p.data = p.data.float() if p.dtype != torch.float32 else p.data.clone()
+
+
 def load_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
