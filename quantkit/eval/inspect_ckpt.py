@@ -38,7 +38,10 @@ def describe(model_name: str) -> dict:
     float_bytes = _BYTES.get({"float32": "F32", "float16": "F16", "bfloat16": "BF16"}.get(
         str(config.get("dtype") or config.get("torch_dtype") or "float32"), "F32"), 4)
     shapes = _shapes(path)
-    quantized = sorted(k.removesuffix(".weight_packed") for k in shapes if k.endswith(".weight_packed"))
+    packed = (".weight_packed", ".qweight")  # compressed-tensors; AutoAWQ and GPTQ
+    quantized = sorted(k.rsplit(".", 1)[0] for k in shapes if k.endswith(packed))
+    groups = qc.get("config_groups") or ({"group_0": {"weights": _int4_args(qc)}} if qc.get("quant_method") in
+                                         ("awq", "gptq") else {})
     q_bytes = q_params = 0
     float_total = 0
     for key, (shape, dtype) in shapes.items():
@@ -50,14 +53,13 @@ def describe(model_name: str) -> dict:
             q_bytes += n * _BYTES.get(dtype, 4)
             if key.endswith(".weight_shape"):
                 continue
-            if key.endswith(".weight_packed"):
-                numel = shape[0] * shape[1] * 32 // int(qc["config_groups"]["group_0"]["weights"]["num_bits"])
+            if key.endswith(packed):  # int32 words of 32 // num_bits values, whatever the layout
+                numel = shape[0] * shape[1] * 32 // int(groups["group_0"]["weights"]["num_bits"])
                 q_params += numel
                 float_total += numel * float_bytes
         else:
             float_total += n * float_bytes
     disk = sum(f.stat().st_size for f in weight_files(path))
-    groups = qc.get("config_groups") or {}
     return {
         "path": str(path),
         "quant_method": qc.get("quant_method", "none"),
@@ -66,10 +68,21 @@ def describe(model_name: str) -> dict:
         "input_activations": {name: g.get("input_activations") for name, g in groups.items()},
         "kv_cache_scheme": qc.get("kv_cache_scheme"),
         "quantized_modules": quantized,
-        "ignored_modules": qc.get("ignore", []),
+        "ignored_modules": qc.get("ignore", qc.get("modules_to_not_convert")) or [],
         "disk_bytes": disk,
         "float_bytes": float_total,
         "compression": float_total / disk if disk else None,
         "bits_per_weight": 8 * q_bytes / q_params if q_params else None,
         "provenance": read_provenance(path),
     }
+
+
+def _int4_args(qc: dict) -> dict:
+    """The weight args of an AutoAWQ or GPTQ quantization_config, in the scheme vocabulary."""
+    awq = qc.get("quant_method") == "awq"
+    bits = qc.get("bits", qc.get("w_bit", 4))
+    group_size = qc.get("group_size", qc.get("q_group_size"))
+    return {"type": "int", "num_bits": bits, "strategy": "group" if group_size and group_size > 0 else "channel",
+            "group_size": group_size if group_size and group_size > 0 else None,
+            "symmetric": not qc.get("zero_point", True) if awq else bool(qc.get("sym", True)),
+            "actorder": "group" if qc.get("desc_act") else None}

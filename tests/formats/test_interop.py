@@ -228,3 +228,16 @@ def test_export_command_for_each_format(ckpts, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     r = runner.invoke(app, ["export", str(ckpts["actorder"]), "--format", "awq", "-o", str(tmp_path / "x")])
     assert r.exit_code == 2 and "cannot store" in r.output and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+def test_inspect_describes_other_tools_checkpoints(ckpts, tmp_path, fmt):
+    from quantkit.eval.inspect_ckpt import describe
+
+    ours = describe(str(ckpts["sym"]))
+    other = describe(str(export(ckpts["sym"], tmp_path / fmt, fmt)))
+    assert other["quant_method"] == fmt
+    assert other["quantized_modules"] == ours["quantized_modules"] and ours["quantized_modules"]
+    w = other["weights"]["group_0"]
+    assert (w["num_bits"], w["group_size"]) == (4, ours["weights"]["group_0"]["group_size"])
+    assert other["bits_per_weight"] == pytest.approx(ours["bits_per_weight"], abs=0.6)  # fp16 scales, int32 zeros
