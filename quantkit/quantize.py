@@ -22,7 +22,7 @@ from quantkit.errors import QuantkitError
 from quantkit.formats import float_quantized, pack_quantized
 from quantkit.formats.checkpoint import check_output, save_checkpoint
 from quantkit.models.arch import ArchSpec, arch_for, get_module
-from quantkit.models.loading import load_float_model, to_owned_float32
+from quantkit.models.loading import load_float_model
 from quantkit.primitives import check_group_size
 from quantkit.progress import Track, no_progress
 from quantkit.runtime import kv_attention
@@ -180,7 +180,7 @@ def quantize(
     out = Path(out)
     check_output(out, overwrite)
     start = time.perf_counter()
-    model, tokenizer, source = load_float_model(model_name)
+    model, tokenizer, source = load_float_model(model_name, owned=True)
     spec = arch_for(model.config)
     dtype = model.dtype
     linears = list(quantized_linears(model, spec, scheme))  # validates group sizes before any work
@@ -199,7 +199,7 @@ def quantize(
     if step.needs_data or kv is not None:
         c = calibration
         samples = calibration_samples(tokenizer, load_documents(c.dataset, "calib"), c.samples, c.seq_len, c.seed)
-    to_owned_float32(model)  # the file's mapping released: peak memory is the weights, not twice
+    model.float()
     if kv is None:
         run_blocks(model, spec, step, samples, batch_size=calibration.batch_size, device=device, track=track)
     else:

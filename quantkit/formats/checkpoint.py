@@ -11,8 +11,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from quantkit.errors import QuantkitError
 
@@ -118,16 +117,47 @@ def weight_files(folder: Path) -> list[Path]:
 
 
 def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint folder, or a `QuantkitError` if a file is unreadable."""
+    """All tensors of a checkpoint folder, or a `QuantkitError` if a file is unreadable.
+
+    The tensors are read into the process's own memory, not memory-mapped: a mapping's
+    pages would stay resident next to whatever the caller makes of the tensors.
+    """
     files = weight_files(folder)
     if not files:
         raise QuantkitError(f"{folder} has no .safetensors files; it is not a complete checkpoint.")
     tensors = {}
     for f in files:
         try:
-            tensors.update(load_file(f))
-        except (SafetensorError, OSError, ValueError) as e:
+            tensors.update(_read_safetensors(f))
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
             raise QuantkitError(f"{f} is unreadable or truncated ({e}); re-create or re-download the checkpoint.") from None
+    return tensors
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    # the format: u64 little-endian header length N, N bytes of JSON {name: {dtype, shape,
+    # data_offsets: [begin, end]}} (offsets into the data that follows), then the data
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        size = os.fstat(f.fileno()).st_size - 8 - n
+        tensors = {}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            begin, end = info["data_offsets"]
+            if not 0 <= begin <= end <= size:
+                raise ValueError(f"tensor {name} lies beyond the end of the file")
+            data = torch.empty(end - begin, dtype=torch.uint8)
+            f.seek(8 + n + begin)
+            if f.readinto(memoryview(data.numpy())) != end - begin:
+                raise ValueError(f"tensor {name} is cut short")
+            tensors[name] = data.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
     return tensors
 
 

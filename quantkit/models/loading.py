@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -9,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from quantkit import assets
 from quantkit.errors import QuantkitError
@@ -109,28 +111,70 @@ def check_causal_lm(path: Path):
     return config
 
 
-def load_float_model(name_or_path, dtype: torch.dtype | None = None):
-    """(model, tokenizer, path) of an unquantized model, in eval mode on the CPU."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_float_model(name_or_path, dtype: torch.dtype | None = None, owned: bool = False):
+    """(model, tokenizer, path) of an unquantized model, in eval mode on the CPU.
+
+    With `owned`, the weights are read into the process's own memory instead of staying
+    views of the memory-mapped safetensors files (whose pages would otherwise stay
+    resident next to the calibrated copies and double the peak).
+    """
+    from transformers import AutoModelForCausalLM
 
     path = resolve_model(name_or_path)
     config = check_causal_lm(path)
     if getattr(config, "quantization_config", None) is not None:
         raise QuantkitError(f"{path} is already quantized; start from the float model.")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto")
+    model = _load_owned(path, config, dtype) if owned else None
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto")
+        if owned:  # names transformers had to translate: copy what it mapped, one tensor at a time
+            for p in model.parameters():
+                p.data = p.data.clone()
     model.eval()
     return model, load_tokenizer(path), path
 
 
-def to_owned_float32(model) -> None:
-    """Make every parameter an fp32 tensor in the process's own memory, one at a time.
+@contextlib.contextmanager
+def params_on_meta():
+    """Create modules with parameters on the meta device (buffers stay real, so
+    computed buffers such as rotary frequencies are correct)."""
+    original = nn.Module.register_parameter
 
-    transformers leaves tensors that need no conversion as views of the memory-mapped
-    safetensors file; their pages would stay resident next to the calibrated copies and
-    double the peak. Copying releases the mapping once the last view is gone.
-    """
-    for p in model.parameters():
-        p.data = p.data.float() if p.dtype != torch.float32 else p.data.clone()
+    def register(module, name, param):
+        if param is not None:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def _load_owned(path: Path, config, dtype: torch.dtype | None):
+    """The model built empty and filled with tensors read (not mapped) from its files; None
+    when the files' names are not the model's own (transformers then translates them)."""
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.formats.checkpoint import read_tensors
+
+    dtype = dtype or getattr(config, "dtype", None) or torch.float32
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    with params_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    tensors = read_tensors(path)
+    expected = set(model.state_dict())
+    tied = getattr(config, "tie_word_embeddings", False)
+    if set(tensors) - expected or expected - set(tensors) - ({"lm_head.weight"} if tied else set()):
+        return None
+    for key in list(tensors):  # converted one at a time: never two copies of the weights
+        if tensors[key].is_floating_point():
+            tensors[key] = tensors[key].to(dtype)
+    model.load_state_dict(tensors, strict=False, assign=True)
+    if tied:
+        model.lm_head.weight = model.get_input_embeddings().weight
+    return model
 
 
 def load_tokenizer(path: Path):

@@ -8,7 +8,6 @@ linears are swapped for packed modules, and the file's tensors are assigned in p
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from torch import nn
 from quantkit.errors import QuantkitError
 from quantkit.formats import interop
 from quantkit.formats.checkpoint import read_tensors
-from quantkit.models.loading import check_causal_lm, load_float_model, resolve_model
+from quantkit.models.loading import check_causal_lm, load_float_model, params_on_meta, resolve_model
 from quantkit.models.arch import arch_for
 from quantkit.runtime import kv_attention
 from quantkit.runtime.qlinear import Fp8Linear, PackedInt4Linear
@@ -27,24 +26,6 @@ from quantkit.scheme import CheckpointConfig, from_quantization_config
 SUPPORTED = ("compressed-tensors pack-quantized (int4)", "compressed-tensors float-quantized (fp8)",
              "AutoAWQ GEMM (int4)", "GPTQ v1 (int4)")
 FORMATS = ("pack-quantized", "float-quantized", "dense")  # dense: float weights (e.g. KV-cache scales only)
-
-
-@contextlib.contextmanager
-def _params_on_meta():
-    """Create modules with parameters on the meta device (buffers stay real, so
-    computed buffers such as rotary frequencies are correct)."""
-    original = nn.Module.register_parameter
-
-    def register(module, name, param):
-        if param is not None:
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        original(module, name, param)
-
-    nn.Module.register_parameter = register
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -81,7 +62,7 @@ def load(path: str | os.PathLike, dtype: torch.dtype | None = None) -> nn.Module
         del config.quantization_config
     dtype = dtype or getattr(config, "dtype", None) or torch.float32
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    with _params_on_meta():
+    with params_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     for name, module in list(model.named_modules()):
         scheme = ckpt.scheme_for(name) if isinstance(module, nn.Linear) else None
