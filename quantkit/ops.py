@@ -1,6 +1,7 @@
 """The one place that chooses a kernel. `backend="auto"` takes the Triton kernel when the
-tensors live on a GPU and the torch twin (`quantkit.kernels.reference`) otherwise;
-"triton" and "torch" force one. Nothing else in the code calls a kernel directly."""
+tensors live on a GPU; otherwise the batched CPU path (`quantkit.kernels.cpu_attention`)
+for the paged KV cache and the torch twin (`quantkit.kernels.reference`) for the rest.
+"triton" and "torch" (the twin) force one. Nothing else in the code calls a kernel directly."""
 
 from __future__ import annotations
 
@@ -9,13 +10,13 @@ import importlib
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.kernels import reference
+from quantkit.kernels import cpu_attention, reference
 
 BACKENDS = ("auto", "triton", "torch")
 
 
 def _triton(backend: str, module: str, x: torch.Tensor):
-    """The Triton launcher module to use, or None for the torch twin."""
+    """The Triton launcher module to use, or None for a torch path."""
     if backend not in BACKENDS:
         raise QuantkitError(f"backend {backend!r} is unknown; use one of {', '.join(BACKENDS)}.")
     if backend == "torch" or (backend == "auto" and not x.is_cuda):
@@ -40,23 +41,35 @@ def fp8_gemm(x, w_fp8, w_scale, x_scale=None, backend: str = "auto") -> torch.Te
     return (k or reference).fp8_gemm(x, w_fp8, w_scale, x_scale)
 
 
+def _cache_path(backend: str, module: str, x: torch.Tensor):
+    """The module for a paged-KV-cache op: Triton, the batched CPU path (auto off the GPU), or the twin."""
+    k = _triton(backend, module, x)
+    if k is not None:
+        return k
+    return cpu_attention if backend == "auto" and not x.is_cuda else reference
+
+
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale=None, v_scale=None,
                     backend: str = "auto") -> torch.Tensor:
     """Decode attention over a block table; see `quantkit.kernels.paged_attention`."""
-    k = _triton(backend, "paged_attention", q)
-    return (k or reference).paged_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
+    k = _cache_path(backend, "paged_attention", q)
+    return k.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
 
 
-def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, scale, k_scale=None, v_scale=None):
+def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, scale, k_scale=None, v_scale=None,
+                  backend: str = "auto"):
     """Causal attention of the new tokens of several sequences over their cached blocks
-    (gathered blocks + SDPA on every backend); see `quantkit.kernels.reference.paged_prefill`."""
-    return reference.paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, scale, k_scale, v_scale)
+    (gathered blocks + SDPA; on a GPU the twin's path); see `quantkit.kernels.reference.paged_prefill`."""
+    if backend not in BACKENDS:
+        raise QuantkitError(f"backend {backend!r} is unknown; use one of {', '.join(BACKENDS)}.")
+    m = cpu_attention if backend == "auto" and not q.is_cuda else reference
+    return m.paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, scale, k_scale, v_scale)
 
 
 def kv_store(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None, backend: str = "auto") -> None:
     """Write new keys/values into their cache slots, quantising on the way; see `quantkit.kernels.kv_store`."""
-    m = _triton(backend, "kv_store", k)
-    (m or reference).kv_store(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    m = _cache_path(backend, "kv_store", k)
+    m.kv_store(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def int4_cpu_weight(w_packed, scales, zeros, group_size, g_idx=None):

@@ -19,10 +19,12 @@ def cache_case():
     return q, k_cache, v_cache, tables, lens
 
 
-def test_auto_on_cpu_is_the_twin_and_triton_agrees():
+def test_auto_on_cpu_agrees_with_the_twin_and_triton():
+    # on a CPU, auto takes the batched torch path of kernels/cpu_attention.py (fp32 softmax
+    # as the twin, summed in another order: 2e-5)
     q, kc, vc, tables, lens = cache_case()
     auto = ops.paged_attention(q, kc, vc, tables, lens, 0.25)
-    torch.testing.assert_close(auto, reference.paged_attention(q, kc, vc, tables, lens, 0.25), rtol=0, atol=0)
+    torch.testing.assert_close(auto, reference.paged_attention(q, kc, vc, tables, lens, 0.25), rtol=2e-5, atol=2e-5)
     pytest.importorskip("triton")
     torch.testing.assert_close(ops.paged_attention(q, kc, vc, tables, lens, 0.25, backend="triton"), auto,
                                rtol=2e-5, atol=2e-5)

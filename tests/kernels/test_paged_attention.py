@@ -1,7 +1,8 @@
 """paged_attention (Triton; under TRITON_INTERPRET=1 without a GPU) against its torch twin,
 the twin against dense attention computed from scratch (contiguous K/V per sequence,
-`fake_quantize_kv`, `torch.softmax`), and the torch paged_prefill against dense causal
-attention.
+`fake_quantize_kv`, `torch.softmax`), the torch paged_prefill against dense causal
+attention, and the batched CPU path (`cpu_attention`: kv_store, paged_attention,
+paged_prefill) against the twins.
 
 Queries and caches are fp16/fp32 here: under the interpreter bf16 `tl.dot` is wrong and
 fp32 -> bf16 casts truncate, so bf16 is only checked on a GPU (test_bf16_on_gpu).
@@ -17,7 +18,8 @@ import pytest
 import torch
 
 from quantkit.calibration.kv import fake_quantize_kv, kv_scales
-from quantkit.kernels import reference as ref
+from quantkit import ops
+from quantkit.kernels import cpu_attention, reference as ref
 from quantkit.kernels.paged_attention import paged_attention, paged_prefill
 from quantkit.scheme import preset
 
@@ -243,3 +245,85 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch):
     kwargs = {n: t.cpu() if isinstance(t, torch.Tensor) else t for n, t in _good().items()}
     with pytest.raises(ValueError, match=r"needs a GPU; on CPU call quantkit.kernels.reference.paged_attention"):
         paged_attention(**kwargs)
+
+
+# --- the batched CPU path against the twins -------------------------------------------------
+
+CPU_CACHES = {**CACHES, "bf16": (torch.bfloat16, torch.bfloat16, None),
+              "fp8-head-bf16": (torch.float8_e4m3fn, torch.bfloat16, "attn_head")}
+# mid-block, full blocks, one token, the whole table, empty, a repeated length, short
+CPU_SEQ_LENS = [21, 32, 1, 48, 0, 32, 5]
+
+
+def cpu_case(cache, gqa, **kwargs) -> Case:
+    case = make_case(CPU_CACHES[cache], *GQA[gqa], **kwargs)
+    to_cpu = lambda t: None if t is None else t.cpu()  # noqa: E731
+    return dataclasses.replace(case, **{f.name: to_cpu(getattr(case, f.name)) for f in dataclasses.fields(case)
+                                        if isinstance(getattr(case, f.name), torch.Tensor)})
+
+
+# CHUNK_BYTES 1: every sequence its own SDPA call (no mask); the default: all in one padded, masked call
+@pytest.mark.parametrize("chunk_bytes", [1, cpu_attention.CHUNK_BYTES])
+@pytest.mark.parametrize("gqa", list(GQA))
+@pytest.mark.parametrize("cache", list(CPU_CACHES))
+def test_cpu_paged_attention_matches_twin(cache, gqa, chunk_bytes, monkeypatch):
+    """Unused cache slots hold NaN (make_case): padding must be neither read nor let through."""
+    monkeypatch.setattr(cpu_attention, "CHUNK_BYTES", chunk_bytes)
+    case = cpu_case(cache, gqa, seq_lens=CPU_SEQ_LENS)
+    out = cpu_attention.paged_attention(case.q, *case.cache_args(), 0.3, case.k_scale, case.v_scale)
+    want = ref.paged_attention(case.q, *case.cache_args(), 0.3, case.k_scale, case.v_scale)
+    assert out.dtype == case.q.dtype and torch.equal(out[CPU_SEQ_LENS.index(0)], torch.zeros_like(out[0]))
+    torch.testing.assert_close(out, want, **TOLERANCES[case.q.dtype])
+
+
+def test_cpu_paged_attention_chunks_sequences_by_length(monkeypatch):
+    row = 2 * 2 * 16 * 2  # K+V bytes per token: 2 KV heads of 16 bf16 values each
+    monkeypatch.setattr(cpu_attention, "CHUNK_BYTES", 2 * 300 * row)
+    assert cpu_attention._chunks([5, 300, 0, 40, 300, 7], row) == [[1, 4], [3, 5, 0]]  # longest first, no empty
+
+
+@pytest.mark.parametrize("gqa", list(GQA))
+@pytest.mark.parametrize("cache", ["bf16", "fp32", "fp8-head-bf16", "int8-tensor"])
+def test_cpu_paged_prefill_matches_twin(cache, gqa):
+    case = cpu_case(cache, gqa, seq_lens=PREFILL_SEQ_LENS, q_tokens=sum(PREFILL_QUERY_LENS))
+    query_lens = torch.tensor(PREFILL_QUERY_LENS, dtype=torch.int32)
+    args = (case.q, *case.cache_args(), query_lens, 0.25, case.k_scale, case.v_scale)
+    torch.testing.assert_close(cpu_attention.paged_prefill(*args), ref.paged_prefill(*args),
+                               **TOLERANCES[case.q.dtype])
+
+
+@pytest.mark.parametrize("cache", ["bf16", "fp32", "fp8-tensor", "int8-head"])
+def test_cpu_kv_store_writes_what_the_twin_writes(cache):
+    dtype, q_dtype, strategy = CPU_CACHES[cache]
+    g = torch.Generator().manual_seed(1)
+    k, v = (torch.randn(6, 2, 16, generator=g).to(q_dtype) for _ in range(2))
+    slots = torch.tensor([17, 3, -1, 40, 0, 41])  # one token skipped
+    scales = (torch.tensor([0.01]), torch.tensor([0.02])) if strategy == "tensor" else \
+        (torch.tensor([0.01, 0.03]), torch.tensor([0.02, 0.05])) if strategy else (None, None)
+    caches = [[torch.zeros(4, 16, 2, 16, dtype=dtype) for _ in range(2)] for _ in range(2)]
+    cpu_attention.kv_store(k, v, *caches[0], slots, *scales)
+    ref.kv_store(k, v, *caches[1], slots, *scales)
+    for ours, theirs in zip(*caches):
+        assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))
+
+
+def test_ops_auto_takes_the_cpu_path_and_torch_the_twin():
+    case = cpu_case("fp32", "gqa3", seq_lens=[21, 5])
+    args = (case.q, *case.cache_args(), 0.3)
+    assert torch.equal(ops.paged_attention(*args), cpu_attention.paged_attention(*args))
+    assert torch.equal(ops.paged_attention(*args, backend="torch"), ref.paged_attention(*args))
+
+
+def test_cpu_paged_attention_replans_when_the_tables_change_in_place():
+    """The plan (chunks, block lists, masks) is made once per step for all layers; an
+    in-place change of seq_lens or block_tables must not reuse it."""
+    case = cpu_case("fp32", "gqa3", seq_lens=[21, 32, 48])
+    args = lambda: (case.q, *case.cache_args(), 0.3)  # noqa: E731
+    torch.testing.assert_close(cpu_attention.paged_attention(*args()), ref.paged_attention(*args()),
+                               **TOLERANCES[torch.float32])
+    case.seq_lens[1] = 7
+    torch.testing.assert_close(cpu_attention.paged_attention(*args()), ref.paged_attention(*args()),
+                               **TOLERANCES[torch.float32])
+    case.block_tables[2] = case.block_tables[2].roll(1)  # the same blocks in another order: other values
+    torch.testing.assert_close(cpu_attention.paged_attention(*args()), ref.paged_attention(*args()),
+                               **TOLERANCES[torch.float32])
