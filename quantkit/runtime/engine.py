@@ -10,6 +10,7 @@ tokens back to the scheduler (which stops sequences and frees their blocks).
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -67,8 +68,36 @@ def num_blocks_for(config, kv_cache_memory: float, block_size: int, dtype: torch
     return n
 
 
+def _slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Flat cache slots of token positions [start, end) of a sequence, a block at a time."""
+    slots = []
+    for b in range(start // block_size, (end - 1) // block_size + 1):
+        base = block_table[b] * block_size - b * block_size  # slot of position p in block b: base + p
+        slots += range(base + max(start, b * block_size), base + min(end, (b + 1) * block_size))
+    return slots
+
+
+def keep_freed_memory() -> bool:
+    """Ask glibc to keep freed memory in the process rather than hand it back to the OS at
+    once (large blocks are mmap'd per allocation, and the heap top is trimmed): on the CPU
+    each step's activations and gathered K/V blocks would otherwise come back as fresh
+    pages that fault in on first touch, which measured up to half the step time on a
+    virtual machine. Process-wide, like preloading tcmalloc; False where libc is not glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20) and mallopt(_M_TRIM_THRESHOLD, 1 << 30))
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
+
+
 class LLM:
-    """Offline engine over a float model or a quantkit checkpoint."""
+    """Offline engine over a float model or a quantkit checkpoint. On the CPU it calls
+    `keep_freed_memory` (process-wide) and runs on torch's threads (`torch.set_num_threads`
+    or OMP_NUM_THREADS; torch's default, one per core, suits a machine of its own)."""
 
     def __init__(self, model: str, dtype: torch.dtype | None = None, kv_cache_memory: float = 1 << 30,
                  block_size: int = 16, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
@@ -80,6 +109,8 @@ class LLM:
         num_blocks = num_blocks or num_blocks_for(self.model.config, kv_cache_memory, block_size,
                                                   kv_cache_dtype(self.model))
         self.runner = ModelRunner(self.model, num_blocks, block_size)
+        if self.runner.device.type == "cpu":
+            keep_freed_memory()
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         eos = self.model.generation_config.eos_token_id if getattr(self.model, "generation_config", None) else None
         eos = eos if eos is not None else self.tokenizer.eos_token_id
@@ -121,22 +152,19 @@ class LLM:
         self.sampler.forget(request_id)
 
     def _batch(self, out: SchedulerOutput) -> Batch:
-        bm, ids, pos, slots = self.block_manager, [], [], []
-        pre_tables, pre_lens, pre_q, index = [], [], [], {}
+        bs, ids, pos, slots, index = self.block_manager.block_size, [], [], [], {}
         for seq, n in out.prefill:
             start = seq.num_computed_tokens
-            tokens = seq.token_ids
-            ids += tokens[start:start + n]
+            ids += seq.token_ids[start:start + n]
             pos += range(start, start + n)
-            slots += [bm.slot(seq, p) for p in range(start, start + n)]
-            pre_tables.append(seq.block_table)
-            pre_lens.append(start + n)
-            pre_q.append(n)
+            slots += _slots(seq.block_table, start, start + n, bs)
             index[seq.seq_id] = len(ids) - 1
+        num_prefill = len(ids)
         for seq in out.decode:
+            p = seq.num_tokens - 1
             ids.append(seq.last_token)
-            pos.append(seq.num_tokens - 1)
-            slots.append(bm.slot(seq, seq.num_tokens - 1))
+            pos.append(p)
+            slots.append(seq.block_table[p // bs] * bs + p % bs)
             index[seq.seq_id] = len(ids) - 1
         dev = self.runner.device
 
@@ -148,10 +176,11 @@ class LLM:
         def ints(values, dtype=torch.int64):
             return torch.tensor(values, dtype=dtype, device=dev)
 
-        return Batch(ints(ids), ints(pos), ints(slots), table(pre_tables), ints(pre_lens, torch.int32),
-                     ints(pre_q, torch.int32), table([s.block_table for s in out.decode]),
+        return Batch(ints(ids), ints(pos), ints(slots), table([s.block_table for s, _ in out.prefill]),
+                     ints([s.num_computed_tokens + n for s, n in out.prefill], torch.int32),
+                     ints([n for _, n in out.prefill], torch.int32), table([s.block_table for s in out.decode]),
                      ints([s.num_tokens for s in out.decode], torch.int32),
-                     ints([index[s.seq_id] for s in out.sampled]))
+                     ints([index[s.seq_id] for s in out.sampled]), num_prefill)
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns the outputs of the requests that got a token."""

@@ -2,13 +2,15 @@
 
 The module tree comes from `quantkit.load` (float, packed int4 or fp8 linears, which
 compute through `quantkit.ops`); the forward here is ours: all scheduled tokens of a
-step run as one flat batch [T, hidden], new keys/values go into the paged cache with
-`ops.kv_store`, prefill tokens attend with `ops.paged_prefill`, decode tokens with
-`ops.paged_attention`, and logits are computed only for the tokens that are sampled.
+step run as one flat batch [T, hidden] through each block's fused q/k/v and gate/up
+linears, new keys/values go into the paged cache with `ops.kv_store`, prefill tokens
+attend with `ops.paged_prefill`, all decode tokens together with `ops.paged_attention`,
+and logits are computed only for the tokens that are sampled.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +19,7 @@ from torch import nn
 from quantkit import ops
 from quantkit.errors import QuantkitError
 from quantkit.models.arch import arch_for, get_module
+from quantkit.runtime.qlinear import fuse_linears
 
 KV_DTYPES = {"float": torch.float8_e4m3fn, "int": torch.int8}
 
@@ -35,10 +38,7 @@ class Batch:
     decode_tables: torch.Tensor  # int32 [D, max_blocks]
     decode_seq_lens: torch.Tensor  # int32 [D]
     logits_indices: torch.Tensor  # int64 [num_sampled]: which of the T tokens are sampled
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return int(self.prefill_query_lens.sum())
+    num_prefill_tokens: int  # P: input_ids[:P] are prefill tokens, the rest decode tokens
 
 
 def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
@@ -55,21 +55,45 @@ def kv_cache_dtype(model: nn.Module) -> torch.dtype:
     return KV_DTYPES[args.type] if args is not None else model.get_input_embeddings().weight.dtype
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+@dataclass(slots=True)
+class _Layer:
+    """One decoder block as the runner calls it: q/k/v and gate/up fused where they can be."""
+
+    input_norm: nn.Module
+    qkv: Callable[[torch.Tensor], torch.Tensor]  # [T, hidden] -> [T, (heads + 2 kv_heads) * head_dim]
+    o_proj: nn.Module
+    post_norm: nn.Module
+    gate_up: Callable[[torch.Tensor], torch.Tensor]  # [T, hidden] -> [T, 2 * intermediate]
+    act: Callable[[torch.Tensor], torch.Tensor]
+    down_proj: nn.Module
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+
+
+def _projection(modules: list[nn.Module]) -> Callable[[torch.Tensor], torch.Tensor]:
+    fused = fuse_linears(modules)
+    if fused is not None:
+        return fused
+    return lambda x: torch.cat([m(x) for m in modules], dim=-1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1] written as [x2, x1] * [-sin1, sin2]
+    (the same products and sum as transformers'); x [T, heads, D], cos/sin [T, 1, D]."""
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # [x2, x1]
+    return x * cos + swapped * sin_signed
 
 
 class ModelRunner:
     """Owns the paged KV cache [layers] × [num_blocks, block_size, kv_heads, head_dim] and
     runs steps. KV is stored in the model's dtype, or fp8/int8 with the checkpoint's
-    k_scale/v_scale when it has a `kv_cache_scheme`."""
+    k_scale/v_scale when it has a `kv_cache_scheme`. At construction the q/k/v and gate/up
+    linears of each block are fused (`fuse_linears`) where their kinds allow."""
 
     def __init__(self, model: nn.Module, num_blocks: int, block_size: int = 16):
         self.model, self.config = model, model.config
         self.spec = arch_for(model.config)
-        self.blocks = list(get_module(model, self.spec.blocks))
-        self.attn = [get_module(b, self.spec.attention) for b in self.blocks]
+        blocks = list(get_module(model, self.spec.blocks))
         c = self.config
         self.num_heads = c.num_attention_heads
         self.num_kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
@@ -77,18 +101,27 @@ class ModelRunner:
         self.scale = self.head_dim ** -0.5
         self.dtype = model.get_input_embeddings().weight.dtype
         self.device = model.get_input_embeddings().weight.device
-        kv = getattr(self.attn[0], "quantkit_kv", None)
-        self.kv_args = getattr(kv, "args", None)
+        attn = get_module(blocks[0], self.spec.attention)
+        self.kv_args = getattr(getattr(attn, "quantkit_kv", None), "args", None)
+        self.layers = [self._layer(b) for b in blocks]
+        self.embed = model.get_input_embeddings()
+        self.final_norm = get_module(model, self.spec.final_norm)
+        self.lm_head = model.get_output_embeddings()
+        self.rotary_emb = get_module(model, self.spec.blocks.rsplit(".", 1)[0]).rotary_emb
         kv_dtype = kv_cache_dtype(model)
         shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
-        self.k_cache = [torch.zeros(shape, dtype=kv_dtype, device=self.device) for _ in self.blocks]
-        self.v_cache = [torch.zeros(shape, dtype=kv_dtype, device=self.device) for _ in self.blocks]
+        self.k_cache = [torch.zeros(shape, dtype=kv_dtype, device=self.device) for _ in blocks]
+        self.v_cache = [torch.zeros(shape, dtype=kv_dtype, device=self.device) for _ in blocks]
         self.num_blocks, self.block_size = num_blocks, block_size
 
-    def _scales(self, i: int):
-        if self.kv_args is None:
-            return None, None
-        return self.attn[i].k_scale, self.attn[i].v_scale
+    def _layer(self, block: nn.Module) -> _Layer:
+        qkv, o, gate_up, down = self.spec.sequential  # Llama's groups: q/k/v, o, gate/up, down
+        mods = lambda names: [get_module(block, n) for n in names]  # noqa: E731
+        attn = get_module(block, self.spec.attention)
+        scales = (attn.k_scale, attn.v_scale) if self.kv_args is not None else (None, None)
+        return _Layer(block.input_layernorm, _projection(mods(qkv)), get_module(block, o[0]),
+                      block.post_attention_layernorm, _projection(mods(gate_up)), block.mlp.act_fn,
+                      get_module(block, down[0]), *scales)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block src's K/V into block dst, every layer."""
@@ -98,38 +131,41 @@ class ModelRunner:
         for k, v in zip(self.k_cache, self.v_cache):
             k[dst], v[dst] = k[src], v[src]
 
-    def _rope(self, positions: torch.Tensor):
+    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin [T, 1, head_dim] for `_rope`."""
         dummy = torch.empty(0, dtype=self.dtype, device=self.device)
-        cos, sin = get_module(self.model, self.spec.blocks.rsplit(".", 1)[0]).rotary_emb(dummy, positions[None])
-        return cos[0, :, None, :], sin[0, :, None, :]  # [T, 1, head_dim]
+        cos, sin = self.rotary_emb(dummy, positions[None])
+        half = self.head_dim // 2
+        sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
+        return cos[0, :, None, :], sin[:, None, :]
+
+    def _attention(self, b: Batch, q: torch.Tensor, i: int, layer: _Layer) -> torch.Tensor:
+        P, T = b.num_prefill_tokens, q.shape[0]
+        kc, vc, ks, vs = self.k_cache[i], self.v_cache[i], layer.k_scale, layer.v_scale
+        parts = []
+        if P:
+            parts.append(ops.paged_prefill(q[:P], kc, vc, b.prefill_tables, b.prefill_seq_lens, b.prefill_query_lens,
+                                           self.scale, ks, vs))
+        if P < T:
+            parts.append(ops.paged_attention(q[P:], kc, vc, b.decode_tables, b.decode_seq_lens, self.scale, ks, vs))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     @torch.inference_mode()
     def forward(self, b: Batch) -> torch.Tensor:
-        """fp32 logits [num_sampled, vocab] of the sampled tokens of the step."""
-        T, P = b.input_ids.shape[0], b.num_prefill_tokens
-        x = self.model.get_input_embeddings()(b.input_ids)  # x [T, hidden]
-        cos, sin = self._rope(b.positions)
-        for i, (block, attn) in enumerate(zip(self.blocks, self.attn)):
-            h = block.input_layernorm(x)
-            q = attn.q_proj(h).view(T, self.num_heads, self.head_dim)
-            k = attn.k_proj(h).view(T, self.num_kv_heads, self.head_dim)
-            v = attn.v_proj(h).view(T, self.num_kv_heads, self.head_dim)
-            q = (q * cos + _rotate_half(q) * sin).to(q.dtype)
-            k = (k * cos + _rotate_half(k) * sin).to(k.dtype)
-            k_scale, v_scale = self._scales(i)
-            kc, vc = self.k_cache[i], self.v_cache[i]
-            ops.kv_store(k, v, kc, vc, b.slot_mapping, k_scale, v_scale)
-            out = torch.empty_like(q)
-            if P:
-                out[:P] = ops.paged_prefill(q[:P], kc, vc, b.prefill_tables, b.prefill_seq_lens,
-                                            b.prefill_query_lens, self.scale, k_scale, v_scale)
-            if P < T:
-                out[P:] = ops.paged_attention(q[P:], kc, vc, b.decode_tables, b.decode_seq_lens, self.scale,
-                                              k_scale, v_scale)
-            x = x + attn.o_proj(out.view(T, -1))
-            x = x + block.mlp(block.post_attention_layernorm(x))
-        x = get_module(self.model, self.spec.final_norm)(x[b.logits_indices])
-        return self.model.get_output_embeddings()(x).float()
+        """Logits [num_sampled, vocab] of the sampled tokens of the step, in the model's dtype."""
+        T, H, KV, D = b.input_ids.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        x = self.embed(b.input_ids)  # [T, hidden]
+        cos, sin = self._rope_tables(b.positions)
+        for i, layer in enumerate(self.layers):
+            qkv = layer.qkv(layer.input_norm(x))  # [T, (H + 2 KV) D]
+            qk = _rope(qkv[:, : (H + KV) * D].view(T, H + KV, D), cos, sin).to(qkv.dtype)
+            q, k, v = qk[:, :H], qk[:, H:], qkv[:, (H + KV) * D :].view(T, KV, D)
+            ops.kv_store(k, v, self.k_cache[i], self.v_cache[i], b.slot_mapping, layer.k_scale, layer.v_scale)
+            x = x + layer.o_proj(self._attention(b, q, i, layer).view(T, H * D))
+            gate, up = layer.gate_up(layer.post_norm(x)).chunk(2, dim=-1)
+            x = x + layer.down_proj(layer.act(gate) * up)
+        x = self.final_norm(x[b.logits_indices])
+        return self.lm_head(x)
 
 
 def check_supported(model: nn.Module) -> None:

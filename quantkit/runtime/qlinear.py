@@ -73,3 +73,73 @@ class Fp8Linear(nn.Module):
     def extra_repr(self) -> str:
         kind = "static" if self.input_scale is not None else "dynamic per-token"
         return f"in={self.in_features}, out={self.out_features}, fp8 {self.args.strategy} weights, {kind} activations"
+
+
+def fuse_linears(linears: list[nn.Module]) -> nn.Module | None:
+    """One module computing torch.cat([m(x) for m in linears], -1) for linears that read the
+    same input (q/k/v, gate/up), so a block runs fewer, wider GEMMs; None when they cannot
+    be fused. Takes float `nn.Linear`s (the originals' weights become views of the fused
+    weight, so nothing is stored twice), `PackedInt4Linear`s of one scheme, and per-channel
+    `Fp8Linear`s with dynamic activations."""
+    first, kinds = linears[0], {type(m) for m in linears}
+    if len(kinds) > 1 or any(m.in_features != first.in_features for m in linears):
+        return None
+    bias = _fused_bias(linears)
+    if kinds == {nn.Linear}:
+        return _fuse_float(linears, bias)
+    if kinds == {PackedInt4Linear} and _same_int4_layout(linears):
+        fused = PackedInt4Linear(first.in_features, sum(m.out_features for m in linears), bias is not None,
+                                 first.args, first.weight_scale.dtype)
+        for name in ("weight_packed", "weight_scale"):
+            setattr(fused, name, _concat_and_share(linears, name))
+        fused.weight_shape = torch.tensor([fused.out_features, fused.in_features])
+        fused.weight_g_idx = first.weight_g_idx
+        if first.weight_zero_point is not None:
+            zeros = torch.cat([m.zeros() for m in linears])  # int8 [out, groups]
+            fused.weight_zero_point = pack_quantized.pack(zeros, 4, dim=0)
+        fused.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        return fused
+    if kinds == {Fp8Linear} and all(m.input_scale is None and m.args.strategy == "channel" for m in linears):
+        fused = Fp8Linear(first.in_features, sum(m.out_features for m in linears), bias is not None, first.args,
+                          False, torch.float32 if bias is None else bias.dtype)
+        fused.weight = _concat_and_share(linears, "weight")
+        fused.weight_scale = _concat_and_share(linears, "weight_scale")
+        fused.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        return fused
+    return None
+
+
+def _fused_bias(linears: list[nn.Module]) -> torch.Tensor | None:
+    if all(m.bias is None for m in linears):
+        return None
+    ref = next(m.bias for m in linears if m.bias is not None)
+    return torch.cat([m.bias.detach() if m.bias is not None else ref.new_zeros(m.out_features) for m in linears])
+
+
+def _fuse_float(linears: list[nn.Linear], bias: torch.Tensor | None) -> nn.Linear:
+    weight = _concat_and_share(linears, "weight")
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta", dtype=weight.dtype)
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    fused.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+    return fused
+
+
+def _same_int4_layout(linears: list[PackedInt4Linear]) -> bool:
+    first = linears[0]
+    g = first.weight_g_idx
+    return all(m.args == first.args and m.weight_scale.dtype == first.weight_scale.dtype
+               and (g is None) == (m.weight_g_idx is None) and (g is None or torch.equal(g, m.weight_g_idx))
+               for m in linears)
+
+
+@torch.no_grad()
+def _concat_and_share(linears: list[nn.Module], name: str) -> torch.Tensor:
+    """torch.cat of each module's tensor `name` along dim 0; each module then holds a view of it."""
+    fused = torch.cat([getattr(m, name).detach() for m in linears])
+    start = 0
+    for m in linears:
+        n = getattr(m, name).shape[0]
+        part = fused[start:start + n]
+        setattr(m, name, nn.Parameter(part, requires_grad=False) if name in m._parameters else part)
+        start += n
+    return fused
