@@ -119,6 +119,8 @@ class _EngineRun:
         return finished
 
     def drive(self, completions, track: Track, total: int, **report) -> dict:
+        import torch
+
         interrupted = False
         try:
             for _ in track(completions, f"bench {report['mode']}", total):
@@ -130,7 +132,8 @@ class _EngineRun:
                 self.llm.outputs.pop(rid, None)
         preemptions = self.llm.scheduler.num_preemptions - self.preemptions
         return summarize(self.records, time.perf_counter() - self.start, interrupted=interrupted,
-                         kv_usage_peak=self.peak_kv, preemptions=preemptions, **report)
+                         kv_usage_peak=self.peak_kv, preemptions=preemptions, threads=torch.get_num_threads(),
+                         **report)
 
 
 def run_offline(llm, workload: list[Request], track: Track = no_progress, *, warmup: bool = True,
@@ -263,6 +266,8 @@ def _hf_generate(hf, prompts: list[list[int]], n: int, pad: int):
 
 
 def _hf_run(hf, tokenizer, pad, workload: list[Request], batch_size: int, track: Track) -> dict:
+    import torch
+
     prompts = [r.prompt if isinstance(r.prompt, list) else tokenizer.encode(r.prompt, add_special_tokens=False)
                for r in workload]
     _hf_generate(hf, prompts[:1], 2, pad)  # warm up
@@ -280,7 +285,8 @@ def _hf_run(hf, tokenizer, pad, workload: list[Request], batch_size: int, track:
     duration = max(time.perf_counter() - start, 1e-9)
     return {"batch_size": batch_size, "num_requests": done, "output_tokens": output_tokens,
             "generated_tokens": generated, "duration_s": duration, "requests_per_s": done / duration,
-            "output_tokens_per_s": output_tokens / duration, "interrupted": interrupted}
+            "output_tokens_per_s": output_tokens / duration, "interrupted": interrupted,
+            "threads": torch.get_num_threads()}
 
 
 def run_hf_baseline(model: str, workload: list[Request], batch_size: int = 1, dtype=None, device: str = "cpu",
@@ -289,7 +295,7 @@ def run_hf_baseline(model: str, workload: list[Request], batch_size: int = 1, dt
     (batch_size 1) or static left-padded batches, each running to its longest output;
     only each request's own `max_tokens` count as output. Keys: batch_size,
     num_requests, output_tokens, generated_tokens (padding included), duration_s,
-    requests_per_s, output_tokens_per_s, interrupted."""
+    requests_per_s, output_tokens_per_s, interrupted, threads (torch's)."""
     if batch_size < 1:
         raise QuantkitError(f"the baseline batch size must be at least 1, got {batch_size}.")
     return _hf_run(*_load_hf(model, dtype, device), workload, batch_size, track)

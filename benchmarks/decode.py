@@ -1,0 +1,101 @@
+"""Batch-1 decode of a bf16 model and its int4 checkpoint on the CPU, side by side in one
+run, each against the memory-bandwidth ceiling.
+
+    python benchmarks/decode.py [--model smollm2-135m] [--int4 /tmp/rtn64] [--tokens 64] [--repeats 5] [--threads 1]
+
+--int4 names an int4 checkpoint; a missing folder is made first with RTN (w4a16, group 64,
+as `quantkit rtn -m MODEL --scheme w4a16 --group-size 64 -o DIR`). Both run through the
+engine in bf16 (`LLM(..., max_num_seqs=1)`: one request, a 32-token prompt, --tokens
+greedy tokens); decode tokens/s is 1 / TPOT, the median of --repeats runs interleaved
+between the two models. Weight bytes per token: every linear as the runner reads it
+(bf16 weights, or torch's int4pack nibbles with their bf16 scales) plus lm_head. Ceiling
+tokens/s = copy bandwidth / weight bytes per token, with the copy bandwidth measured in the
+same run (`Tensor.copy_` of 256 MB, bytes read + written, as STREAM counts; a pure read
+stream is no faster on the machines we use, so the ceiling is generous).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from quantkit.kernels.bench import copy_bandwidth
+from quantkit.runtime.engine import LLM
+from quantkit.runtime.qlinear import Fp8Linear, PackedInt4Linear
+from quantkit.runtime.sequence import SamplingParams
+
+PROMPT = list(range(1000, 1032))
+
+
+def linear_bytes(module: nn.Module) -> int:
+    """Weight bytes one call of a (fused) linear reads."""
+    tensors = []
+    if isinstance(module, PackedInt4Linear):
+        if module._cpu_weight:
+            return module._cpu_weight.nbytes
+        tensors = [module.weight_packed, module.weight_scale]
+    elif isinstance(module, Fp8Linear):
+        tensors = [module.weight, module.weight_scale]
+    elif isinstance(module, nn.Linear):
+        tensors = [module.weight]
+    if not tensors:
+        raise TypeError(f"cannot count the weight bytes of {type(module).__name__}; fuse_linears made it?")
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def weight_bytes_per_token(llm: LLM) -> int:
+    layers = llm.runner.layers
+    total = sum(linear_bytes(m) for layer in layers for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj))
+    return total + linear_bytes(llm.runner.lm_head)
+
+
+def decode_tps(llm: LLM, tokens: int) -> float:
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))[0]
+    return 1 / out.tpot
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--int4", type=Path, default=Path("/tmp/rtn64"))
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    a = p.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    if not a.int4.exists():
+        from quantkit.quantize import quantize
+        from quantkit.scheme import preset
+
+        quantize(a.model, preset("w4a16").with_group_size(64), a.int4)
+    models = {"bf16": LLM(a.model, dtype=torch.bfloat16, max_num_seqs=1),
+              "int4 (RTN w4a16 g64)": LLM(str(a.int4), dtype=torch.bfloat16, max_num_seqs=1)}
+    for llm in models.values():
+        decode_tps(llm, 4)  # warm up: builds the int4pack weights and fills caches
+    samples = {name: [] for name in models}
+    for _ in range(a.repeats):
+        for name, llm in models.items():
+            samples[name].append(decode_tps(llm, a.tokens))
+    copy = copy_bandwidth(256, 5)["GB/s"]
+    rows, tps = [], {}
+    for name, llm in models.items():
+        tps[name], nbytes = statistics.median(samples[name]), weight_bytes_per_token(llm)
+        ceiling = copy * 1e9 / nbytes
+        rows.append(f"| {name} | {nbytes / 1e6:.1f} | {tps[name]:.1f} | {1e3 / tps[name]:.1f} | {ceiling:.0f} "
+                    f"| {100 * tps[name] / ceiling:.0f}% |")
+    bf16, int4 = tps.values()
+    print(f"{a.model}, batch 1, {a.tokens} tokens after a {len(PROMPT)}-token prompt, {torch.get_num_threads()} "
+          f"thread(s), median of {a.repeats}; copy bandwidth {copy:.1f} GB/s (read + write)\n")
+    print("| checkpoint | weight MB / token | decode tok/s | ms / token | ceiling tok/s | of ceiling |")
+    print("|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    print(f"\nint4 / bf16 decode speed: {int4 / bf16:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
