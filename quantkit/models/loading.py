@@ -152,28 +152,46 @@ def params_on_meta():
         nn.Module.register_parameter = original
 
 
-def _load_owned(path: Path, config, dtype: torch.dtype | None):
-    """The model built empty and filled with tensors read (not mapped) from its files; None
-    when the files' names are not the model's own (transformers then translates them)."""
+def empty_model(config, dtype: torch.dtype | str | None = None):
+    """(model, dtype): the model built with parameters on the meta device, in `dtype`
+    (default: the config's, else fp32), ready for `assign_weights`."""
     from transformers import AutoModelForCausalLM
-
-    from quantkit.formats.checkpoint import read_tensors
 
     dtype = dtype or getattr(config, "dtype", None) or torch.float32
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     with params_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    tensors = read_tensors(path)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype), dtype
+
+
+def missing_and_unexpected(model, tensors: dict) -> tuple[set, set]:
+    """The model's state keys the tensors lack (a tied lm_head needs none) and the tensor names it has no place for."""
     expected = set(model.state_dict())
-    tied = getattr(config, "tie_word_embeddings", False)
-    if set(tensors) - expected or expected - set(tensors) - ({"lm_head.weight"} if tied else set()):
+    missing = expected - set(tensors)
+    if getattr(model.config, "tie_word_embeddings", False):
+        missing.discard("lm_head.weight")
+    return missing, set(tensors) - expected
+
+
+def assign_weights(model, tensors: dict) -> None:
+    """Make the tensors the model's parameters and buffers (no copy), tying lm_head when the config says so."""
+    model.load_state_dict(tensors, strict=False, assign=True)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.lm_head.weight = model.get_input_embeddings().weight
+
+
+def _load_owned(path: Path, config, dtype: torch.dtype | None):
+    """The model built empty and filled with tensors read (not mapped) from its files; None
+    when the files' names are not the model's own (transformers then translates them)."""
+    from quantkit.formats.checkpoint import read_tensors
+
+    model, dtype = empty_model(config, dtype)
+    tensors = read_tensors(path)
+    if any(missing_and_unexpected(model, tensors)):
         return None
     for key in list(tensors):  # converted one at a time: never two copies of the weights
         if tensors[key].is_floating_point():
             tensors[key] = tensors[key].to(dtype)
-    model.load_state_dict(tensors, strict=False, assign=True)
-    if tied:
-        model.lm_head.weight = model.get_input_embeddings().weight
+    assign_weights(model, tensors)
     return model
 
 

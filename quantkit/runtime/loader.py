@@ -17,7 +17,8 @@ from torch import nn
 from quantkit.errors import QuantkitError
 from quantkit.formats import interop
 from quantkit.formats.checkpoint import read_tensors
-from quantkit.models.loading import check_causal_lm, load_float_model, params_on_meta, resolve_model
+from quantkit.models.loading import (assign_weights, check_causal_lm, empty_model, load_float_model,
+                                     missing_and_unexpected, resolve_model)
 from quantkit.models.arch import arch_for
 from quantkit.runtime import kv_attention
 from quantkit.runtime.qlinear import Fp8Linear, PackedInt4Linear
@@ -49,7 +50,6 @@ def load(path: str | os.PathLike, dtype: torch.dtype | None = None) -> nn.Module
     tensors `pack-quantized` checkpoints (and AutoAWQ GEMM / GPTQ v1 ones, converted to
     pack-quantized in memory) with `PackedInt4Linear` modules and `float-quantized` ones
     with `Fp8Linear` modules."""
-    from transformers import AutoModelForCausalLM
 
     path = resolve_model(path)
     config = check_causal_lm(path)
@@ -60,20 +60,13 @@ def load(path: str | os.PathLike, dtype: torch.dtype | None = None) -> nn.Module
     ckpt, tensors = _packed_checkpoint(path, qc)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    dtype = dtype or getattr(config, "dtype", None) or torch.float32
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    with params_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model, dtype = empty_model(config, dtype)
     for name, module in list(model.named_modules()):
         scheme = ckpt.scheme_for(name) if isinstance(module, nn.Linear) else None
         if scheme is not None:
             _replace(model, name, _quantized_linear(module, scheme, dtype, path))
     kv_tensors = {k: tensors.pop(k) for k in list(tensors) if k.endswith((".k_scale", ".v_scale"))}
-    expected = set(model.state_dict())
-    missing = expected - set(tensors)
-    if getattr(config, "tie_word_embeddings", False):
-        missing.discard("lm_head.weight")
-    unexpected = set(tensors) - expected
+    missing, unexpected = missing_and_unexpected(model, tensors)
     for k in [k for k in unexpected if k.endswith(".bias") and not tensors[k].any()]:  # older AutoGPTQ saves these
         unexpected.discard(k)
         del tensors[k]
@@ -82,9 +75,7 @@ def load(path: str | os.PathLike, dtype: torch.dtype | None = None) -> nn.Module
         raise QuantkitError(f"checkpoint {path} {what}; it is truncated or was made for another model.")
     floats = (torch.float32, torch.float16, torch.bfloat16)
     tensors = {k: v.to(dtype) if v.dtype in floats and not k.endswith("_scale") else v for k, v in tensors.items()}
-    model.load_state_dict(tensors, strict=False, assign=True)
-    if getattr(config, "tie_word_embeddings", False):
-        model.lm_head.weight = model.get_input_embeddings().weight
+    assign_weights(model, tensors)
     if ckpt.kv_cache is not None:
         _quantize_kv(model, kv_tensors, ckpt.kv_cache, path)
     return model.eval()
