@@ -4,8 +4,8 @@ For a group of linears that read the same input x (q, k, v all read input_layern
 output): `search_scales` finds per-input-channel scales s that protect the channels
 with large activations, `fold_scales` divides the previous op's outputs by s and
 multiplies the linears' input columns by s (the float function is unchanged), and
-`search_clip` finds per-group clipping ranges that `apply_clip` applies before the
-final quantization. The shape of mit-han-lab/llm-awq `auto_scale.py` / `auto_clip.py`
+`search_clip` finds per-group clipping ranges whose qparams (`clip_qparams`) the
+final quantization uses. The shape of mit-han-lab/llm-awq `auto_scale.py` / `auto_clip.py`
 without hooks or model knowledge: the caller captures x and names the modules. The
 grid is the one of `quantkit.primitives` (min-max qparams, as round-to-nearest).
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.primitives import check_group_size, compute_qparams, fake_quantize
+from quantkit.primitives import check_group_size, compute_qparams, fake_quantize, qparams_from_minmax
 from quantkit.scheme import QuantArgs
 
 SCALE_MIN = 1e-4  # floor of s: channels whose activations are all zero stay finite
@@ -114,65 +114,107 @@ def fold_scales(
 
 
 @torch.no_grad()
+def input_gram(x: torch.Tensor, args: QuantArgs, name: str = "linear") -> torch.Tensor:
+    """Per-group second moments G_g = x_gᵀ·x_g / n (fp32 [n_groups, group_size, group_size]) of
+    the inputs x [..., ci] of linears quantized with `args`: what `search_clip` scores with.
+
+    With d_g a group's weight error, d_g·G_g·d_gᵀ is the mean over the n tokens of the squared
+    error of the group's partial dot product x_g·d_g, exactly, for the cost of gs products
+    per weight instead of n: the clip search counts every captured token.
+    """
+    ci = x.shape[-1]
+    x = _check(x, [], args, name, "AWQ clip search")  # x [n, ci]
+    gs = args.group_size if args.strategy == "group" else ci
+    xg = x.reshape(x.shape[0], -1, gs).transpose(0, 1)  # [n_group, n, group_size]
+    return torch.bmm(xg.transpose(1, 2), xg) / x.shape[0]  # [n_group, group_size, group_size]
+
+
+@torch.no_grad()
 def search_clip(
     w: torch.Tensor,
-    x: torch.Tensor,
+    gram: torch.Tensor,
     args: QuantArgs,
     grid: int = 20,
     max_shrink: float = 0.5,
-    n_tokens: int = 512,
+    rounds: int = 2,
     batch_co: int = 256,
     scale_dtype: torch.dtype = torch.float32,
     name: str = "linear",
 ) -> torch.Tensor:
-    """Per (row, group) clipping range max_val (fp32 [co, n_groups]) for w [co, ci] given its inputs x [..., ci].
+    """Per (row, group) clipping range [lo, hi] (fp32 [co, n_groups, 2]) for w [co, ci] whose
+    inputs have the per-group second moments `gram` (from `input_gram`).
 
-    As llm-awq `auto_clip_layer`: on n_tokens evenly spaced tokens of x, each ratio
-    1, 1 - 1/grid, ... (int(max_shrink·grid) of them, so 1 ... 0.55 by default) clamps every
-    group to ±ratio·max|w_group|, fake-quantizes it, and scores the mean squared error of
-    the group's partial dot products x_g·w_g; the best ratio per group wins (ratio 1 is
-    tried, so never worse than no clipping). qparams are taken in scale_dtype, as stored.
-    Call it on the weights and inputs after `fold_scales`; rows go batch_co at a time.
+    A candidate range quantizes each group with min-max qparams of [lo, hi] (what clamping
+    to it and rounding to nearest gives) and is scored by the mean squared error of the
+    group's partial dot products, d·G·dᵀ. The ratios are 1, 1 - 1/grid, ... (int(max_shrink·grid)
+    of them, so 1 ... 0.55 by default). First both ends shrink together by each ratio
+    (llm-awq's `auto_clip`; for a symmetric scheme, whose range is ±amax, that is all); then,
+    for an asymmetric one, `rounds` rounds of coordinate descent: the upper end alone over the
+    ratios with the lower end as chosen so far, then the lower end alone. Each group keeps its
+    best candidate; the first is the unclipped range, so the error never exceeds round-to-nearest's.
+    qparams are taken in scale_dtype, as stored. Rows go batch_co at a time.
     """
-    x = _check(x, [w.shape], args, name, "AWQ clip search")
-    if grid < 1 or not 0 <= max_shrink < 1 or n_tokens < 1 or batch_co < 1:
+    if grid < 1 or not 0 <= max_shrink < 1 or rounds < 0 or batch_co < 1:
         raise QuantkitError(
-            f"the AWQ clip search of {name} needs grid, n_tokens and batch_co >= 1 and 0 <= max_shrink < 1."
+            f"the AWQ clip search of {name} needs grid and batch_co >= 1, rounds >= 0 and 0 <= max_shrink < 1."
         )
+    _check_args(args, [w.shape], w.shape[-1], name, "AWQ clip search")
     co, ci = w.shape
     gs = args.group_size if args.strategy == "group" else ci
-    x = x[:: max(1, x.shape[0] // n_tokens)][:n_tokens]  # x [n, ci], deterministic subsample
-    x = x.reshape(x.shape[0], -1, gs).transpose(0, 1)  # x [n, ci] -> [n_group, n, group_size]
+    if gram.shape != (ci // gs, gs, gs):
+        raise QuantkitError(f"{name}: second moments of shape {tuple(gram.shape)} do not fit a weight {tuple(w.shape)} "
+                            f"in groups of {gs}; make them with input_gram.")
     ratios = [1 - i / grid for i in range(max(1, int(max_shrink * grid)))]
-    best = []
-    for w_b in w.detach().float().split(batch_co):
-        rows = w_b.shape[0]
-        w_g = w_b.reshape(rows, -1, gs)  # w [co_b, ci] -> [co_b, n_group, group_size]
-        org_max = w_g.abs().amax(dim=-1, keepdim=True)  # [co_b, n_group, 1]
-        best_max, min_err = org_max.clone(), torch.full_like(org_max, float("inf"))
-        for ratio in ratios:
-            max_val = org_max * ratio
-            q = _fake_quantize(w_g.clamp(-max_val, max_val).reshape(rows, ci), args, scale_dtype)
-            diff = (w_b - q).reshape(rows, -1, gs).transpose(0, 1)  # [n_group, co_b, group_size]
-            # partial dot products x_g·w_g - x_g·wq_g: [n_group, n, co_b] -> err [co_b, n_group, 1]
-            err = torch.bmm(x, diff.transpose(1, 2)).pow(2).mean(dim=1).T.unsqueeze(-1)
-            better = err < min_err
-            min_err = torch.where(better, err, min_err)
-            best_max = torch.where(better, max_val, best_max)
-        best.append(best_max.squeeze(-1))
-    return torch.cat(best)  # [co, n_group]
+    gram = gram.float()
+    out = []
+    for W in w.detach().float().split(batch_co):  # W [co_b, ci]
+        w_g = W.reshape(W.shape[0], -1, gs)  # [co_b, n_group, group_size]
+        lo0, hi0 = w_g.amin(-1).clamp(max=0), w_g.amax(-1).clamp(min=0)  # [co_b, n_group]
+        if args.symmetric:
+            hi0 = torch.maximum(-lo0, hi0)
+            lo0 = -hi0
+
+        def error(lo, hi):  # [co_b, n_group]
+            d = W - fake_quantize(W, args, *qparams_from_minmax(lo, hi, args, scale_dtype))
+            d = d.reshape(W.shape[0], -1, gs).transpose(0, 1)  # [n_group, co_b, group_size]
+            return (torch.bmm(d, gram) * d).sum(-1).T
+
+        best = [lo0, hi0, error(lo0, hi0)]
+
+        def keep(lo, hi):
+            err = error(lo, hi)
+            better = err < best[2]
+            for i, new in enumerate((lo, hi, err)):
+                best[i] = torch.where(better, new, best[i])
+
+        for r in ratios[1:]:
+            keep(lo0 * r, hi0 * r)
+        for _ in range(0 if args.symmetric else rounds):
+            lo = best[0]
+            for r in ratios:
+                keep(lo, hi0 * r)
+            hi = best[1]
+            for r in ratios:
+                keep(lo0 * r, hi)
+        out.append(torch.stack(best[:2], -1))
+    return torch.cat(out)  # [co, n_group, 2]
 
 
-def apply_clip(w: torch.Tensor, max_val: torch.Tensor, args: QuantArgs) -> torch.Tensor:
-    """w [co, ci] with each group clamped to ±max_val ([co, n_groups], from `search_clip`); a new tensor."""
+def clip_qparams(
+    w: torch.Tensor, ranges: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(scale, zero point or None) for w [co, ci] from its clipping ranges [co, n_groups, 2]
+    (`search_clip`): min-max qparams of [lo, hi] per group. Quantizing with them clamps each group to its range
+    at the ends of the integer grid, exactly as the search scored it (clamping the weights
+    first and taking min-max qparams of the result would put the clamped values on a rounding
+    tie, ±7.5 steps for symmetric int4, where float noise picks the side)."""
     gs = args.group_size if args.strategy == "group" else w.shape[1]
-    if max_val.shape != (w.shape[0], w.shape[1] // gs):
+    if ranges.shape != (w.shape[0], w.shape[1] // gs, 2):
         raise QuantkitError(
-            f"clip ranges of shape {tuple(max_val.shape)} do not fit a weight {tuple(w.shape)} in groups of {gs}."
+            f"clip ranges of shape {tuple(ranges.shape)} do not fit a weight {tuple(w.shape)} in groups of {gs}."
         )
-    m = max_val.to(w.device, torch.float32).unsqueeze(-1)  # [co, n_group, 1]
-    w_g = w.float().reshape(w.shape[0], -1, gs)  # w [co, ci] -> [co, n_group, group_size]
-    return w_g.clamp(-m, m).reshape(w.shape).to(w.dtype)
+    lo, hi = ranges.float().unbind(-1)  # [co, n_group] each
+    return qparams_from_minmax(lo, hi, args, scale_dtype)
 
 
 def _fake_quantize(w, args, scale_dtype):
@@ -205,16 +247,20 @@ def _loss_fn(x, W, weights, output_fn):
     return loss
 
 
-def _check(x, shapes, args, name, what):
+def _check_args(args, shapes, ci, name, what):
     if args.type != "int" or args.strategy not in ("group", "channel"):
         kind = f"{args.type} per {args.strategy}"
         raise QuantkitError(f"{what} of {name} takes int weights per group or channel, not {kind}.")
-    ci = x.shape[-1]
     for shape in shapes:
         if len(shape) != 2 or shape[1] != ci:
             raise QuantkitError(f"{name}: a weight of shape {tuple(shape)} cannot read inputs of width {ci}.")
     if args.strategy == "group":
         check_group_size(name, ci, args.group_size)
+
+
+def _check(x, shapes, args, name, what):
+    ci = x.shape[-1]
+    _check_args(args, shapes, ci, name, what)
     x = x.detach().reshape(-1, ci).float()  # x [n, ci]
     if x.shape[0] == 0:
         raise QuantkitError(f"{what} of {name} got no input tokens; calibrate on at least one sample.")

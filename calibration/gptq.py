@@ -80,18 +80,20 @@ def quantize_weight(
     actorder = actorder or args.actorder
     _check(W, H, args, block_size, damp, actorder, name)
     W0, n = W, W.shape[1]
-    W = W.detach().float().clone()  # W [out, in], fp32 working copy
-    H = H.detach().to(W.device, torch.float32).clone()  # H [in, in]
-    dead = H.diagonal() == 0  # inputs that were always zero
-    H[dead, dead] = 1
-    W[:, dead] = 0
-
+    H = H.detach().to(W.device, torch.float32)
+    diag = H.diagonal()
+    dead = diag == 0  # inputs that were always zero: weight 0, H 1
     if actorder is None:
         perm = torch.arange(n, device=W.device)
     else:
-        perm = torch.argsort(H.diagonal(), descending=True, stable=True)
-    W, H = W[:, perm], H[perm][:, perm]
+        perm = torch.argsort(torch.where(dead, 1.0, diag), descending=True, stable=True)
+    # working copies in visiting order, fp32: W [out, in], H [in, in] (the caller's H is not modified)
+    W, H = W.detach().float()[:, perm], H.index_select(0, perm).index_select(1, perm)
+    dead = dead[perm]
+    H[dead, dead] = 1
+    W[:, dead] = 0
     Hinv, damp_used = _inverse_cholesky(H, damp, log or (lambda message: None), name)  # Hinv [in, in], upper
+    del H  # at most four [in, in] matrices were alive at once: the caller's H, ours and two factors
 
     if args.strategy != "group":
         gid = torch.zeros_like(perm)  # one set of qparams, taken before the loop
@@ -127,15 +129,18 @@ def _check(W, H, args, block_size, damp, actorder, name):
 
 
 def _inverse_cholesky(H, damp, log, name):
-    mean_diag = H.diagonal().mean()
+    # upper Cholesky factor of (H + damp·mean(diag H)·I)⁻¹; H is dampened in place
+    mean_diag, added = H.diagonal().mean(), 0.0
     for attempt in range(DAMP_RETRIES + 1):
-        Hd = H.clone()
-        Hd.diagonal().add_(damp * mean_diag)
-        L, info = torch.linalg.cholesky_ex(Hd)
+        H.diagonal().add_(damp * mean_diag - added)
+        added = damp * mean_diag
+        L, info = torch.linalg.cholesky_ex(H)
         if info.item() == 0:
-            U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+            L = torch.cholesky_inverse(L)  # H⁻¹, in L's place as soon as it is made
+            U, info = torch.linalg.cholesky_ex(L, upper=True)
             if info.item() == 0 and torch.isfinite(U).all():
                 return U, damp
+        del L
         if attempt == DAMP_RETRIES:
             break
         new = damp * 10 if damp > 0 else 0.01

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from quantkit.malloc import trim_freed_memory
 from quantkit.models.arch import ArchSpec, get_module
 from quantkit.progress import Track, no_progress
 
@@ -98,3 +99,4 @@ def run_blocks(
         if inputs is not None:  # the last block too: KV-cache calibration observes this pass
             inputs = BlockInputs(inputs.run(block), inputs.kwargs)
         blocks[i].to("cpu")
+        trim_freed_memory()  # the block's temporaries (see quantkit.malloc)

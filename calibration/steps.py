@@ -46,7 +46,7 @@ def rtn_step(spec: ArchSpec, scheme: QuantScheme, scale_dtype, results: dict, lo
         for name in _targets(spec, scheme, prefix, spec.linears):
             linear = get_module(block, name)
             w, scale, zero = rtn.quantize_weight(linear.weight.data, scheme.weights, scale_dtype)
-            linear.weight.data = w
+            linear.weight.data.copy_(w)  # in place: see quantkit.malloc
             results[f"{prefix}.{name}"] = QParams(scale, zero)
 
     step.needs_data = False
@@ -137,7 +137,7 @@ def gptq_step(spec: ArchSpec, scheme: QuantScheme, scale_dtype, results: dict, l
                 rows = [l.out_features for l in linears]
                 zeros = r.zero_point.split(rows) if r.zero_point is not None else [None] * len(rows)
                 for name, linear, w, scale, zero in zip(part, linears, r.weight.split(rows), r.scale.split(rows), zeros):
-                    linear.weight.data = w.contiguous()
+                    linear.weight.data.copy_(w)
                     g_idx = r.g_idx.clone() if r.g_idx is not None else None  # one tensor per linear on disk
                     results[f"{prefix}.{name}"] = QParams(scale.clone(), None if zero is None else zero.clone(), g_idx)
 
@@ -240,9 +240,9 @@ def awq_step(spec: ArchSpec, scheme: QuantScheme, scale_dtype, results: dict, lo
              record: dict | None = None) -> Step:
     """AWQ: per mapping (norm → q,k,v; v → o when shapes allow; norm → gate,up; up → down)
     search activation-aware scales and fold them into the previous op, then search
-    per-group clipping for each linear (not q/k, whose errors the attention softmax
-    amplifies), then round to nearest. With `loaded` (a saved search) nothing is searched
-    and no calibration data is needed; `record` collects the search for saving."""
+    per-group clipping ranges for each linear (q and k too: on smollm2 that measured better)
+    and quantize with them. With `loaded` (a saved search) nothing is searched and no
+    calibration data is needed; `record` collects the search for saving."""
     args = scheme.weights
 
     def step(index: int, prefix: str, block: nn.Module, inputs: BlockInputs | None) -> None:
@@ -267,19 +267,26 @@ def awq_step(spec: ArchSpec, scheme: QuantScheme, scale_dtype, results: dict, lo
             awq.fold_scales(prev.weight.data, getattr(prev, "bias", None), [l.weight.data for l in linears], scales)
             if record is not None:
                 record[key] = scales
+        grams = {}  # per input: the second moments the clip search scores with
         for name in names:
             linear, full = get_module(block, name), f"{prefix}.{name}"
-            w = linear.weight.data
-            if clip and name.rsplit(".", 1)[-1] not in ("q_proj", "k_proj"):
+            w, ranges = linear.weight.data, None
+            if clip:
                 if loaded is not None:
-                    max_val = loaded.get(f"{full}.awq_clip")
+                    ranges = loaded.get(f"{full}.awq_clip")
                 else:
-                    max_val = awq.search_clip(w, feats[_owner(spec, name)], args, scale_dtype=scale_dtype, name=full)
-                if max_val is not None:
-                    w = awq.apply_clip(w, max_val, args)
-                    if record is not None:
-                        record[f"{full}.awq_clip"] = max_val
-            linear.weight.data, scale, zero = rtn.quantize_weight(w, args, scale_dtype)
+                    owner = _owner(spec, name)
+                    if owner not in grams:
+                        grams[owner] = awq.input_gram(feats[owner], args, name=full)
+                    ranges = awq.search_clip(w, grams[owner], args, scale_dtype=scale_dtype, name=full)
+            if ranges is None:
+                q, scale, zero = rtn.quantize_weight(w, args, scale_dtype)
+            else:
+                scale, zero = awq.clip_qparams(w, ranges, args, scale_dtype)
+                q = fake_quantize(w, args, scale, zero)
+                if record is not None:
+                    record[f"{full}.awq_clip"] = ranges
+            w.copy_(q)  # in place: see quantkit.malloc
             results[full] = QParams(scale, zero)
 
     step.needs_data = loaded is None
@@ -329,7 +336,7 @@ def fp8_step(spec: ArchSpec, scheme: QuantScheme, scale_dtype, results: dict, lo
         for name in names:
             linear = get_module(block, name)
             scale, _ = compute_qparams(linear.weight.data, scheme.weights, torch.float32)
-            linear.weight.data = fake_quantize(linear.weight.data, scheme.weights, scale)
+            linear.weight.data.copy_(fake_quantize(linear.weight.data, scheme.weights, scale))
             results[f"{prefix}.{name}"] = QParams(scale)
         if static:
             amax = input_amax(block, {f"{prefix}.{n}": get_module(block, n) for n in names}, inputs)

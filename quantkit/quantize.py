@@ -21,6 +21,7 @@ from quantkit.calibration.steps import STEPS, QParams
 from quantkit.errors import QuantkitError
 from quantkit.formats import float_quantized, pack_quantized
 from quantkit.formats.checkpoint import check_output, save_checkpoint
+from quantkit.malloc import trim_freed_memory
 from quantkit.models.arch import ArchSpec, arch_for, get_module
 from quantkit.models.loading import load_float_model
 from quantkit.primitives import check_group_size
@@ -56,13 +57,17 @@ def quantized_linears(model: nn.Module, spec: ArchSpec, scheme: QuantScheme) -> 
     return found
 
 
-def pack_model(model: nn.Module, scheme: QuantScheme, results: dict[str, QParams], dtype: torch.dtype) -> dict:
-    """The checkpoint's tensors: packed quantized linears, everything else in `dtype`."""
+def pack_model(model: nn.Module, scheme: QuantScheme, results: dict[str, QParams], dtype: torch.dtype,
+               release: bool = False) -> dict:
+    """The checkpoint's tensors: packed quantized linears, everything else in `dtype`. With
+    `release` the model is spent: each quantized linear's float weight is dropped as soon as
+    it is packed, so packing needs little memory beyond the packed tensors themselves."""
     state = model.state_dict()
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     tensors = {}
-    for key, t in state.items():
+    for key in list(state):
+        t = state.pop(key)
         module = key.rsplit(".", 1)[0]
         if module in results and key.endswith(".weight"):
             p, args = results[module], scheme.scheme_for(module).weights
@@ -71,6 +76,8 @@ def pack_model(model: nn.Module, scheme: QuantScheme, results: dict[str, QParams
             else:
                 packed = pack_quantized.compress(t, p.scale, p.zero_point, args, p.g_idx)
             tensors.update({f"{module}.{k}": v for k, v in packed.items()})
+            if release:
+                get_module(model, module).weight = None
         else:
             keep = not t.is_floating_point() or key.endswith("_scale")  # KV-cache scales stay fp32
             tensors[key] = t if keep else t.to(dtype)
@@ -181,6 +188,7 @@ def quantize(
     check_output(out, overwrite)
     start = time.perf_counter()
     model, tokenizer, source = load_float_model(model_name, owned=True)
+    trim_freed_memory()  # what loading left behind
     spec = arch_for(model.config)
     dtype = model.dtype
     linears = list(quantized_linears(model, spec, scheme))  # validates group sizes before any work
@@ -208,7 +216,7 @@ def quantize(
         kv_attention.quantize_kv(model, kv_attention.calibrated_scales(model, kv), kv)
     if save_search:
         _write_search(Path(save_search), options["record"])
-    tensors = pack_model(model, scheme, results, dtype)
+    tensors = pack_model(model, scheme, results, dtype, release=True)
     provenance = {
         "quantkit_version": __version__,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),

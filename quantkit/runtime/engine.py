@@ -10,7 +10,6 @@ tokens back to the scheduler (which stops sequences and frees their blocks).
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from quantkit.errors import QuantkitError
+from quantkit.malloc import keep_freed_memory
 from quantkit.models.loading import load_tokenizer, resolve_model
 from quantkit.progress import Track, no_progress
 from quantkit.runtime.block_manager import BlockManager
@@ -75,23 +75,6 @@ def _slots(block_table: list[int], start: int, end: int, block_size: int) -> lis
         base = block_table[b] * block_size - b * block_size  # slot of position p in block b: base + p
         slots += range(base + max(start, b * block_size), base + min(end, (b + 1) * block_size))
     return slots
-
-
-def keep_freed_memory() -> bool:
-    """Ask glibc to keep freed memory in the process rather than hand it back to the OS at
-    once (large blocks are mmap'd per allocation, and the heap top is trimmed): on the CPU
-    each step's activations and gathered K/V blocks would otherwise come back as fresh
-    pages that fault in on first touch, which measured up to half the step time on a
-    virtual machine. Process-wide, like preloading tcmalloc; False where libc is not glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20) and mallopt(_M_TRIM_THRESHOLD, 1 << 30))
-
-
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
 
 
 class LLM:

@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 import torch
 
-from quantkit.calibration.awq import apply_clip, fold_scales, search_clip, search_scales
+from quantkit.calibration.awq import clip_qparams, fold_scales, input_gram, search_clip, search_scales
 from quantkit.errors import QuantkitError
 from quantkit.primitives import fake_quantize
 from quantkit.scheme import QuantArgs
@@ -112,7 +112,7 @@ def test_non_finite_inputs_are_refused(bad):
     with pytest.raises(QuantkitError, match="q_k_v.*NaN or inf"):
         search_scales(x, weights, GROUP32, name="q_k_v")
     with pytest.raises(QuantkitError, match="NaN or inf"):
-        search_clip(weights[0], x, GROUP32)
+        input_gram(x, GROUP32)
 
 
 def test_bad_shapes_and_schemes_are_refused():
@@ -123,7 +123,9 @@ def test_bad_shapes_and_schemes_are_refused():
         search_scales(x, [weights[0], weights[1][:, :64]], GROUP32)
     fp8 = QuantArgs(num_bits=8, type="float", strategy="channel", group_size=None)
     with pytest.raises(QuantkitError, match="takes int weights per group or channel"):
-        search_clip(weights[0], x, fp8)
+        search_clip(weights[0], input_gram(x, GROUP32), fp8)
+    with pytest.raises(QuantkitError, match="second moments of shape .* make them with input_gram"):
+        search_clip(weights[0], input_gram(x, dataclasses.replace(GROUP32, group_size=64)), GROUP32)
 
 
 def _rmsnorm(x, w, b=None, eps=1e-6):
@@ -178,6 +180,17 @@ def _group_errors(w, q, x, gs):
     return torch.einsum("ngk,ogk->ogn", x.reshape(x.shape[0], -1, gs), d).pow(2).mean(-1)
 
 
+def test_input_gram_scores_the_partial_dot_products_exactly():
+    g = torch.Generator().manual_seed(13)
+    x, w = torch.randn(300, 128, generator=g), torch.randn(40, 128, generator=g)
+    q = fake_quantize(w, GROUP32)
+    gram = input_gram(x.reshape(3, 100, 128), GROUP32)  # any leading shape
+    assert gram.shape == (4, 32, 32)
+    d = (w - q).reshape(40, 4, 32).transpose(0, 1)  # [n_group, co, gs]
+    via_gram = (torch.bmm(d, gram) * d).sum(-1).T  # [co, n_group]
+    torch.testing.assert_close(via_gram, _group_errors(w, q, x, 32), rtol=1e-4, atol=1e-7)
+
+
 @pytest.mark.parametrize("args", ARGS, ids=IDS)
 def test_clip_is_never_worse_and_helps_an_outlier(args):
     g = torch.Generator().manual_seed(11)
@@ -185,37 +198,64 @@ def test_clip_is_never_worse_and_helps_an_outlier(args):
     w = torch.randn(96, 128, generator=g) * 0.02
     x[:, 3] *= 0.05  # a quiet input channel ...
     w[0, 3] = 0.4  # ... whose weight in row 0, group 0 is a 20-sigma outlier: cheap to clip
-    max_val = search_clip(w, x, args, n_tokens=512, batch_co=32)  # all 256 tokens
+    ranges = search_clip(w, input_gram(x, args), args, batch_co=32)
     gs = args.group_size or 128
-    org_max = w.abs().reshape(96, -1, gs).amax(-1)
-    assert max_val.shape == org_max.shape
-    assert (max_val <= org_max).all() and (max_val >= 0.55 * org_max * (1 - 1e-6)).all()
+    w_g = w.reshape(96, -1, gs)
+    lo0, hi0 = w_g.amin(-1).clamp(max=0), w_g.amax(-1).clamp(min=0)
+    if args.symmetric:
+        hi0 = torch.maximum(-lo0, hi0)
+        lo0 = -hi0
+        assert torch.equal(ranges[..., 0], -ranges[..., 1])
+    assert ranges.shape == (*hi0.shape, 2)
+    lo, hi = ranges.unbind(-1)
+    assert (hi <= hi0).all() and (hi >= 0.55 * hi0 * (1 - 1e-6)).all()  # within the ratios 1 ... 0.55
+    assert (lo >= lo0).all() and (lo <= 0.55 * lo0 * (1 - 1e-6)).all()
 
-    clipped = apply_clip(w, max_val, args)
-    err_clip = _group_errors(w, fake_quantize(clipped, args), x, gs)
+    err_clip = _group_errors(w, fake_quantize(w, args, *clip_qparams(w, ranges, args)), x, gs)
     err_rtn = _group_errors(w, fake_quantize(w, args), x, gs)
     assert (err_clip <= err_rtn * (1 + 1e-5)).all()
-    assert max_val[0, 0] < 0.7 * org_max[0, 0]
+    assert hi[0, 0] < 0.7 * hi0[0, 0]
     assert err_clip[0, 0] < 0.7 * err_rtn[0, 0]  # measured 0.24-0.52 over seeds 11-14 and these schemes
     assert err_clip.mean() < 0.95 * err_rtn.mean()  # measured 0.61-0.90
 
 
-def test_clip_batches_and_subsampling_are_deterministic():
+def test_asymmetric_clip_moves_each_end_on_its_own():
+    # every group has a large positive outlier on a quiet channel and an ordinary negative side:
+    # shrinking both ends together also cuts the negative side, the upper end alone does not
+    g = torch.Generator().manual_seed(14)
+    x = torch.randn(512, 128, generator=g)
+    x[:, ::32] *= 0.05
+    w = torch.randn(64, 128, generator=g) * 0.02
+    w[:, ::32] = 0.3
+    args = ARGS[1]
+    gram = input_gram(x, args)
+    together, separate = search_clip(w, gram, args, rounds=0), search_clip(w, gram, args)
+    err = lambda r: _group_errors(w, fake_quantize(w, args, *clip_qparams(w, r, args)), x, 32)  # noqa: E731
+    assert (err(separate) <= err(together) * (1 + 1e-5)).all()
+    assert err(separate).mean() < 0.9 * err(together).mean()  # measured 0.72
+    w_g = w.reshape(64, 4, 32)
+    lo_ratio, hi_ratio = separate[..., 0] / w_g.amin(-1), separate[..., 1] / w_g.amax(-1)
+    assert (hi_ratio < lo_ratio - 0.1).float().mean() > 0.5  # the outlier's end shrinks further (0.62)
+
+
+def test_clip_batches_are_deterministic():
     g = torch.Generator().manual_seed(12)
     x, w = torch.randn(1000, 64, generator=g), torch.randn(80, 64, generator=g)
     args = ARGS[1]
-    a = search_clip(w, x, args, n_tokens=100, batch_co=256)
-    assert torch.equal(a, search_clip(w, x, args, n_tokens=100, batch_co=256))
-    torch.testing.assert_close(search_clip(w, x, args, n_tokens=100, batch_co=16), a)
-    # evenly spaced tokens: every 10th row of the 1000
-    torch.testing.assert_close(search_clip(w, x[::10], args, n_tokens=100), a)
+    gram = input_gram(x, args)
+    a = search_clip(w, gram, args, batch_co=256)
+    assert torch.equal(a, search_clip(w, gram, args, batch_co=256))
+    torch.testing.assert_close(search_clip(w, gram, args, batch_co=16), a)
 
 
-def test_apply_clip_returns_a_new_tensor():
+def test_clip_qparams_clamp_each_group_to_its_range():
     w = torch.tensor([[1.0, -3.0, 0.5, 2.0]])
-    args = QuantArgs(num_bits=4, strategy="group", group_size=2)
-    out = apply_clip(w, torch.tensor([[2.0, 1.0]]), args)
-    assert torch.equal(out, torch.tensor([[1.0, -2.0, 0.5, 1.0]]))
-    assert w[0, 1] == -3.0
+    args = QuantArgs(num_bits=4, symmetric=False, strategy="group", group_size=2)
+    ranges = torch.tensor([[[-1.5, 1.5], [0.0, 1.0]]])
+    scale, zero = clip_qparams(w, ranges, args)
+    torch.testing.assert_close(scale, torch.tensor([[3.0 / 15, 1.0 / 15]]))
+    q = fake_quantize(w, args, scale, zero)
+    assert q[0, 1] == pytest.approx(-1.6, abs=0.11) and q[0, 3] == pytest.approx(1.0)  # clamped at the grid's ends
+    assert q[0, 2] == pytest.approx(0.5, abs=1 / 30)  # inside the range: rounded to nearest
     with pytest.raises(QuantkitError, match="do not fit"):
-        apply_clip(w, torch.ones(1, 4), args)
+        clip_qparams(w, torch.ones(1, 2), args)

@@ -76,6 +76,16 @@ def test_gptq_checkpoint_loads_to_the_calibrated_model(tiny_llama, tmp_path, act
     assert logits_error(loaded, model, calibration_ids(2, 16, seed=3)) < 1e-10
 
 
+def test_packing_can_release_the_float_weights(tiny_llama):
+    scheme = preset("w4a16").with_group_size(32)
+    model, results = run(tiny_llama, "rtn", scheme)
+    kept = pack_model(model, scheme, results, torch.float32)
+    released = pack_model(model, scheme, results, torch.float32, release=True)
+    assert kept.keys() == released.keys() and all(torch.equal(kept[k], released[k]) for k in kept)
+    assert model.model.layers[1].mlp.down_proj.weight is None  # dropped once packed
+    assert model.model.layers[1].input_layernorm.weight is not None  # not quantized: kept
+
+
 def test_awq_saved_search_reproduces_the_checkpoint(tiny_llama, tiny_corpus, tmp_path):
     scheme = preset("w4a16-asym").with_group_size(32)
     calib = Calibration(str(tiny_corpus), 4, 32)

@@ -7,7 +7,7 @@ from torch import nn
 
 import quantkit
 from quantkit.quantize import quantize
-from quantkit.runtime.engine import LLM, _slots, keep_freed_memory
+from quantkit.runtime.engine import LLM, _slots
 from quantkit.runtime.model_runner import Batch
 from quantkit.runtime.qlinear import fuse_linears
 from quantkit.runtime.sequence import SamplingParams
@@ -63,12 +63,6 @@ def test_linears_that_cannot_be_fused():
 def test_slots_span_blocks():
     assert _slots([7, 2, 9], 14, 35, 16) == [*range(7 * 16 + 14, 8 * 16), *range(32, 48), *range(144, 147)]
     assert _slots([3], 5, 6, 16) == [53]
-
-
-def test_keep_freed_memory_on_glibc():
-    import platform
-
-    assert keep_freed_memory() is (platform.libc_ver()[0] == "glibc")
 
 
 def runner_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
