@@ -113,26 +113,48 @@ def fold_scales(
         w.copy_(w.float() * s)
 
 
-@torch.no_grad()
-def input_gram(x: torch.Tensor, args: QuantArgs, name: str = "linear") -> torch.Tensor:
-    """Per-group second moments G_g = x_gᵀ·x_g / n (fp32 [n_groups, group_size, group_size]) of
-    the inputs x [..., ci] of linears quantized with `args`: what `search_clip` scores with.
+@dataclass(slots=True)
+class ClipInputs:
+    """What `search_clip` scores a weight error d [n_group, co, group_size] with: the mean over
+    tokens of the squared error of each group's partial dot product x_g·d_g, [co, n_group].
 
-    With d_g a group's weight error, d_g·G_g·d_gᵀ is the mean over the n tokens of the squared
-    error of the group's partial dot product x_g·d_g, exactly, for the cost of gs products
-    per weight instead of n: the clip search counts every captured token.
+    gram (fp32 [n_group, gs, gs]) holds per-group second moments G_g = x_gᵀ·x_g / n of all
+    captured tokens: d_g·G_g·d_gᵀ is that mean exactly, for gs products per weight instead of
+    n. Groups wider than the tokens worth keeping (per-channel schemes on wide layers) keep
+    evenly spaced tokens instead (fp32 [n_group, n, gs]), as llm-awq does for every layer.
     """
+
+    gram: torch.Tensor | None
+    tokens: torch.Tensor | None
+    group_size: int
+
+    def error(self, d: torch.Tensor) -> torch.Tensor:
+        if self.gram is not None:
+            return (torch.bmm(d, self.gram) * d).sum(-1).T
+        return torch.bmm(self.tokens, d.transpose(1, 2)).pow(2).mean(1).T  # [n_group, n, co] -> [co, n_group]
+
+
+@torch.no_grad()
+def clip_inputs(x: torch.Tensor, args: QuantArgs, name: str = "linear", max_gram_width: int = 512,
+                n_tokens: int = 512) -> ClipInputs:
+    """`ClipInputs` of the inputs x [..., ci] of linears quantized with `args`: second moments
+    of every token when the groups are at most max_gram_width wide, else n_tokens evenly
+    spaced tokens."""
     ci = x.shape[-1]
     x = _check(x, [], args, name, "AWQ clip search")  # x [n, ci]
     gs = args.group_size if args.strategy == "group" else ci
+    if gs > max_gram_width:
+        x = x[:: max(1, x.shape[0] // n_tokens)][:n_tokens]
     xg = x.reshape(x.shape[0], -1, gs).transpose(0, 1)  # [n_group, n, group_size]
-    return torch.bmm(xg.transpose(1, 2), xg) / x.shape[0]  # [n_group, group_size, group_size]
+    if gs > max_gram_width:
+        return ClipInputs(None, xg.contiguous(), gs)
+    return ClipInputs(torch.bmm(xg.transpose(1, 2), xg) / x.shape[0], None, gs)
 
 
 @torch.no_grad()
 def search_clip(
     w: torch.Tensor,
-    gram: torch.Tensor,
+    inputs: ClipInputs,
     args: QuantArgs,
     grid: int = 20,
     max_shrink: float = 0.5,
@@ -142,11 +164,11 @@ def search_clip(
     name: str = "linear",
 ) -> torch.Tensor:
     """Per (row, group) clipping range [lo, hi] (fp32 [co, n_groups, 2]) for w [co, ci] whose
-    inputs have the per-group second moments `gram` (from `input_gram`).
+    inputs are summed up in `inputs` (from `clip_inputs`).
 
     A candidate range quantizes each group with min-max qparams of [lo, hi] (what clamping
     to it and rounding to nearest gives) and is scored by the mean squared error of the
-    group's partial dot products, d·G·dᵀ. The ratios are 1, 1 - 1/grid, ... (int(max_shrink·grid)
+    group's partial dot products (`ClipInputs.error`). The ratios are 1, 1 - 1/grid, ... (int(max_shrink·grid)
     of them, so 1 ... 0.55 by default). First both ends shrink together by each ratio
     (llm-awq's `auto_clip`; for a symmetric scheme, whose range is ±amax, that is all); then,
     for an asymmetric one, `rounds` rounds of coordinate descent: the upper end alone over the
@@ -161,11 +183,10 @@ def search_clip(
     _check_args(args, [w.shape], w.shape[-1], name, "AWQ clip search")
     co, ci = w.shape
     gs = args.group_size if args.strategy == "group" else ci
-    if gram.shape != (ci // gs, gs, gs):
-        raise QuantkitError(f"{name}: second moments of shape {tuple(gram.shape)} do not fit a weight {tuple(w.shape)} "
-                            f"in groups of {gs}; make them with input_gram.")
+    if inputs.group_size != gs:
+        raise QuantkitError(f"{name}: clip inputs summed in groups of {inputs.group_size} do not fit a weight "
+                            f"{tuple(w.shape)} in groups of {gs}; make them with clip_inputs and the same args.")
     ratios = [1 - i / grid for i in range(max(1, int(max_shrink * grid)))]
-    gram = gram.float()
     out = []
     for W in w.detach().float().split(batch_co):  # W [co_b, ci]
         w_g = W.reshape(W.shape[0], -1, gs)  # [co_b, n_group, group_size]
@@ -176,8 +197,7 @@ def search_clip(
 
         def error(lo, hi):  # [co_b, n_group]
             d = W - fake_quantize(W, args, *qparams_from_minmax(lo, hi, args, scale_dtype))
-            d = d.reshape(W.shape[0], -1, gs).transpose(0, 1)  # [n_group, co_b, group_size]
-            return (torch.bmm(d, gram) * d).sum(-1).T
+            return inputs.error(d.reshape(W.shape[0], -1, gs).transpose(0, 1))  # d [n_group, co_b, group_size]
 
         best = [lo0, hi0, error(lo0, hi0)]
 
@@ -204,16 +224,17 @@ def clip_qparams(
     w: torch.Tensor, ranges: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(scale, zero point or None) for w [co, ci] from its clipping ranges [co, n_groups, 2]
-    (`search_clip`): min-max qparams of [lo, hi] per group. Quantizing with them clamps each group to its range
-    at the ends of the integer grid, exactly as the search scored it (clamping the weights
-    first and taking min-max qparams of the result would put the clamped values on a rounding
-    tie, ±7.5 steps for symmetric int4, where float noise picks the side)."""
+    (`search_clip`): min-max qparams of [lo, hi] per group. Quantizing with them clamps each
+    group to its range at the ends of the integer grid, exactly as the search scored it
+    (clamping the weights first and taking min-max qparams of the result would put the
+    clamped values on a rounding tie, ±7.5 steps for symmetric int4, where float noise picks
+    the side)."""
     gs = args.group_size if args.strategy == "group" else w.shape[1]
     if ranges.shape != (w.shape[0], w.shape[1] // gs, 2):
         raise QuantkitError(
             f"clip ranges of shape {tuple(ranges.shape)} do not fit a weight {tuple(w.shape)} in groups of {gs}."
         )
-    lo, hi = ranges.float().unbind(-1)  # [co, n_group] each
+    lo, hi = ranges.to(w.device, torch.float32).unbind(-1)  # [co, n_group] each
     return qparams_from_minmax(lo, hi, args, scale_dtype)
 
 

@@ -267,18 +267,21 @@ def awq_step(spec: ArchSpec, scheme: QuantScheme, scale_dtype, results: dict, lo
             awq.fold_scales(prev.weight.data, getattr(prev, "bias", None), [l.weight.data for l in linears], scales)
             if record is not None:
                 record[key] = scales
-        grams = {}  # per input: the second moments the clip search scores with
+        summed = {}  # per input: what the clip search scores with
         for name in names:
             linear, full = get_module(block, name), f"{prefix}.{name}"
             w, ranges = linear.weight.data, None
             if clip:
                 if loaded is not None:
                     ranges = loaded.get(f"{full}.awq_clip")
+                    if ranges is not None and ranges.dim() != 3:
+                        raise QuantkitError(f"the saved AWQ search has clip maxima for {full} from an older quantkit "
+                                            "(it now saves [lo, hi] ranges); search again without --load-search.")
                 else:
                     owner = _owner(spec, name)
-                    if owner not in grams:
-                        grams[owner] = awq.input_gram(feats[owner], args, name=full)
-                    ranges = awq.search_clip(w, grams[owner], args, scale_dtype=scale_dtype, name=full)
+                    if owner not in summed:
+                        summed[owner] = awq.clip_inputs(feats[owner], args, name=full)
+                    ranges = awq.search_clip(w, summed[owner], args, scale_dtype=scale_dtype, name=full)
             if ranges is None:
                 q, scale, zero = rtn.quantize_weight(w, args, scale_dtype)
             else:

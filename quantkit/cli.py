@@ -179,7 +179,7 @@ def awq(
     calib: str = CALIB, samples: int = SAMPLES, seq_len: int = SEQ_LEN, seed: int = SEED,
     grid: int = typer.Option(20, help="Points of the scale-exponent grid in [0, 1)."),
     duo: bool = typer.Option(False, help="Blend weight magnitudes into the scales (duo scaling)."),
-    clip: bool = typer.Option(True, help="Search per-group clipping ranges (not for q/k)."),
+    clip: bool = typer.Option(True, help="Search per-group clipping ranges (else round to nearest)."),
     module_loss: bool = typer.Option(False, help="Score q,k,v scales on the attention output and gate,up on the "
                                      "MLP output (slower) instead of the linears' own outputs."),
     save_search: Optional[Path] = typer.Option(None, help="Write the found scales and clips (safetensors)."),
@@ -187,7 +187,7 @@ def awq(
     kv_cache: Optional[str] = KV, kv_per_head: bool = KV_PER_HEAD,
     overwrite: bool = OVERWRITE, device: str = DEVICE, print_recipe: bool = PRINT_RECIPE,
 ):
-    """AWQ INT4 (Lin et al.): activation-aware scales folded into the previous op, clipping, RTN."""
+    """AWQ INT4 (Lin et al.): activation-aware scales folded into the previous op, then per-group clipping."""
     options = {"grid": grid, "duo": duo, "clip": clip, "module_loss": module_loss,
                "save_search": str(save_search) if save_search else None,
                "load_search": str(load_search) if load_search else None}

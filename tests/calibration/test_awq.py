@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 import torch
 
-from quantkit.calibration.awq import clip_qparams, fold_scales, input_gram, search_clip, search_scales
+from quantkit.calibration.awq import clip_inputs, clip_qparams, fold_scales, search_clip, search_scales
 from quantkit.errors import QuantkitError
 from quantkit.primitives import fake_quantize
 from quantkit.scheme import QuantArgs
@@ -112,7 +112,7 @@ def test_non_finite_inputs_are_refused(bad):
     with pytest.raises(QuantkitError, match="q_k_v.*NaN or inf"):
         search_scales(x, weights, GROUP32, name="q_k_v")
     with pytest.raises(QuantkitError, match="NaN or inf"):
-        input_gram(x, GROUP32)
+        clip_inputs(x, GROUP32)
 
 
 def test_bad_shapes_and_schemes_are_refused():
@@ -123,9 +123,9 @@ def test_bad_shapes_and_schemes_are_refused():
         search_scales(x, [weights[0], weights[1][:, :64]], GROUP32)
     fp8 = QuantArgs(num_bits=8, type="float", strategy="channel", group_size=None)
     with pytest.raises(QuantkitError, match="takes int weights per group or channel"):
-        search_clip(weights[0], input_gram(x, GROUP32), fp8)
-    with pytest.raises(QuantkitError, match="second moments of shape .* make them with input_gram"):
-        search_clip(weights[0], input_gram(x, dataclasses.replace(GROUP32, group_size=64)), GROUP32)
+        search_clip(weights[0], clip_inputs(x, GROUP32), fp8)
+    with pytest.raises(QuantkitError, match="groups of 64 do not fit .* in groups of 32; make them with clip_inputs"):
+        search_clip(weights[0], clip_inputs(x, dataclasses.replace(GROUP32, group_size=64)), GROUP32)
 
 
 def _rmsnorm(x, w, b=None, eps=1e-6):
@@ -180,15 +180,18 @@ def _group_errors(w, q, x, gs):
     return torch.einsum("ngk,ogk->ogn", x.reshape(x.shape[0], -1, gs), d).pow(2).mean(-1)
 
 
-def test_input_gram_scores_the_partial_dot_products_exactly():
+def test_clip_inputs_score_the_partial_dot_products():
     g = torch.Generator().manual_seed(13)
     x, w = torch.randn(300, 128, generator=g), torch.randn(40, 128, generator=g)
     q = fake_quantize(w, GROUP32)
-    gram = input_gram(x.reshape(3, 100, 128), GROUP32)  # any leading shape
-    assert gram.shape == (4, 32, 32)
     d = (w - q).reshape(40, 4, 32).transpose(0, 1)  # [n_group, co, gs]
-    via_gram = (torch.bmm(d, gram) * d).sum(-1).T  # [co, n_group]
-    torch.testing.assert_close(via_gram, _group_errors(w, q, x, 32), rtol=1e-4, atol=1e-7)
+    moments = clip_inputs(x.reshape(3, 100, 128), GROUP32)  # any leading shape; all 300 tokens
+    assert moments.gram.shape == (4, 32, 32) and moments.tokens is None
+    torch.testing.assert_close(moments.error(d), _group_errors(w, q, x, 32), rtol=1e-4, atol=1e-7)
+    # groups wider than max_gram_width: evenly spaced tokens, scored directly
+    tokens = clip_inputs(x, GROUP32, max_gram_width=16, n_tokens=100)
+    assert tokens.gram is None and tokens.tokens.shape == (4, 100, 32)
+    torch.testing.assert_close(tokens.error(d), _group_errors(w, q, x[::3], 32), rtol=1e-4, atol=1e-7)
 
 
 @pytest.mark.parametrize("args", ARGS, ids=IDS)
@@ -198,7 +201,7 @@ def test_clip_is_never_worse_and_helps_an_outlier(args):
     w = torch.randn(96, 128, generator=g) * 0.02
     x[:, 3] *= 0.05  # a quiet input channel ...
     w[0, 3] = 0.4  # ... whose weight in row 0, group 0 is a 20-sigma outlier: cheap to clip
-    ranges = search_clip(w, input_gram(x, args), args, batch_co=32)
+    ranges = search_clip(w, clip_inputs(x, args), args, batch_co=32)
     gs = args.group_size or 128
     w_g = w.reshape(96, -1, gs)
     lo0, hi0 = w_g.amin(-1).clamp(max=0), w_g.amax(-1).clamp(min=0)
@@ -228,8 +231,8 @@ def test_asymmetric_clip_moves_each_end_on_its_own():
     w = torch.randn(64, 128, generator=g) * 0.02
     w[:, ::32] = 0.3
     args = ARGS[1]
-    gram = input_gram(x, args)
-    together, separate = search_clip(w, gram, args, rounds=0), search_clip(w, gram, args)
+    inputs = clip_inputs(x, args)
+    together, separate = search_clip(w, inputs, args, rounds=0), search_clip(w, inputs, args)
     err = lambda r: _group_errors(w, fake_quantize(w, args, *clip_qparams(w, r, args)), x, 32)  # noqa: E731
     assert (err(separate) <= err(together) * (1 + 1e-5)).all()
     assert err(separate).mean() < 0.9 * err(together).mean()  # measured 0.72
@@ -242,10 +245,10 @@ def test_clip_batches_are_deterministic():
     g = torch.Generator().manual_seed(12)
     x, w = torch.randn(1000, 64, generator=g), torch.randn(80, 64, generator=g)
     args = ARGS[1]
-    gram = input_gram(x, args)
-    a = search_clip(w, gram, args, batch_co=256)
-    assert torch.equal(a, search_clip(w, gram, args, batch_co=256))
-    torch.testing.assert_close(search_clip(w, gram, args, batch_co=16), a)
+    inputs = clip_inputs(x, args)
+    a = search_clip(w, inputs, args, batch_co=256)
+    assert torch.equal(a, search_clip(w, inputs, args, batch_co=256))
+    torch.testing.assert_close(search_clip(w, inputs, args, batch_co=16), a)
 
 
 def test_clip_qparams_clamp_each_group_to_its_range():

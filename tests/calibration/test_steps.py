@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 import quantkit
 from quantkit.calibration import rtn, steps
 from quantkit.calibration.runner import run_blocks
+from quantkit.errors import QuantkitError
 from quantkit.models.arch import arch_for, get_module
 from quantkit.quantize import Calibration, pack_model, quantize
 from quantkit.scheme import preset
@@ -93,6 +94,15 @@ def test_awq_saved_search_reproduces_the_checkpoint(tiny_llama, tiny_corpus, tmp
     prov = quantize(str(tiny_llama), scheme, tmp_path / "b", "awq", calib, {"load_search": tmp_path / "s.safetensors"})
     assert prov["calibration"] is None
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+    from safetensors.torch import load_file, save_file
+
+    search = load_file(tmp_path / "s.safetensors")
+    clip = search["model.layers.0.self_attn.q_proj.awq_clip"]  # q and k are clipped too
+    assert clip.shape == (64, 2, 2) and (clip[..., 0] <= 0).all() and (clip[..., 1] >= 0).all()  # [lo, hi] per group
+    search["model.layers.0.self_attn.q_proj.awq_clip"] = clip[..., 1].contiguous()  # an older quantkit saved clip maxima
+    save_file(search, tmp_path / "old.safetensors")
+    with pytest.raises(QuantkitError, match="clip maxima for model.layers.0.self_attn.q_proj from an older quantkit"):
+        quantize(str(tiny_llama), scheme, tmp_path / "c", "awq", calib, {"load_search": tmp_path / "old.safetensors"})
 
 
 def test_gptq_and_awq_record_calibration(tiny_llama, tiny_corpus, tmp_path):
