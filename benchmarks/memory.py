@@ -1,0 +1,81 @@
+"""Peak memory of calibration against the float weights, on a random Llama saved to disk.
+
+    python benchmarks/memory.py [--algorithm gptq] [--out /tmp/qk-memory] [--layers 22]
+
+Builds (once) a random Llama of TinyLlama-1.1B's shapes (hidden 2048, intermediate 5632,
+32 heads / 4 KV heads, vocab 32000; --layers of them) in fp32 with a tiny tokenizer,
+then quantizes it (w4a16 group 128; GPTQ with act-order static) in a fresh process,
+calibrated on `news` 16 × 256 tokens, while this process samples that one's resident
+memory every 0.2 s from /proc. Prints the float weights' size, the peak RSS and when it
+happened, and the RSS over time (about 40 samples), so growth from block to block shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+QUANTIZE = """
+import dataclasses, sys
+from quantkit.quantize import Calibration, quantize
+from quantkit.scheme import preset
+scheme = preset("w4a16").with_group_size(128)
+scheme = scheme.replace(weights=dataclasses.replace(scheme.weights, actorder="static"))
+quantize(sys.argv[1], scheme, sys.argv[2], sys.argv[3], Calibration("news", 16, 256, 0, 8), overwrite=True)
+"""
+
+
+def build(path: Path, layers: int) -> None:
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers,
+                      num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator(["calibration text for a random model"] * 4,
+                            trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                special_tokens=["<eos>"], show_progress=False))
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(path)
+
+
+def rss_gib(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 2**20
+    except (FileNotFoundError, StopIteration):
+        return None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--algorithm", default="gptq", choices=["gptq", "awq", "rtn"])
+    p.add_argument("--out", type=Path, default=Path("/tmp/qk-memory"))
+    p.add_argument("--layers", type=int, default=22)
+    a = p.parse_args()
+    model = a.out / f"llama-{a.layers}-layers"
+    if not (model / "config.json").exists():
+        build(model, a.layers)  # in this process: its memory is not the one measured
+    weights = sum(f.stat().st_size for f in model.glob("*.safetensors")) / 2**30
+    proc = subprocess.Popen([sys.executable, "-c", QUANTIZE, str(model), str(a.out / a.algorithm), a.algorithm])
+    start, samples = time.time(), []
+    while proc.poll() is None:
+        if (r := rss_gib(proc.pid)) is not None:
+            samples.append((time.time() - start, r))
+        time.sleep(0.2)
+    if proc.returncode or not samples:
+        sys.exit(f"the {a.algorithm} run failed (exit {proc.returncode}).")
+    t, peak = max(samples, key=lambda s: s[1])
+    print(f"float weights {weights:.2f} GiB; {a.algorithm}: peak RSS {peak:.2f} GiB at {t:.0f} s of "
+          f"{samples[-1][0]:.0f} s ({peak - weights:.2f} GiB above the weights)")
+    print("RSS over time (s:GiB): " + " ".join(f"{t:.0f}:{r:.2f}" for t, r in samples[:: max(1, len(samples) // 40)]))
+
+
+if __name__ == "__main__":
+    main()
