@@ -88,3 +88,18 @@ def int4_gemm_cpu(x, weight) -> torch.Tensor:
     from quantkit.kernels import cpu
 
     return cpu.int4_gemm_cpu(x, weight)
+
+
+def float_cpu_weight(weight):
+    """A bf16 linear weight reordered once for `float_gemm_cpu`, or None when the dtype or
+    the torch build does not allow it; see `quantkit.kernels.cpu`."""
+    from quantkit.kernels import cpu
+
+    return cpu.prepack_bf16(weight)
+
+
+def float_gemm_cpu(x, weight, bias=None) -> torch.Tensor:
+    """F.linear in bf16 on the CPU with a `float_cpu_weight`."""
+    from quantkit.kernels import cpu
+
+    return cpu.bf16_linear(x, weight, bias)

@@ -19,7 +19,7 @@ from torch import nn
 from quantkit import ops
 from quantkit.errors import QuantkitError
 from quantkit.models.arch import arch_for, get_module
-from quantkit.runtime.qlinear import fuse_linears
+from quantkit.runtime.qlinear import PrepackedLinear, fuse_linears, prepack
 
 KV_DTYPES = {"float": torch.float8_e4m3fn, "int": torch.int8}
 
@@ -77,6 +77,15 @@ def _projection(modules: list[nn.Module]) -> Callable[[torch.Tensor], torch.Tens
     return lambda x: torch.cat([m(x) for m in modules], dim=-1)
 
 
+def _release(linears: list[nn.Module]) -> None:
+    """Swap the float weights of linears the runner computes through `PrepackedLinear`s for
+    meta tensors, so they are not held twice (the model stays usable for its config and
+    embeddings, not for its own forward)."""
+    for m in linears:
+        if type(m) is nn.Linear:
+            m.weight = nn.Parameter(torch.empty_like(m.weight, device="meta"), requires_grad=False)
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1] written as [x2, x1] * [-sin1, sin2]
     (the same products and sum as transformers'); x [T, heads, D], cos/sin [T, 1, D]."""
@@ -88,7 +97,9 @@ class ModelRunner:
     """Owns the paged KV cache [layers] × [num_blocks, block_size, kv_heads, head_dim] and
     runs steps. KV is stored in the model's dtype, or fp8/int8 with the checkpoint's
     k_scale/v_scale when it has a `kv_cache_scheme`. At construction the q/k/v and gate/up
-    linears of each block are fused (`fuse_linears`) where their kinds allow."""
+    linears of each block are fused (`fuse_linears`) where their kinds allow, and bf16 float
+    linears on the CPU are reordered once for oneDNN (`prepack`; their weights in the model
+    become meta tensors, so the model's own forward no longer runs)."""
 
     def __init__(self, model: nn.Module, num_blocks: int, block_size: int = 16):
         self.model, self.config = model, model.config
@@ -106,7 +117,9 @@ class ModelRunner:
         self.layers = [self._layer(b) for b in blocks]
         self.embed = model.get_input_embeddings()
         self.final_norm = get_module(model, self.spec.final_norm)
-        self.lm_head = model.get_output_embeddings()
+        self.lm_head = prepack(model.get_output_embeddings())
+        if isinstance(self.lm_head, PrepackedLinear) and model.get_output_embeddings().weight is not self.embed.weight:
+            _release([model.get_output_embeddings()])
         self.rotary_emb = get_module(model, self.spec.blocks.rsplit(".", 1)[0]).rotary_emb
         kv_dtype = kv_cache_dtype(model)
         shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
@@ -119,9 +132,12 @@ class ModelRunner:
         mods = lambda names: [get_module(block, n) for n in names]  # noqa: E731
         attn = get_module(block, self.spec.attention)
         scales = (attn.k_scale, attn.v_scale) if self.kv_args is not None else (None, None)
-        return _Layer(block.input_layernorm, _projection(mods(qkv)), get_module(block, o[0]),
-                      block.post_attention_layernorm, _projection(mods(gate_up)), block.mlp.act_fn,
-                      get_module(block, down[0]), *scales)
+        layer = _Layer(block.input_layernorm, prepack(_projection(mods(qkv))), prepack(get_module(block, o[0])),
+                       block.post_attention_layernorm, prepack(_projection(mods(gate_up))), block.mlp.act_fn,
+                       prepack(get_module(block, down[0])), *scales)
+        if isinstance(layer.o_proj, PrepackedLinear):  # the runner computes with the reordered copies only
+            _release(mods(self.spec.linears))
+        return layer
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block src's K/V into block dst, every layer."""
