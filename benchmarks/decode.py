@@ -25,7 +25,7 @@ from torch import nn
 
 from quantkit.kernels.bench import copy_bandwidth
 from quantkit.runtime.engine import LLM
-from quantkit.runtime.qlinear import Fp8Linear, PackedInt4Linear
+from quantkit.runtime.qlinear import Fp8Linear, PackedInt4Linear, PrepackedLinear
 from quantkit.runtime.sequence import SamplingParams
 
 PROMPT = list(range(1000, 1032))
@@ -40,8 +40,8 @@ def linear_bytes(module: nn.Module) -> int:
         tensors = [module.weight_packed, module.weight_scale]
     elif isinstance(module, Fp8Linear):
         tensors = [module.weight, module.weight_scale]
-    elif isinstance(module, nn.Linear):
-        tensors = [module.weight]
+    elif isinstance(module, (nn.Linear, PrepackedLinear)):
+        tensors = [module.weight]  # bf16, reordered for oneDNN or not: the same bytes
     if not tensors:
         raise TypeError(f"cannot count the weight bytes of {type(module).__name__}; fuse_linears made it?")
     return sum(t.numel() * t.element_size() for t in tensors)
