@@ -4,7 +4,7 @@
 - int8: `aten._weight_int8pack_mm`, per-output-channel symmetric int8 (for W8A16).
 - bf16: oneDNN's matmul on a weight reordered once into its blocked layout
   (`mkldnn._reorder_linear_weight` / `_linear_pointwise`, what torch.compile's CPU
-  freezing uses), where `F.linear` reorders the weight on every call. Bit-identical to
+  freezing uses), where `F.linear` hands oneDNN the plain layout on every call. Bit-identical to
   `F.linear` in bf16 (tested); smollm2's shapes, one thread: 1.8× at one token, 1.1× at
   64, 1.06× at 2048. Not for fp32, whose oneDNN path rounds differently from `F.linear`.
 

@@ -19,7 +19,7 @@ from torch import nn
 from quantkit import ops
 from quantkit.errors import QuantkitError
 from quantkit.models.arch import arch_for, get_module
-from quantkit.runtime.qlinear import PrepackedLinear, fuse_linears, prepack
+from quantkit.runtime.qlinear import fuse_linears, prepack
 
 KV_DTYPES = {"float": torch.float8_e4m3fn, "int": torch.int8}
 
@@ -77,13 +77,15 @@ def _projection(modules: list[nn.Module]) -> Callable[[torch.Tensor], torch.Tens
     return lambda x: torch.cat([m(x) for m in modules], dim=-1)
 
 
-def _release(linears: list[nn.Module]) -> None:
-    """Swap the float weights of linears the runner computes through `PrepackedLinear`s for
-    meta tensors, so they are not held twice (the model stays usable for its config and
-    embeddings, not for its own forward)."""
-    for m in linears:
-        if type(m) is nn.Linear:
+def _prepacked(module: nn.Module, originals: list[nn.Module]) -> nn.Module:
+    """`prepack(module)`; when it is reordered, the float weights of `originals` (the model's
+    linears it computes) become meta tensors, so they are not held twice. The model stays
+    usable for its config and embeddings, not for its own forward."""
+    packed = prepack(module)
+    if packed is not module:
+        for m in originals:
             m.weight = nn.Parameter(torch.empty_like(m.weight, device="meta"), requires_grad=False)
+    return packed
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
@@ -117,9 +119,8 @@ class ModelRunner:
         self.layers = [self._layer(b) for b in blocks]
         self.embed = model.get_input_embeddings()
         self.final_norm = get_module(model, self.spec.final_norm)
-        self.lm_head = prepack(model.get_output_embeddings())
-        if isinstance(self.lm_head, PrepackedLinear) and model.get_output_embeddings().weight is not self.embed.weight:
-            _release([model.get_output_embeddings()])
+        head = model.get_output_embeddings()
+        self.lm_head = _prepacked(head, [] if head.weight is self.embed.weight else [head])  # tied: still looked up
         self.rotary_emb = get_module(model, self.spec.blocks.rsplit(".", 1)[0]).rotary_emb
         kv_dtype = kv_cache_dtype(model)
         shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
@@ -132,12 +133,12 @@ class ModelRunner:
         mods = lambda names: [get_module(block, n) for n in names]  # noqa: E731
         attn = get_module(block, self.spec.attention)
         scales = (attn.k_scale, attn.v_scale) if self.kv_args is not None else (None, None)
-        layer = _Layer(block.input_layernorm, prepack(_projection(mods(qkv))), prepack(get_module(block, o[0])),
-                       block.post_attention_layernorm, prepack(_projection(mods(gate_up))), block.mlp.act_fn,
-                       prepack(get_module(block, down[0])), *scales)
-        if isinstance(layer.o_proj, PrepackedLinear):  # the runner computes with the reordered copies only
-            _release(mods(self.spec.linears))
-        return layer
+        qkv_mods, gate_up_mods = mods(qkv), mods(gate_up)
+        o_proj, down_proj = get_module(block, o[0]), get_module(block, down[0])
+        return _Layer(block.input_layernorm, _prepacked(_projection(qkv_mods), qkv_mods),
+                      _prepacked(o_proj, [o_proj]), block.post_attention_layernorm,
+                      _prepacked(_projection(gate_up_mods), gate_up_mods), block.mlp.act_fn,
+                      _prepacked(down_proj, [down_proj]), *scales)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block src's K/V into block dst, every layer."""
