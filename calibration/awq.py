@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.primitives import check_group_size, compute_qparams, fake_quantize, qparams_from_minmax
+from quantkit.primitives import check_group_size, compute_qparams, fake_quantize, minmax, qparams_from_minmax
 from quantkit.scheme import QuantArgs
 
 SCALE_MIN = 1e-4  # floor of s: channels whose activations are all zero stay finite
@@ -189,8 +189,8 @@ def search_clip(
     ratios = [1 - i / grid for i in range(max(1, int(max_shrink * grid)))]
     out = []
     for W in w.detach().float().split(batch_co):  # W [co_b, ci]
-        w_g = W.reshape(W.shape[0], -1, gs)  # [co_b, n_group, group_size]
-        lo0, hi0 = w_g.amin(-1).clamp(max=0), w_g.amax(-1).clamp(min=0)  # [co_b, n_group]
+        lo0, hi0 = minmax(W, args)  # [co_b, n_group]
+        lo0, hi0 = lo0.clamp(max=0), hi0.clamp(min=0)
         if args.symmetric:
             hi0 = torch.maximum(-lo0, hi0)
             lo0 = -hi0

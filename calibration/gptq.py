@@ -9,14 +9,13 @@ Hessian GPTQ returns exactly what round-to-nearest returns.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.primitives import check_group_size, compute_qparams, dequantize, quantize
+from quantkit.primitives import check_group_size, compute_qparams
 from quantkit.scheme import ACTORDERS, QuantArgs
 
 DAMP_RETRIES = 4  # each retry multiplies damp by 10
