@@ -20,8 +20,9 @@ import json
 from pathlib import Path
 
 from quantkit.eval.run import evaluate
-from quantkit.kv import add_kv_scales, kv_args
-from quantkit.quantize import Calibration, quantize
+from quantkit.calibration.kv import kv_args
+from quantkit.pipeline.kv import add_kv_scales
+from quantkit.pipeline.quantize import Calibration, quantize
 from quantkit.scheme import preset
 
 
@@ -30,8 +31,7 @@ def make(run: str, model: str, out: Path, calib: Calibration) -> dict:
     if algorithm == "kv":
         return add_kv_scales(model, kv_args(scheme, "head" in rest), out, calib)["kv_cache"]
     if algorithm == "fp8":
-        options = {"smooth_grid": 10 if "smooth" in rest else 0}
-        return quantize(model, preset(scheme), out, "fp8", calib, options)
+        return quantize(model, preset(scheme), out, "fp8", calib, transforms=[("smooth", {})] if "smooth" in rest else [])
     qscheme = preset(scheme).with_group_size(int(rest[0]))
     if algorithm == "gptq":
         qscheme = qscheme.replace(weights=dataclasses.replace(qscheme.weights, actorder="static"))

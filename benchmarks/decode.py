@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from quantkit.kernels.bench import copy_bandwidth
+from quantkit.perf.kernels import copy_bandwidth
 from quantkit.runtime.engine import LLM
 from quantkit.runtime.qlinear import Fp8Linear, PackedInt4Linear, PrepackedLinear
 from quantkit.runtime.sequence import SamplingParams
@@ -69,7 +69,7 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     if not a.int4.exists():
-        from quantkit.quantize import quantize
+        from quantkit.pipeline.quantize import quantize
         from quantkit.scheme import preset
 
         quantize(a.model, preset("w4a16").with_group_size(64), a.int4)

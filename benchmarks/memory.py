@@ -20,7 +20,7 @@ from pathlib import Path
 
 QUANTIZE = """
 import dataclasses, sys
-from quantkit.quantize import Calibration, quantize
+from quantkit.pipeline.quantize import Calibration, quantize
 from quantkit.scheme import preset
 scheme = preset("w4a16").with_group_size(128)
 scheme = scheme.replace(weights=dataclasses.replace(scheme.weights, actorder="static"))

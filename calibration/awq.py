@@ -14,12 +14,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from torch import nn
 
+from quantkit.calibration import rtn
+from quantkit.calibration.hooks import capture_calls, group_inputs, mappings, module_output, owner, targets
+from quantkit.calibration.method import QParams
 from quantkit.errors import QuantkitError
+from quantkit.models.arch import ArchSpec, get_module
 from quantkit.primitives import check_group_size, compute_qparams, fake_quantize, minmax, qparams_from_minmax
-from quantkit.scheme import QuantArgs
+from quantkit.scheme import QuantArgs, QuantScheme
 
 SCALE_MIN = 1e-4  # floor of s: channels whose activations are all zero stay finite
 
@@ -288,3 +294,94 @@ def _check(x, shapes, args, name, what):
     if not torch.isfinite(x).all():
         raise QuantkitError(f"the inputs of {name} contain NaN or inf; {what} needs finite calibration activations.")
     return x
+
+
+SEARCH_TOKENS = 16384  # captured inputs per sequential group that scales and clips are scored on
+MODULE_TOKENS = 4096  # tokens of whole sequences that --module-loss runs the attention / MLP on
+
+
+def awq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_dtype,
+             log: Callable | None = None):
+    """Runner step: per mapping (norm → q,k,v; v → o when shapes allow; norm → gate,up;
+    up → down) search activation-aware scales and fold them into the previous op, then
+    search per-group clipping ranges for each linear (q and k too: on smollm2 that
+    measured better) and quantize with them. With `load_search` nothing is searched and
+    no calibration data is needed; with `save_search` the search is written when the
+    last block is done (`step.finish()`)."""
+    args, o = scheme.weights, options
+    loaded = _read_search(Path(o.load_search)) if o.load_search else None
+    record = {} if o.save_search else None
+
+    def step(index: int, prefix: str, block: nn.Module, inputs) -> None:
+        names = targets(scheme, prefix, spec.linears)
+        feats = group_inputs(spec, block, names, inputs, SEARCH_TOKENS) if loaded is None else {}
+        inspected = {m.inspect: get_module(block, m.inspect) for m in spec.awq if m.inspect and o.module_loss}
+        calls = capture_calls(block, inspected, inputs, MODULE_TOKENS) if loaded is None and inspected else {}
+        for m, prev, linears in mappings(spec, block, names):
+            key = f"{prefix}.{m.prev}.awq_scales"
+            if loaded is not None:
+                if key not in loaded:
+                    raise QuantkitError(f"the saved AWQ search has no scales for {prefix}.{m.prev}; "
+                                        "it was made for another model or scheme.")
+                scales = loaded[key].float()
+            else:
+                x = feats[owner(spec, m.linears[0])]
+                output_fn = module_output(inspected[m.inspect], linears, calls[m.inspect]) \
+                    if m.inspect in inspected else None
+                scales = search_scales(x, [lin.weight.data for lin in linears], args, o.grid, o.duo, output_fn,
+                                       scale_dtype=scale_dtype, name=f"{prefix}.{m.prev}").scales
+                feats[owner(spec, m.linears[0])] = x / scales
+            fold_scales(prev.weight.data, getattr(prev, "bias", None), [lin.weight.data for lin in linears], scales)
+            if record is not None:
+                record[key] = scales
+        summed = {}  # per input: what the clip search scores with
+        for name in names:
+            _quantize_clipped(block, spec, name, f"{prefix}.{name}", feats, summed, loaded, record, o.clip, args,
+                              scale_dtype, results)
+
+    if record is not None:
+        step.finish = lambda: _write_search(Path(o.save_search), record)
+    return step
+
+
+def _quantize_clipped(block, spec, name, full, feats, summed, loaded, record, clip, args, scale_dtype, results):
+    linear = get_module(block, name)
+    w, ranges = linear.weight.data, None
+    if clip:
+        if loaded is not None:
+            ranges = loaded.get(f"{full}.awq_clip")
+            if ranges is not None and ranges.dim() != 3:
+                raise QuantkitError(f"the saved AWQ search has clip maxima for {full} from an older quantkit "
+                                    "(it now saves [lo, hi] ranges); search again without --load-search.")
+        else:
+            first = owner(spec, name)
+            if first not in summed:
+                summed[first] = clip_inputs(feats[first], args, name=full)
+            ranges = search_clip(w, summed[first], args, scale_dtype=scale_dtype, name=full)
+    if ranges is None:
+        q, scale, zero = rtn.quantize_weight(w, args, scale_dtype)
+    else:
+        scale, zero = clip_qparams(w, ranges, args, scale_dtype)
+        q = fake_quantize(w, args, scale, zero)
+        if record is not None:
+            record[f"{full}.awq_clip"] = ranges
+    w.copy_(q)  # in place: see quantkit.malloc
+    results[full] = QParams(scale, zero)
+
+
+def _read_search(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path)
+    except Exception as e:
+        raise QuantkitError(f"cannot read the saved search {path} ({e}); pass a file written by --save-search.") from None
+
+
+def _write_search(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"format": "quantkit-awq-search"})
+    tmp.replace(path)

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from quantkit import assets, hub
+from quantkit.calibration.method import Calibration
 from quantkit.errors import QuantkitError
 
 BUILTIN = ("news", "wiki")
@@ -30,6 +31,7 @@ HUB = {  # name -> (path, config, {split: (data_files, hub split)})
                                                       "eval": (None, "validation")}),
 }
 FILE_TYPES = (".txt", ".jsonl", ".parquet")
+__all__ = ["Calibration", "load_documents", "calibration_samples", "eval_tokens"]
 
 
 def load_documents(name: str, split: str = "calib") -> list[str]:

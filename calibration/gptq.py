@@ -13,10 +13,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
+from quantkit.calibration.hooks import Replay, reduce_inputs, targets
+from quantkit.calibration.method import QParams
 from quantkit.errors import QuantkitError
+from quantkit.models.arch import ArchSpec, get_module
 from quantkit.primitives import check_group_size, compute_qparams
-from quantkit.scheme import ACTORDERS, QuantArgs
+from quantkit.scheme import ACTORDERS, QuantArgs, QuantScheme
 
 DAMP_RETRIES = 4  # each retry multiplies damp by 10
 
@@ -215,3 +219,51 @@ def _current(Wt, W1, Err1, Hinv, cols, i1, k):
     inside = cols < i1 + W1.shape[0]
     vals[inside] = W1[cols[inside] - i1]
     return vals.T
+
+
+def gptq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_dtype,
+              log: Callable | None = None):
+    """Runner step, true-sequential inside the block: each group of linears that share an
+    input (q,k,v → o → gate,up → down) is quantized on inputs recomputed after the groups
+    before it were quantized. Once the attention's linears are all done, its outputs are
+    computed once and reused by the later groups' passes."""
+    attention = [n for n in spec.linears if n.startswith(spec.attention + ".")]
+
+    def step(index: int, prefix: str, block: nn.Module, inputs) -> None:
+        done, replay = set(), None
+        for group in spec.sequential:
+            if replay is None and all(n in done for n in attention):
+                replay = Replay(get_module(block, spec.attention), len(inputs.hidden))
+            done.update(group)
+            names = targets(scheme, prefix, group)
+            if not names:
+                continue
+            H = _group_hessian(block, get_module(block, names[0]), inputs, f"{prefix}.{names[0]}", replay)
+            # the rows of linears that share H are quantized independently, so one call on
+            # their stacked weights gives each one's result with one factorisation and loop
+            parts = [[n] for n in names] if scheme.weights.strategy == "tensor" else [names]
+            for part in parts:
+                _quantize_part(block, part, prefix, H, scheme, options, results, scale_dtype, log)
+
+    return step
+
+
+def _group_hessian(block, linear, inputs, name, replay):
+    """H = 2·XᵀX / n of the inputs of `linear` over all calibration batches."""
+    H = reduce_inputs(block, linear, inputs, name, accumulate_hessian, replay)
+    if not torch.isfinite(H).all():
+        raise QuantkitError(f"the calibration activations of {name} contain NaN or inf; the float model "
+                            "overflows on this text (try float32 or other calibration text).")
+    return H
+
+
+def _quantize_part(block, part, prefix, H, scheme, options, results, scale_dtype, log):
+    linears = [get_module(block, n) for n in part]
+    r = quantize_weight(torch.cat([lin.weight.data for lin in linears]), H, scheme.weights, options.block_size,
+                        options.damp, scale_dtype=scale_dtype, log=log, name=f"{prefix}.{'+'.join(part)}")
+    rows = [lin.out_features for lin in linears]
+    zeros = r.zero_point.split(rows) if r.zero_point is not None else [None] * len(rows)
+    for name, linear, w, scale, zero in zip(part, linears, r.weight.split(rows), r.scale.split(rows), zeros):
+        linear.weight.data.copy_(w)
+        g_idx = r.g_idx.clone() if r.g_idx is not None else None  # one tensor per linear on disk
+        results[f"{prefix}.{name}"] = QParams(scale.clone(), None if zero is None else zero.clone(), g_idx)

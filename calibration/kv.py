@@ -12,11 +12,20 @@ import dataclasses
 
 import torch
 
+from quantkit.calibration.registry import KV_DTYPES
 from quantkit.errors import QuantkitError
 from quantkit.primitives import FP8_MAX, dequantize, quantize
-from quantkit.scheme import QuantArgs
+from quantkit.scheme import QuantArgs, preset
 
 KV_STRATEGIES = ("tensor", "attn_head")
+
+
+def kv_args(dtype: str, per_head: bool = False) -> QuantArgs:
+    """The KV-cache args of `--kv-cache fp8|int8` (`per_head`: one scale per KV head)."""
+    if dtype not in KV_DTYPES:
+        raise QuantkitError(f"KV-cache type {dtype!r} is unknown; use fp8 or int8.")
+    args = preset(f"kv-{dtype}").kv_cache
+    return dataclasses.replace(args, strategy="attn_head") if per_head else args
 
 
 def check_kv_args(args: QuantArgs) -> None:

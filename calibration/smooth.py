@@ -3,17 +3,23 @@ channel, divide the activations by s and multiply the weights by s, with
 s = max|x|^α / max|W|^(1-α), so activation outliers move into the weights where
 per-channel scales absorb them. α is searched on a grid against the output error of
 the quantized matmul; s = 1 (no smoothing) is always a candidate, so the search never
-loses to plain quantization on its inputs. Pure functions; `awq.fold_scales` applies s."""
+loses to plain quantization on its inputs. `search_smooth_scales` is the math;
+`smooth_step` runs it on a block before the weight method (`awq.fold_scales` applies s)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
+from quantkit.calibration.awq import fold_scales
+from quantkit.calibration.hooks import group_inputs, mappings, owner, targets
 from quantkit.errors import QuantkitError
+from quantkit.models.arch import ArchSpec
 from quantkit.primitives import fake_quantize
-from quantkit.scheme import QuantArgs
+from quantkit.scheme import QuantArgs, QuantScheme
 
 
 @dataclass(slots=True)
@@ -49,3 +55,25 @@ def search_smooth_scales(x: torch.Tensor, weights: list[torch.Tensor], w_args: Q
         if value < best.loss:
             best = SmoothResult(s, alpha, value, plain)
     return best
+
+
+SEARCH_TOKENS = 2048  # captured inputs per sequential group that α is scored on
+
+
+def smooth_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_dtype,
+                log: Callable | None = None):
+    """Runner step: for every mapping of the architecture table whose shapes allow it,
+    search s on the block's calibration inputs and fold it into the previous op and the
+    linears (the float function is unchanged); records no qparams."""
+
+    def step(index: int, prefix: str, block: nn.Module, inputs) -> None:
+        names = targets(scheme, prefix, spec.linears)
+        feats = group_inputs(spec, block, names, inputs, SEARCH_TOKENS)
+        for m, prev, linears in mappings(spec, block, names):
+            x = feats[owner(spec, m.linears[0])]
+            r = search_smooth_scales(x, [lin.weight.data for lin in linears], scheme.weights,
+                                     scheme.input_activations, options.grid, name=f"{prefix}.{m.prev}")
+            fold_scales(prev.weight.data, getattr(prev, "bias", None), [lin.weight.data for lin in linears], r.scales)
+            feats[owner(spec, m.linears[0])] = x / r.scales
+
+    return step

@@ -32,12 +32,14 @@ from dataclasses import dataclass
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.formats.pack_quantized import unpack
+from quantkit.packing import unpack
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 _HAS_INT4 = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 _HAS_INT8 = hasattr(torch, "_weight_int8pack_mm")
-_HAS_PREPACK = hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available()
+# oneDNN's bf16 reorder needs a CPU with native bf16 support (AVX512-BF16/AMX; not AVX2-only CPUs)
+_HAS_PREPACK = (hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available()
+                and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +105,7 @@ def repack_int4_cpu(
 ) -> Int4CpuWeight:
     """Pack-quantized int4 -> `Int4CpuWeight`.
 
-    w_packed int32 [N, K/8] (values + 8 in nibbles, see `quantkit.formats.pack_quantized`);
+    w_packed int32 [N, K/8] (values + 8 in nibbles, see `quantkit.packing`);
     scales [N, K/group] or [N, 1] (group_size None), any float dtype; zeros int8 [N, K/group]
     signed zero points or None (symmetric); g_idx int32 [K] or None. Raises `QuantkitError`
     for shapes `supports` rejects.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from quantkit.formats.pack_quantized import unpack
+from quantkit.packing import unpack
 from quantkit.primitives import dequantize
 from quantkit.scheme import QuantArgs
 

@@ -4,7 +4,9 @@ and render the result with rich."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import inspect as inspect_module
 import json
 import os
 from pathlib import Path
@@ -16,12 +18,28 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from quantkit.calibration.method import Calibration, describe
+from quantkit.calibration.registry import KV_DTYPES, AWQOptions, GPTQOptions, KVOptions, SmoothOptions
 from quantkit.errors import QuantkitError
+from quantkit.version import __version__
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"quantkit {__version__}")
+        raise typer.Exit()
+
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Quantize Hugging Face causal LMs, measure what it cost, serve the result.")
 console = Console(stderr=True)
 out = Console()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and exit.")):
+    pass
 
 
 def _quiet_transformers() -> None:
@@ -45,6 +63,13 @@ def _progress():
         yield track
 
 
+def _paragraphs(doc: str | None) -> str | None:
+    """A docstring as help text: each paragraph on one line (the terminal wraps it)."""
+    if not doc:
+        return doc
+    return "\n\n".join(" ".join(p.split()) for p in inspect_module.cleandoc(doc).split("\n\n"))
+
+
 def command(fn):
     """Run a command; a `QuantkitError` becomes one red sentence and exit code 2."""
 
@@ -57,53 +82,96 @@ def command(fn):
             console.print(f"[bold red]error:[/] {escape(str(e))}")
             raise typer.Exit(2) from None
 
-    return app.command()(wrapper)
+    return app.command(help=_paragraphs(fn.__doc__))(wrapper)
 
 
-def _write_json(path: Path, data: dict) -> None:
+def _write_json(path: Path | None, data: dict | list) -> None:
+    if path is None:
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
     os.replace(tmp, path)
 
 
+def _new_table(title: str, columns: tuple[str, ...] = (), **kwargs) -> Table:
+    """A table whose cells fold instead of losing characters when the terminal is narrow."""
+    table = Table(title=title, title_justify="left", **kwargs)
+    for name in columns:
+        table.add_column(name, overflow="fold", justify="left" if name == columns[0] else "right")
+    return table
+
+
 def _table(title: str, rows: list[tuple[str, object]]) -> Table:
-    table = Table(title=title, show_header=False, title_justify="left")
+    table = _new_table(title, show_header=False)
+    table.add_column(overflow="fold")
+    table.add_column(overflow="fold")
     for key, value in rows:
         table.add_row(key, str(value))
     return table
 
 
+def _opt(options: type, name: str, *decls: str, default=None, help: str | None = None):
+    """The typer option of a registry option (`calibration.method.option`): its default and help."""
+    meta = describe(options)[name]
+    return typer.Option(meta["default"] if default is None else default, *decls, help=help or meta["help"])
+
+
 MODEL = typer.Option("smollm2-135m", "--model", "-m", help="Built-in name, local folder or hub id.")
 OUTPUT = typer.Option(..., "--output", "-o", help="Folder to write the checkpoint to.")
-SCHEME = typer.Option("w4a16", help="w4a16 (int4 symmetric) or w4a16-asym.")
-GROUP = typer.Option(None, help="Weights per scale (default 128); must divide every layer's input width.")
 OVERWRITE = typer.Option(False, help="Replace an existing output folder.")
 DEVICE = typer.Option("cpu", help="Where each block is quantized (cpu, cuda).")
-CALIB = typer.Option("news", help="Calibration text: news, wiki, c4, wikitext2, pileval or a .txt/.jsonl/.parquet file.")
-SAMPLES = typer.Option(128, help="Calibration rows.")
-SEQ_LEN = typer.Option(512, help="Tokens per calibration row.")
-SEED = typer.Option(0, help="Seed of the calibration document order.")
-KV = typer.Option(None, "--kv-cache", help="Also calibrate KV-cache scales: fp8 or int8.")
-KV_PER_HEAD = typer.Option(False, help="One KV-cache scale per KV head instead of per layer.")
-
-
+JSON = typer.Option(None, "--json", help="Also write the result to this JSON file.")
 QOUTPUT = typer.Option(None, "--output", "-o", help="Folder to write the checkpoint to.")
 PRINT_RECIPE = typer.Option(False, help="Print the equivalent recipe (YAML for `quantkit run`) and exit.")
 
 
-def _weights_recipe(algorithm, model, output, scheme, group_size, calib, samples, seq_len, seed, options, kv_cache,
-                    kv_per_head, device, weights=None) -> dict:
+def _int4_scheme():
+    return typer.Option("w4a16", help="w4a16 (int4 symmetric) or w4a16-asym (with a zero point).")
+
+
+def _group():
+    return typer.Option("auto", help="Weights per scale: a number that divides every quantized layer's input width, "
+                        "or auto (128, or the largest power of two below it that divides them all).")
+
+
+def _calibration_options():
+    return (_opt(Calibration, "dataset", "--calib"), _opt(Calibration, "samples", "--samples"),
+            _opt(Calibration, "seq_len", "--seq-len"), _opt(Calibration, "seed", "--seed"))
+
+
+def _kv_options():
+    return (typer.Option(None, "--kv-cache", help="Also calibrate KV-cache scales: fp8 or int8."),
+            _opt(KVOptions, "per_head", "--kv-per-head"))
+
+
+CALIB, SAMPLES, SEQ_LEN, SEED = _calibration_options()
+KV, KV_PER_HEAD = _kv_options()
+
+
+def _group_size(value: str) -> int | str:
+    if value == "auto":
+        return value
+    if not value.isdigit() or int(value) <= 0:
+        raise QuantkitError(f"--group-size {value!r} is neither a positive number nor auto; use e.g. 64 or auto.")
+    return int(value)
+
+
+def _weights_recipe(method, model, output, scheme, group_size, calib, samples, seq_len, seed, options, kv_cache,
+                    kv_per_head, device, weights=None, before=()) -> dict:
     """The recipe dict a quantizing command means, so each command and `quantkit run` share one path."""
+    if kv_cache is not None and kv_cache not in KV_DTYPES:
+        raise QuantkitError(f"KV-cache type {kv_cache!r} is unknown; use {' or '.join(KV_DTYPES)}.")
     kv = [{"kv": {"dtype": kv_cache, "per_head": kv_per_head}}] if kv_cache else []
-    return {"model": model, "scheme": {"preset": scheme} | ({"group_size": group_size} if group_size else {})
-            | (weights or {}), "steps": [{algorithm: options}, *kv],
+    group = _group_size(group_size) if group_size else "auto"
+    return {"model": model, "scheme": {"preset": scheme} | ({"group_size": group} if group != "auto" else {})
+            | (weights or {}), "steps": [*before, {method: options}, *kv],
             "calibration": {"dataset": calib, "samples": samples, "seq_len": seq_len, "seed": seed},
             "output": None if output is None else str(output), "device": device}
 
 
-def _command_recipe(raw: dict, overwrite: bool, print_recipe: bool) -> None:
-    from quantkit.recipe import from_dict
+def _command_recipe(raw: dict, overwrite: bool, print_recipe: bool, json_path: Path | None = None) -> None:
+    from quantkit.pipeline.recipe import from_dict
 
     recipe = from_dict(raw)
     if print_recipe:
@@ -111,7 +179,7 @@ def _command_recipe(raw: dict, overwrite: bool, print_recipe: bool) -> None:
         return
     if recipe.output is None:
         raise QuantkitError("-o/--output is missing; name the folder to write the checkpoint to.")
-    _run_recipe(recipe, None, overwrite)
+    _run_recipe(recipe, None, overwrite, json_path)
 
 
 def _quantize_rows(prov: dict) -> list[tuple[str, object]]:
@@ -123,12 +191,16 @@ def _quantize_rows(prov: dict) -> list[tuple[str, object]]:
         kind = (f"int{w['num_bits']}, group {w['group_size']}, {'sym' if w['symmetric'] else 'asym'}"
                 + (f", act-order {w['actorder']}" if w["actorder"] else ""))
     rows = [("scheme", f"{prov['scheme']} ({kind})"), ("quantized linears", prov["quantized_linears"])]
+    if prov.get("transforms"):
+        rows.append(("before quantizing", ", ".join(prov["transforms"])))
     if prov["kv_cache"]:
         k = prov["kv_cache"]
-        rows.append(("kv cache", f"{k['type']}{k['num_bits']}, one scale per {'head' if k['strategy'] == 'attn_head' else 'layer'}"))
+        rows.append(("kv cache", f"{k['type']}{k['num_bits']}, one scale per "
+                                 f"{'head' if k['strategy'] == 'attn_head' else 'layer'}"))
     if c:
         rows.append(("calibration", f"{c['dataset']}: {c['samples']} × {c['seq_len']} tokens, seed {c['seed']}"))
-    return rows + [("wall time", f"{prov['wall_time_s']:.1f} s"), ("peak memory (RSS)", f"{prov['peak_rss_mib']:.0f} MiB")]
+    return rows + [("wall time", f"{prov['wall_time_s']:.1f} s"),
+                   ("peak memory (RSS)", f"{prov['peak_rss_mib']:.0f} MiB")]
 
 
 def _kv_rows(prov: dict) -> list[tuple[str, object]]:
@@ -141,17 +213,18 @@ def _kv_rows(prov: dict) -> list[tuple[str, object]]:
     ]
 
 
-def _run_recipe(recipe, output: Optional[Path], overwrite: bool) -> None:
+def _run_recipe(recipe, output: Optional[Path], overwrite: bool, json_path: Path | None = None) -> None:
     """Run a recipe, print what was made and the eval gates; a failed gate exits 1 (the
     checkpoint stays written)."""
-    from quantkit.recipe import run_recipe
+    from quantkit.pipeline.recipe import run_recipe
 
     if recipe.eval is not None and recipe.eval["tasks"]:
         _quiet_lm_eval()
     with _progress() as track:
         prov = run_recipe(recipe, output, overwrite, track,
-                          log=lambda message: console.print(f"[yellow]warning:[/] {message}"))
-    name = recipe.steps[0].name
+                          log=lambda message: console.print(f"[yellow]note:[/] {escape(message)}"))
+    _write_json(json_path, prov)
+    name = "kv" if [s.name for s in recipe.steps] == ["kv"] else prov["algorithm"]
     out.print(_table(f"{name} → {output or recipe.output}", _kv_rows(prov) if name == "kv" else _quantize_rows(prov)))
     gates = prov.get("gates")
     if gates is not None:
@@ -163,36 +236,37 @@ def _run_recipe(recipe, output: Optional[Path], overwrite: bool) -> None:
 
 
 @command
-def rtn(model: str = MODEL, output: Optional[Path] = QOUTPUT, scheme: str = SCHEME, group_size: Optional[int] = GROUP,
+def rtn(model: str = MODEL, output: Optional[Path] = QOUTPUT, scheme: str = _int4_scheme(), group_size: str = _group(),
         kv_cache: Optional[str] = KV, kv_per_head: bool = KV_PER_HEAD,
         calib: str = CALIB, samples: int = SAMPLES, seq_len: int = SEQ_LEN, seed: int = SEED,
-        overwrite: bool = OVERWRITE, device: str = DEVICE, print_recipe: bool = PRINT_RECIPE):
-    """Round-to-nearest INT4 weights: the baseline for AWQ and GPTQ (calibration text is
-    used only for --kv-cache)."""
+        overwrite: bool = OVERWRITE, device: str = DEVICE, print_recipe: bool = PRINT_RECIPE,
+        json_path: Optional[Path] = JSON):
+    """Round-to-nearest INT4 weights: the baseline for AWQ and GPTQ (calibration text is used only for --kv-cache)."""
     _command_recipe(_weights_recipe("rtn", model, output, scheme, group_size, calib, samples, seq_len, seed, {},
-                                    kv_cache, kv_per_head, device), overwrite, print_recipe)
+                                    kv_cache, kv_per_head, device), overwrite, print_recipe, json_path)
+
+
+def _awq_option(name: str, *decls: str):
+    return _opt(AWQOptions, name, *decls)
 
 
 @command
 def awq(
-    model: str = MODEL, output: Optional[Path] = QOUTPUT, scheme: str = SCHEME, group_size: Optional[int] = GROUP,
+    model: str = MODEL, output: Optional[Path] = QOUTPUT, scheme: str = _int4_scheme(), group_size: str = _group(),
     calib: str = CALIB, samples: int = SAMPLES, seq_len: int = SEQ_LEN, seed: int = SEED,
-    grid: int = typer.Option(20, help="Points of the scale-exponent grid in [0, 1)."),
-    duo: bool = typer.Option(False, help="Blend weight magnitudes into the scales (duo scaling)."),
-    clip: bool = typer.Option(True, help="Search per-group clipping ranges (else round to nearest)."),
-    module_loss: bool = typer.Option(False, help="Score q,k,v scales on the attention output and gate,up on the "
-                                     "MLP output (slower) instead of the linears' own outputs."),
-    save_search: Optional[Path] = typer.Option(None, help="Write the found scales and clips (safetensors)."),
-    load_search: Optional[Path] = typer.Option(None, help="Apply a saved search instead of calibrating."),
+    grid: int = _awq_option("grid"), duo: bool = _awq_option("duo"), clip: bool = _awq_option("clip"),
+    module_loss: bool = _awq_option("module_loss"),
+    save_search: Optional[Path] = _awq_option("save_search"), load_search: Optional[Path] = _awq_option("load_search"),
     kv_cache: Optional[str] = KV, kv_per_head: bool = KV_PER_HEAD,
     overwrite: bool = OVERWRITE, device: str = DEVICE, print_recipe: bool = PRINT_RECIPE,
+    json_path: Optional[Path] = JSON,
 ):
     """AWQ INT4 (Lin et al.): activation-aware scales folded into the previous op, then per-group clipping."""
     options = {"grid": grid, "duo": duo, "clip": clip, "module_loss": module_loss,
                "save_search": str(save_search) if save_search else None,
                "load_search": str(load_search) if load_search else None}
     _command_recipe(_weights_recipe("awq", model, output, scheme, group_size, calib, samples, seq_len, seed, options,
-                                    kv_cache, kv_per_head, device), overwrite, print_recipe)
+                                    kv_cache, kv_per_head, device), overwrite, print_recipe, json_path)
 
 
 @command
@@ -205,23 +279,28 @@ def fp8(
                                 "α searched per mapping on --calib)."),
     kv_cache: Optional[str] = KV, kv_per_head: bool = KV_PER_HEAD,
     overwrite: bool = OVERWRITE, device: str = DEVICE, print_recipe: bool = PRINT_RECIPE,
+    json_path: Optional[Path] = JSON,
 ):
     """FP8 e4m3 weights and activations (static scales and --smooth are calibrated on --calib)."""
-    _command_recipe(_weights_recipe("fp8", model, output, scheme, None, calib, samples, seq_len, seed,
-                                    {"smooth_grid": 10 if smooth else 0}, kv_cache, kv_per_head, device),
-                    overwrite, print_recipe)
+    before = [{"smooth": dataclasses.asdict(SmoothOptions())}] if smooth else []
+    _command_recipe(_weights_recipe("fp8", model, output, scheme, None, calib, samples, seq_len, seed, {},
+                                    kv_cache, kv_per_head, device, before=before), overwrite, print_recipe, json_path)
+
+
+def _gptq_option(name: str):
+    return _opt(GPTQOptions, name)
 
 
 @command
 def gptq(
-    model: str = MODEL, output: Optional[Path] = QOUTPUT, scheme: str = SCHEME, group_size: Optional[int] = GROUP,
+    model: str = MODEL, output: Optional[Path] = QOUTPUT, scheme: str = _int4_scheme(), group_size: str = _group(),
     calib: str = CALIB, samples: int = SAMPLES, seq_len: int = SEQ_LEN, seed: int = SEED,
     act_order: str = typer.Option("static", help="static (columns by descending Hessian diagonal, groups kept), "
                                   "group (desc_act with g_idx) or none."),
-    damp: float = typer.Option(0.01, help="Hessian dampening, as a fraction of its mean diagonal."),
-    block_size: int = typer.Option(128, help="Columns per lazy-update block."),
+    damp: float = _gptq_option("damp"), block_size: int = _gptq_option("block_size"),
     kv_cache: Optional[str] = KV, kv_per_head: bool = KV_PER_HEAD,
     overwrite: bool = OVERWRITE, device: str = DEVICE, print_recipe: bool = PRINT_RECIPE,
+    json_path: Optional[Path] = JSON,
 ):
     """GPTQ INT4 (Frantar et al.): Hessian-based error feedback, true-sequential, act-order."""
     if act_order not in ("static", "group", "none"):
@@ -229,7 +308,7 @@ def gptq(
     _command_recipe(_weights_recipe("gptq", model, output, scheme, group_size, calib, samples, seq_len, seed,
                                     {"damp": damp, "block_size": block_size}, kv_cache, kv_per_head, device,
                                     {"actorder": act_order} if act_order != "none" else None),
-                    overwrite, print_recipe)
+                    overwrite, print_recipe, json_path)
 
 
 @command
@@ -239,17 +318,16 @@ def run(
                                           "(default: the recipe's output)."),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="Change a recipe key, e.g. --set "
                                              "calibration.samples=16 or --set steps.0.awq.grid=10 (repeatable)."),
-    overwrite: bool = OVERWRITE, print_recipe: bool = PRINT_RECIPE,
+    overwrite: bool = OVERWRITE, print_recipe: bool = PRINT_RECIPE, json_path: Optional[Path] = JSON,
 ):
-    """Make a checkpoint from a recipe: model, scheme, steps, calibration and eval gates in one
-    YAML file (a failed gate exits 1; the checkpoint stays written)."""
-    from quantkit.recipe import load_recipe
+    """Make a checkpoint from a recipe: model, scheme, steps, calibration and eval gates in one YAML file (a failed gate exits 1; the checkpoint stays written)."""
+    from quantkit.pipeline.recipe import load_recipe
 
     r = load_recipe(recipe, set_ or ())
     if print_recipe:
         typer.echo(r.replace(output=str(output) if output else r.output).to_yaml(), nl=False)
         return
-    _run_recipe(r, output, overwrite)
+    _run_recipe(r, output, overwrite, json_path)
 
 
 def _fraction(value: str | None) -> float | None:
@@ -273,9 +351,8 @@ def _number(value: float | None, signed: bool = False) -> str:
 def _gate_table(report: dict) -> Table:
     pair = report["baseline"] is not None
     title = f"{report['candidate']} vs {report['baseline']}" if pair else f"scores of {report['candidate']}"
-    table = Table(title=title, title_justify="left")
-    for name in ("metric", "baseline", "candidate", "delta", "recovery", "gate") if pair else ("metric", "value"):
-        table.add_column(name, justify="left" if name == "metric" else "right")
+    table = _new_table(title, ("metric", "baseline", "candidate", "delta", "recovery", "gate") if pair
+                       else ("metric", "value"))
     for row in report["rows"]:
         if not pair:
             table.add_row(row["metric"], _number(row["candidate"]))
@@ -358,16 +435,16 @@ def eval(
 def kv(
     model: str = typer.Argument(..., help="A float model or a checkpoint (built-in name, folder or hub id)."),
     output: Optional[Path] = QOUTPUT,
-    dtype: str = typer.Option("fp8", help="KV-cache type: fp8 or int8."),
-    per_head: bool = typer.Option(False, help="One scale per KV head instead of per layer."),
+    dtype: str = _opt(KVOptions, "dtype", help="KV-cache type: fp8 or int8."),
+    per_head: bool = _opt(KVOptions, "per_head"),
     calib: str = CALIB, samples: int = SAMPLES, seq_len: int = SEQ_LEN, seed: int = SEED,
     overwrite: bool = typer.Option(False, help="Replace an existing output folder, or KV scales the model already has."),
-    print_recipe: bool = PRINT_RECIPE,
+    print_recipe: bool = PRINT_RECIPE, json_path: Optional[Path] = JSON,
 ):
     """Add calibrated KV-cache scales (k_scale/v_scale) to a model or checkpoint; weights stay as they are."""
     _command_recipe({"model": model, "steps": [{"kv": {"dtype": dtype, "per_head": per_head}}],
                      "calibration": {"dataset": calib, "samples": samples, "seq_len": seq_len, "seed": seed},
-                     "output": None if output is None else str(output)}, overwrite, print_recipe)
+                     "output": None if output is None else str(output)}, overwrite, print_recipe, json_path)
 
 
 DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
@@ -384,6 +461,7 @@ def generate(
     seed: Optional[int] = typer.Option(None, help="Seed for sampling."),
     chat: bool = typer.Option(False, help="Wrap the prompt in the tokenizer's chat template."),
     dtype: str = typer.Option("auto", help="auto (the checkpoint's), float32, bfloat16 or float16."),
+    json_path: Optional[Path] = JSON,
 ):
     """Stream a completion to the terminal through the engine, then print TTFT, TPOT and tokens/s."""
     import torch
@@ -414,6 +492,10 @@ def generate(
     out.print()
     n = len(output.token_ids)
     total = output.finish_time - output.arrival_time
+    _write_json(json_path, {"prompt": prompt, "text": shown, "prompt_tokens": len(output.prompt_token_ids),
+                            "generated_tokens": n, "finish_reason": output.finish_reason,
+                            "ttft_ms": 1000 * output.ttft, "tpot_ms": 1000 * output.tpot if output.tpot else None,
+                            "tokens_per_s": n / total})
     out.print(_table("generation", [
         ("tokens", f"{len(output.prompt_token_ids)} prompt, {n} generated ({output.finish_reason})"),
         ("TTFT", f"{1000 * output.ttft:.1f} ms"),
@@ -469,7 +551,8 @@ def serve(
 
 @command
 def bench(
-    model: str = typer.Argument(..., help="Built-in name, local folder, hub id or quantkit checkpoint."),
+    model: str = typer.Argument(..., help="Built-in name, local folder, hub id or quantkit checkpoint; or kernels, "
+                                "for the kernel micro-benchmark."),
     workload: Optional[Path] = typer.Option(None, help="jsonl of {prompt or prompt_token_ids, max_tokens}."),
     num_requests: int = typer.Option(64, help="Synthetic requests (without --workload)."),
     input_len: str = typer.Option("32:512", help="Prompt tokens, A:B uniform."),
@@ -488,11 +571,18 @@ def bench(
     kv_cache_memory: float = typer.Option(1 << 30, help="Engine: KV-cache bytes (or a fraction of free memory)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the report here."),
     plot: Optional[Path] = typer.Option(None, help="Online: sweep rates and plot latency against throughput (PNG)."),
+    device: str = typer.Option("cpu", help="Kernels: cpu (GEMM paths against the copy bandwidth) or cuda (each "
+                               "Triton kernel checked against its twin, then timed)."),
+    quick: bool = typer.Option(False, help="Kernels: fewer shapes and repetitions."),
+    threads: Optional[int] = typer.Option(None, help="Kernels: torch CPU threads (1 gives steadier numbers)."),
 ):
-    """Throughput, TTFT, TPOT, latency percentiles, goodput and cost of serving a model."""
+    """Throughput, TTFT, TPOT, latency percentiles, goodput and cost of serving a model; `quantkit bench kernels` times the kernels instead."""
     import torch
 
-    from quantkit.eval import bench as b
+    if model == "kernels":
+        return _bench_kernels(device, quick, threads, json_path)
+
+    from quantkit.perf import bench as b
     from quantkit.models.loading import load_tokenizer, resolve_model
 
     if dtype not in DTYPES:
@@ -531,6 +621,22 @@ def bench(
         ]))
 
 
+def _bench_kernels(device: str, quick: bool, threads: int | None, json_path: Path | None) -> None:
+    import torch
+
+    from quantkit.perf import kernels
+
+    if device not in ("cpu", "cuda"):
+        raise QuantkitError(f"--device {device!r} is unknown; use cpu or cuda.")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise QuantkitError("--device cuda needs a CUDA GPU and none is visible here; use --device cpu.")
+    if threads:
+        torch.set_num_threads(threads)
+    rows = kernels.run_cpu(quick=quick) if device == "cpu" else kernels.run_gpu(quick=quick)
+    _write_json(json_path, {"header": kernels.header(device), "rows": rows})
+    typer.echo(f"\n{kernels.header(device)}\n\n{kernels.to_markdown(rows)}")
+
+
 @command
 def plan(
     model: str = typer.Argument(..., help="Built-in name, local folder or hub id (only config.json is read)."),
@@ -539,17 +645,17 @@ def plan(
     gpu: str = typer.Option("h100-80gb", help="h100-80gb, a100-80gb, h200, l40s, l4, rtx4090 or cpu."),
     context: int = typer.Option(4096, help="Tokens per sequence."),
     gpu_cost_per_hour: Optional[float] = typer.Option(None, help="Overrides the table's illustrative price."),
+    json_path: Optional[Path] = JSON,
 ):
     """Memory, concurrent sequences, decode-time bounds and cost per scheme, from the config alone."""
-    from quantkit.eval.plan import model_config
-    from quantkit.eval.plan import plan as make_plan
+    from quantkit.perf.plan import model_config
+    from quantkit.perf.plan import plan as make_plan
 
     rows = make_plan(model_config(model), list(scheme), kv_cache, gpu, context, gpu_cost_per_hour)
-    table = Table(title=f"plan {model} on {gpu}, {context}-token sequences, KV {kv_cache or 'bf16'}",
-                  title_justify="left")
-    for column in ("scheme", "weights", "KV/token", "seqs that fit", "TPOT bound b=1", "TPOT bound full",
-                   "tokens/s full", "$ / 1K tokens"):
-        table.add_column(column)
+    _write_json(json_path, rows)
+    table = _new_table(f"plan {model} on {gpu}, {context}-token sequences, KV {kv_cache or 'bf16'}", (
+        "scheme", "weights", "KV/token", "seqs that fit", "TPOT bound b=1", "TPOT bound full", "tokens/s full",
+        "$ / 1K tokens"))
     for r in rows:
         table.add_row(
             r["scheme"], _mib(r["weight_bytes"]), f"{r['kv_bytes_per_token'] / 1024:.1f} KiB", str(r["max_seqs"]),
@@ -585,7 +691,7 @@ def inspect(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the report to this JSON file."),
 ):
     """Scheme, quantized and ignored modules, size against the float model, provenance."""
-    from quantkit.eval.inspect_ckpt import describe
+    from quantkit.formats.inspect import describe
 
     info = describe(checkpoint)
     if json_path:

@@ -92,6 +92,8 @@ class QuantScheme:
     ignore: tuple[str, ...] = ("lm_head",)
     kv_cache: QuantArgs | None = None
     overrides: tuple[QuantScheme, ...] = ()  # per-module schemes, targets by regex ("re:...")
+    # group_size is a ceiling, fitted to the model's input widths before quantizing (`fit_group_size`)
+    auto_group_size: bool = False
 
     @property
     def format(self) -> str:
@@ -127,6 +129,34 @@ class QuantScheme:
             raise QuantkitError(f"{module_name} is matched by the overrides {hits[0].targets[0]!r} and "
                                 f"{hits[1].targets[0]!r}; make their targets disjoint.")
         return hits[0] if hits else self
+
+
+def fit_group_size(scheme: QuantScheme, widths: dict[str, int]) -> tuple[QuantScheme, list[str]]:
+    """Resolve automatic group sizes: each (sub)scheme marked `auto_group_size` gets the
+    largest power of two up to its group_size that divides the input width of every
+    module it quantizes (`widths`: module name -> in_features). Returns the scheme and a
+    line for each group size that had to shrink."""
+    notes = []
+
+    def fit(s: QuantScheme, names: list[str]) -> QuantScheme:
+        if not s.auto_group_size or s.weights is None or s.weights.strategy != "group":
+            return s.replace(auto_group_size=False)
+        group, first = s.weights.group_size, s.weights.group_size
+        misfit = None
+        while group > 1 and any(widths[n] % group for n in names):
+            misfit = misfit or next(n for n in names if widths[n] % group)
+            group //= 2
+        if misfit:
+            notes.append(f"group size {group}: {first} does not divide the input width {widths[misfit]} of {misfit}.")
+        return s.replace(weights=dataclasses.replace(s.weights, group_size=group), auto_group_size=False)
+
+    parts = {id(s): [] for s in (scheme, *scheme.overrides)}
+    for name in widths:
+        chosen = scheme.scheme_for(name)
+        if chosen is not None:
+            parts[id(chosen)].append(name)
+    overrides = tuple(fit(o, parts[id(o)]) for o in scheme.overrides)
+    return fit(scheme, parts[id(scheme)]).replace(overrides=overrides), notes
 
 
 def _matches(pattern: str, name: str) -> bool:

@@ -34,7 +34,12 @@ def test_user_errors_exit_2_with_one_sentence(tiny_llama, tmp_path):
     cases = [
         (["rtn", "--model", "no-such-model-anywhere", "-o", str(tmp_path / "a")], "no-such-model-anywhere"),
         (["rtn", "--model", str(tiny_llama), "--scheme", "w5", "-o", str(tmp_path / "b")], "unknown scheme 'w5'"),
-        (["rtn", "--model", str(tiny_llama), "-o", str(tmp_path / "c")], "does not divide the input width 64"),
+        (["rtn", "--model", str(tiny_llama), "--group-size", "128", "-o", str(tmp_path / "c")],
+         "does not divide the input width 64"),
+        (["rtn", "--model", str(tiny_llama), "--group-size", "big", "-o", str(tmp_path / "d")],
+         "--group-size 'big' is neither a positive number nor auto"),
+        (["rtn", "--model", str(tiny_llama), "--kv-cache", "fp4", "-o", str(tmp_path / "e")],
+         "KV-cache type 'fp4' is unknown; use fp8 or int8."),
         (["eval", str(tiny_llama), "--ppl", "nonsense"], "unknown dataset 'nonsense'"),
         (["eval", str(tiny_llama), "--ppl", "wiki", "--seq-len", "4096"], "exceeds the model's context of 256"),
         (["inspect", str(tmp_path / "missing")], "does not exist"),
@@ -45,6 +50,26 @@ def test_user_errors_exit_2_with_one_sentence(tiny_llama, tmp_path):
         assert message in " ".join(r.output.split()), (argv, r.output)
         assert "Traceback" not in r.output
     assert list(tmp_path.iterdir()) == []
+
+
+def test_rtn_runs_on_its_defaults_with_an_automatic_group_size(tiny_llama, tmp_path):
+    """No --group-size: 128 does not divide the tiny model's widths (64, 128), so 64 is taken and said."""
+    r = runner.invoke(app, ["rtn", "--model", str(tiny_llama), "-o", str(tmp_path / "q"), "--json", str(tmp_path / "p.json")])
+    assert r.exit_code == 0, r.output
+    assert "group size 64: 128 does not divide the input width 64" in " ".join(r.output.split())
+    prov = json.loads((tmp_path / "p.json").read_text())
+    assert prov["weights"]["group_size"] == 64 and prov["recipe"]["scheme"] == "w4a16"
+    qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert qc["config_groups"]["group_0"]["weights"]["group_size"] == 64
+
+
+def test_version_and_help_have_no_broken_sentences():
+    from quantkit.version import __version__
+
+    r = runner.invoke(app, ["--version"])
+    assert r.exit_code == 0 and r.stdout.strip() == f"quantkit {__version__}"
+    for command in app.registered_commands:
+        assert "\n" not in command.help.split("\n\n")[0], command.name  # first paragraph on one line
 
 
 def test_awq_gptq_export_commands(tiny_llama, tiny_corpus, tmp_path):

@@ -9,8 +9,10 @@ from quantkit.malloc import keep_freed_memory
 GLIBC = platform.libc_ver()[0] == "glibc"
 
 # In a fresh interpreter (the test process's heap is shaped by torch and pytest): 512 heap
-# blocks of 64 KiB (below any mmap threshold), each followed by a small block that stays
-# allocated so the freed ones are holes the heap's top cannot be trimmed past; prints the
+# blocks of 64 KiB (below any mmap threshold), each followed by a block of the same size
+# that stays allocated (a small one could come from the free lists, anywhere in the heap,
+# depending on what the interpreter freed before), so the freed ones are holes the heap's
+# top cannot be trimmed past; prints the
 # resident MiB that freeing them released, then what trim_freed_memory released.
 PROBE = """
 import ctypes
@@ -19,7 +21,7 @@ from quantkit.malloc import trim_freed_memory
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
 rss = lambda: int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
-blocks = [(libc.malloc(64 << 10), libc.malloc(64)) for _ in range(512)]
+blocks = [(libc.malloc(64 << 10), libc.malloc(64 << 10)) for _ in range(512)]
 for p, _ in blocks:
     ctypes.memset(p, 1, 64 << 10)
 before = rss()

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 import quantkit
 from quantkit.cli import app
-from quantkit.recipe import load_recipe
+from quantkit.pipeline.recipe import load_recipe
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 SHIPPED = sorted(p.name for p in RECIPES.glob("*.yaml"))

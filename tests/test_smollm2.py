@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from quantkit.calibration.datasets import eval_tokens, load_documents
 from quantkit.eval.run import evaluate
 from quantkit.models.loading import load_tokenizer, resolve_model
-from quantkit.quantize import quantize
+from quantkit.pipeline.quantize import quantize
 from quantkit.scheme import preset
 
 pytestmark = pytest.mark.smollm2

@@ -112,9 +112,9 @@ def _versions() -> dict:
         except metadata.PackageNotFoundError:
             return None
 
-    import quantkit
+    from quantkit.version import __version__
 
-    return {"quantkit": quantkit.__version__, "torch": version("torch"), "transformers": version("transformers"),
+    return {"quantkit": __version__, "torch": version("torch"), "transformers": version("transformers"),
             "lm_eval": version("lm_eval"), "python": platform.python_version()}
 
 

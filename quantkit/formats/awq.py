@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.formats.pack_quantized import pack, unpack
+from quantkit.packing import pack, unpack
 
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 

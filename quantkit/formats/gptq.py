@@ -19,13 +19,11 @@ On import, a non-trivial `g_idx` becomes compressed-tensors act-order `group` wi
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.formats.awq import fp16_scales
-from quantkit.formats.pack_quantized import pack, unpack
+from quantkit.packing import pack, unpack
 from quantkit.scheme import QuantArgs
 
 
@@ -101,9 +99,3 @@ def group_size(qc: dict) -> int | None:
     group = qc.get("group_size", 128)
     return None if group in (None, -1) else int(group)
 
-
-def export_gptq(src: Path, out: Path, overwrite: bool = False) -> Path:
-    """Write the GPTQ v1 checkpoint of a compressed-tensors int4 `pack-quantized` (or AWQ) one."""
-    from quantkit.formats.interop import export  # interop imports this module
-
-    return export(src, out, "gptq", overwrite)

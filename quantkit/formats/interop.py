@@ -25,7 +25,8 @@ import torch
 from quantkit.errors import QuantkitError
 from quantkit.formats import awq, gptq
 from quantkit.formats.checkpoint import check_output, read_provenance, read_tensors, save_checkpoint
-from quantkit.formats.pack_quantized import decompress_ints, pack
+from quantkit.formats.pack_quantized import decompress_ints
+from quantkit.packing import pack
 from quantkit.scheme import QuantArgs, QuantScheme, from_quantization_config, to_quantization_config
 
 FORMATS = ("compressed-tensors", "awq", "gptq")

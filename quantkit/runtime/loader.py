@@ -20,7 +20,7 @@ from quantkit.formats.checkpoint import read_tensors
 from quantkit.models.loading import (assign_weights, check_causal_lm, empty_model, load_float_model,
                                      missing_and_unexpected, resolve_model)
 from quantkit.models.arch import arch_for
-from quantkit.runtime import kv_attention
+from quantkit.models import kv_cache
 from quantkit.runtime.qlinear import Fp8Linear, PackedInt4Linear
 from quantkit.scheme import CheckpointConfig, from_quantization_config
 
@@ -103,4 +103,4 @@ def _quantize_kv(model: nn.Module, tensors: dict, args, path: Path) -> None:
             raise QuantkitError(f"checkpoint {path} declares a KV-cache scheme but lacks {names[0]}; "
                                 "re-run quantkit kv on it.")
         scales[i] = tuple(tensors[n] for n in names)
-    kv_attention.quantize_kv(model, scales, args)
+    kv_cache.quantize_kv(model, scales, args)

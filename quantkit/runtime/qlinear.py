@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from quantkit import ops
+
+from quantkit import ops, packing
 from quantkit.formats import float_quantized, pack_quantized
 from quantkit.scheme import QuantArgs
 
@@ -33,7 +34,7 @@ class PackedInt4Linear(nn.Module):
         if self.weight_zero_point is None:
             return None
         if self._zeros is None or self._zeros.device != self.weight_zero_point.device:
-            self._zeros = pack_quantized.unpack(self.weight_zero_point, self.out_features, 4, dim=0)
+            self._zeros = packing.unpack(self.weight_zero_point, self.out_features, 4, dim=0)
         return self._zeros
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -122,7 +123,7 @@ def fuse_linears(linears: list[nn.Module]) -> nn.Module | None:
         fused.weight_g_idx = first.weight_g_idx
         if first.weight_zero_point is not None:
             zeros = torch.cat([m.zeros() for m in linears])  # int8 [out, groups]
-            fused.weight_zero_point = pack_quantized.pack(zeros, 4, dim=0)
+            fused.weight_zero_point = packing.pack(zeros, 4, dim=0)
         fused.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         return fused
     if kinds == {Fp8Linear} and all(m.input_scale is None and m.args.strategy == "channel" for m in linears):

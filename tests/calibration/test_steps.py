@@ -1,4 +1,4 @@
-"""The runner steps on a tiny model: AWQ folding keeps the float function, GPTQ and AWQ
+"""The methods' runner steps on a tiny model: AWQ folding keeps the float function, GPTQ and AWQ
 beat round-to-nearest on the calibration data, act-order checkpoints round-trip."""
 
 import contextlib
@@ -8,11 +8,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import quantkit
-from quantkit.calibration import rtn, steps
+from quantkit.calibration import hooks, rtn
+from quantkit.calibration.registry import METHODS
 from quantkit.calibration.runner import run_blocks
 from quantkit.errors import QuantkitError
 from quantkit.models.arch import arch_for, get_module
-from quantkit.quantize import Calibration, pack_model, quantize
+from quantkit.pipeline.quantize import Calibration, pack_model, quantize
 from quantkit.scheme import preset
 
 torch.set_num_threads(1)
@@ -25,9 +26,10 @@ def calibration_ids(n=8, seq=32, seed=0):
 def run(path, algorithm, scheme, **options):
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     spec = arch_for(model.config)
-    results = {}
-    step = steps.STEPS[algorithm](spec, scheme, torch.float32, results, **options)
-    run_blocks(model, spec, step, calibration_ids() if step.needs_data else None, batch_size=4)
+    results, method = {}, METHODS[algorithm]
+    opts = method.options(**options)
+    step = method.make_step(spec, scheme, opts, results, torch.float32)
+    run_blocks(model, spec, step, calibration_ids() if method.needs_data(scheme, opts) else None, batch_size=4)
     return model, results
 
 
@@ -69,7 +71,7 @@ def test_gptq_checkpoint_loads_to_the_calibrated_model(tiny_llama, tmp_path, act
     model, results = run(tiny_llama, "gptq", scheme)
     assert (results["model.layers.0.mlp.up_proj"].g_idx is not None) == (actorder == "group")
     from quantkit.formats.checkpoint import save_checkpoint
-    from quantkit.quantize import checkpoint_config
+    from quantkit.pipeline.quantize import checkpoint_config
 
     tensors = pack_model(model, scheme, results, torch.float32)
     save_checkpoint(tmp_path / "q", tensors, checkpoint_config(model, scheme, results, torch.float32), {}, tiny_llama)
@@ -111,7 +113,7 @@ def test_gptq_and_awq_record_calibration(tiny_llama, tiny_corpus, tmp_path):
                     {"damp": 0.02})
     assert prov["calibration"] == {"dataset": str(tiny_corpus), "samples": 4, "seq_len": 32, "seed": 1,
                                    "batch_size": 8}
-    assert prov["options"] == {"damp": 0.02}
+    assert prov["options"] == {"damp": 0.02, "block_size": 128}  # every option, defaults included
 
 
 def test_gptq_reusing_the_attention_outputs_changes_nothing(tiny_llama, monkeypatch):
@@ -128,7 +130,7 @@ def test_gptq_reusing_the_attention_outputs_changes_nothing(tiny_llama, monkeypa
     monkeypatch.setattr(modeling_llama.LlamaAttention, "forward", counted)
     model, results = run(tiny_llama, "gptq", scheme)
     reused = len(calls)
-    monkeypatch.setattr(steps.Replay, "active", lambda self: contextlib.nullcontext())
+    monkeypatch.setattr(hooks.Replay, "active", lambda self: contextlib.nullcontext())
     calls.clear()
     recomputed, again = run(tiny_llama, "gptq", scheme)
     # per layer and batch (2 batches) the attention is entered by the passes of q,k,v (which

@@ -47,7 +47,7 @@ def test_argument_errors(tiny_llama):
 
 @pytest.fixture(scope="module")
 def quantized(tiny_llama, tmp_path_factory):
-    from quantkit.quantize import quantize
+    from quantkit.pipeline.quantize import quantize
     from quantkit.scheme import preset
 
     out = tmp_path_factory.mktemp("gates") / "rtn"

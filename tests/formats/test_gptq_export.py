@@ -5,10 +5,11 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.formats.checkpoint import read_tensors
-from quantkit.formats.gptq import export_gptq, to_gptq
+from quantkit.formats.gptq import to_gptq
+from quantkit.formats.interop import export
 from quantkit.formats.pack_quantized import decompress_ints
 from quantkit.primitives import dequantize
-from quantkit.quantize import Calibration, quantize
+from quantkit.pipeline.quantize import Calibration, quantize
 from quantkit.scheme import from_quantization_config, preset
 
 
@@ -32,7 +33,7 @@ def test_export_matches_the_layout_description(tiny_llama, tiny_corpus, tmp_path
     scheme = preset(name).with_group_size(32)
     scheme = scheme.replace(weights=dataclasses.replace(scheme.weights, actorder=actorder))
     quantize(str(tiny_llama), scheme, tmp_path / "ct", "gptq", Calibration(str(tiny_corpus), 4, 32))
-    export_gptq(tmp_path / "ct", tmp_path / "gptq")
+    export(tmp_path / "ct", tmp_path / "gptq", "gptq")
     qc = json.loads((tmp_path / "gptq" / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == "gptq" and qc["checkpoint_format"] == "gptq" and qc["bits"] == 4
     assert qc["group_size"] == 32 and qc["sym"] == scheme.weights.symmetric and qc["desc_act"] == (actorder == "group")
@@ -56,5 +57,5 @@ def test_zero_point_zero_is_refused():
 
 def test_export_refuses_a_float_model(tiny_llama, tmp_path):
     with pytest.raises(QuantkitError, match="not a compressed-tensors pack-quantized checkpoint"):
-        export_gptq(tiny_llama, tmp_path / "x")
+        export(tiny_llama, tmp_path / "x", "gptq")
     assert not (tmp_path / "x").exists()

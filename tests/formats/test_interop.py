@@ -14,7 +14,7 @@ from quantkit.errors import QuantkitError
 from quantkit.formats.checkpoint import read_tensors
 from quantkit.formats.interop import export, read_int4
 from quantkit.primitives import dequantize
-from quantkit.quantize import Calibration, quantize
+from quantkit.pipeline.quantize import Calibration, quantize
 from quantkit.scheme import preset
 
 KINDS = ("sym", "asym", "channel", "actorder")
@@ -232,7 +232,7 @@ def test_export_command_for_each_format(ckpts, tmp_path):
 
 @pytest.mark.parametrize("fmt", ["awq", "gptq"])
 def test_inspect_describes_other_tools_checkpoints(ckpts, tmp_path, fmt):
-    from quantkit.eval.inspect_ckpt import describe
+    from quantkit.formats.inspect import describe
 
     ours = describe(str(ckpts["sym"]))
     other = describe(str(export(ckpts["sym"], tmp_path / fmt, fmt)))

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from quantkit.formats.pack_quantized import compress, decompress_ints, pack, param_info, unpack
+from quantkit.formats.pack_quantized import compress, decompress_ints, param_info
+from quantkit.packing import pack, unpack
 from quantkit.primitives import compute_qparams, fake_quantize
 from quantkit.scheme import QuantArgs
 

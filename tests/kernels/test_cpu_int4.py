@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.formats.pack_quantized import pack
+from quantkit.packing import pack
 from quantkit.kernels import reference
 from quantkit.kernels.cpu import (
     int4_gemm_cpu,

@@ -24,7 +24,7 @@ pytest.importorskip("triton")
 
 import torch  # noqa: E402
 
-from quantkit.formats.pack_quantized import pack  # noqa: E402
+from quantkit.packing import pack  # noqa: E402
 from quantkit.kernels import int4_gemm as kmod  # noqa: E402
 from quantkit.kernels import reference  # noqa: E402
 from quantkit.kernels.int4_gemm import int4_gemm  # noqa: E402

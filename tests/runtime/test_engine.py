@@ -68,7 +68,7 @@ def test_qwen2_bias_and_gqa(tmp_path):
 
 
 def test_int4_checkpoint_matches_its_reference_model(tiny_llama, tmp_path):
-    from quantkit.quantize import quantize
+    from quantkit.pipeline.quantize import quantize
     from quantkit.scheme import preset
 
     quantize(str(tiny_llama), preset("w4a16-asym").with_group_size(32), tmp_path / "q")
@@ -81,8 +81,9 @@ def test_int4_checkpoint_matches_its_reference_model(tiny_llama, tmp_path):
 def test_quantized_kv_cache_matches_fake_quantized_attention(tiny_llama, tiny_corpus, tmp_path, dtype):
     """The engine stores K/V in fp8/int8; the reference model fake-quantizes them in
     attention with the same scales: same greedy tokens on most prompts."""
-    from quantkit.kv import add_kv_scales, kv_args
-    from quantkit.quantize import Calibration
+    from quantkit.calibration.kv import kv_args
+    from quantkit.pipeline.kv import add_kv_scales
+    from quantkit.pipeline.quantize import Calibration
 
     add_kv_scales(str(tiny_llama), kv_args(dtype), tmp_path / "kv", Calibration(str(tiny_corpus), 4, 32))
     llm = LLM(str(tmp_path / "kv"), num_blocks=64)

@@ -5,7 +5,7 @@ import torch
 
 import quantkit
 from quantkit.errors import QuantkitError
-from quantkit.quantize import quantize
+from quantkit.pipeline.quantize import quantize
 from quantkit.scheme import preset
 
 

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import quantkit
-from quantkit.quantize import quantize
+from quantkit.pipeline.quantize import quantize
 from quantkit.runtime.engine import LLM, _slots
 from quantkit.runtime.model_runner import Batch
 from quantkit.runtime.qlinear import fuse_linears

@@ -9,7 +9,7 @@ from quantkit.kernels import cpu
 from quantkit.runtime.engine import LLM
 from quantkit.runtime.qlinear import PrepackedLinear, prepack
 
-needs_prepack = pytest.mark.skipif(not cpu._HAS_PREPACK, reason="torch without oneDNN")
+needs_prepack = pytest.mark.skipif(not cpu._HAS_PREPACK, reason="torch without oneDNN bf16 (or a CPU without it)")
 
 
 @needs_prepack

@@ -10,25 +10,17 @@ from pathlib import Path
 
 import torch
 
-from quantkit import __version__
+from quantkit.version import __version__
 from quantkit.calibration.datasets import calibration_samples, load_documents
 from quantkit.errors import QuantkitError
 from quantkit.formats.checkpoint import check_output, read_provenance, read_tensors, save_checkpoint
 from quantkit.models.arch import arch_for
 from quantkit.models.loading import load_tokenizer, read_config, resolve_model
 from quantkit.progress import Track, no_progress
-from quantkit.quantize import Calibration
-from quantkit.runtime import kv_attention
+from quantkit.calibration.datasets import Calibration
+from quantkit.models import kv_cache
 from quantkit.runtime.loader import load
-from quantkit.scheme import QuantArgs, QuantScheme, preset, to_quantization_config
-
-
-def kv_args(dtype: str, per_head: bool = False) -> QuantArgs:
-    """The KV-cache args of `--kv-cache fp8|int8` (`--per-head`: one scale per KV head)."""
-    if dtype not in ("fp8", "int8"):
-        raise QuantkitError(f"KV-cache type {dtype!r} is unknown; use fp8 or int8.")
-    args = preset(f"kv-{dtype}").kv_cache
-    return dataclasses.replace(args, strategy="attn_head") if per_head else args
+from quantkit.scheme import QuantArgs, QuantScheme, to_quantization_config
 
 
 def kv_scale_names(config, layer: int) -> tuple[str, str]:
@@ -52,14 +44,14 @@ def add_kv_scales(model_name: str, args: QuantArgs, out: Path, calibration: Cali
     if qc and qc.get("kv_cache_scheme") and not overwrite:
         raise QuantkitError(f"{path} already has KV-cache scales; pass --overwrite to replace them.")
     model = load(path)
-    kv_attention.enable(model)  # refuses architectures the table does not know
+    kv_cache.enable(model)  # refuses architectures the table does not know
     c = calibration
     samples = calibration_samples(load_tokenizer(path), load_documents(c.dataset, "calib"), c.samples, c.seq_len, c.seed)
     batches = samples.split(c.batch_size)
-    with kv_attention.record_kv_amax(model):
+    with kv_cache.record_kv_amax(model):
         for batch in track(batches, "kv calibration", len(batches)):
             model(batch, use_cache=False)
-    scales = kv_attention.calibrated_scales(model, args)
+    scales = kv_cache.calibrated_scales(model, args)
     tensors = {k: v for k, v in read_tensors(path).items() if not k.endswith((".k_scale", ".v_scale"))}
     for layer, (k_scale, v_scale) in scales.items():
         k_name, v_name = kv_scale_names(model.config, layer)

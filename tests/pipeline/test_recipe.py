@@ -14,8 +14,8 @@ from quantkit.cli import app
 from quantkit.errors import QuantkitError
 from quantkit.models.arch import arch_for, get_module
 from quantkit.primitives import fake_quantize
-from quantkit.quantize import quantize
-from quantkit.recipe import apply_set, build_scheme, from_dict, load_recipe, run_recipe
+from quantkit.pipeline.quantize import quantize
+from quantkit.pipeline.recipe import apply_set, build_scheme, from_dict, load_recipe, run_recipe
 from quantkit.scheme import QuantArgs
 
 runner = CliRunner()
@@ -33,14 +33,16 @@ def same_tensors(a, b) -> bool:
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"steps": ["awq", "gptq"]}, "steps: [awq, gptq] cannot run; a recipe has one weight step (rtn, awq, gptq or fp8), "
-                                 "optionally followed by kv, or kv alone."),
+    ({"steps": ["awq", "gptq"]}, "steps: [awq, gptq] cannot run; a recipe has one weight step (rtn, awq, gptq, fp8), "
+                                 "optionally after smooth and before kv, or kv alone."),
+    ({"steps": ["smooth", "awq"]}, "steps: smooth runs before fp8, not before awq."),
+    ({"scheme": "w4a16", "steps": ["smooth", "rtn"]}, "steps: smooth runs before fp8, not before rtn."),
     ({"steps": ["kv", "rtn"]}, "steps: [kv, rtn] cannot run"),
-    ({"steps": ["awqq"]}, "steps[0]: 'awqq' is not allowed; use one of rtn, awq, gptq, fp8, kv"),
+    ({"steps": ["awqq"]}, "steps[0]: 'awqq' is not allowed; use one of rtn, awq, gptq, fp8, smooth, kv"),
     ({"steps": [{"awq": {"gird": 3}}]}, "steps[0].awq: unknown key 'gird'; allowed keys are grid, duo, clip"),
     ({"steps": [{"gptq": {"damp": "lots"}}]}, "steps[0].gptq.damp: 'lots' is not allowed; use a number ≥ 0."),
     ({"steps": ["rtn", {"kv": {"dtype": "fp4"}}]},
-     "steps[1].kv.dtype: KV-cache type 'fp4' is unknown; use fp8 or int8."),
+     "steps[1].kv.dtype: 'fp4' is not allowed; use fp8 or int8."),
     ({"scheme": "w5"}, "scheme: unknown scheme 'w5'; use one of: w4a16, w4a16-asym"),
     ({"scheme": {"preset": "w4a16", "strategy": "row"}}, "scheme.strategy: 'row' is not allowed; use tensor, channel "
                                                         "or group."),
@@ -68,7 +70,7 @@ def test_validation_errors_name_the_key_and_the_allowed_values(changes, message)
 
 
 def test_the_readme_example_is_a_valid_recipe():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = readme[readme.index("### `quantkit run` and recipes"):]
     example = section[section.index("```yaml") + len("```yaml"):section.index("```\n", section.index("```yaml"))]
     r = from_dict(yaml.safe_load(example))
@@ -144,7 +146,7 @@ def test_every_command_prints_its_recipe(tiny_llama):
          lambda d: d["scheme"]["actorder"] == "group" and d["steps"][0]["gptq"]["damp"] == 0.05),
         (["gptq", "--act-order", "none"], lambda d: d["scheme"] == "w4a16"),
         (["fp8", "--scheme", "fp8", "--smooth"], lambda d: d["scheme"] == "fp8" and d["steps"] == [
-            {"fp8": {"smooth_grid": 10}}]),
+            {"smooth": {"grid": 10}}, {"fp8": {}}]),
         (["kv", "some-checkpoint", "--per-head"], lambda d: d["model"] == "some-checkpoint" and d["steps"] == [
             {"kv": {"dtype": "fp8", "per_head": True}}] and "scheme" not in d),
     ]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from quantkit.kernels import bench, reference
+from quantkit.kernels import reference
+from quantkit.perf import kernels as bench
 
 GEMM_KEYS = {"kernel", "impl", "M", "K=N", "group", "ms", "weight_MB", "GB/s", "%copy", "vs_fp32", "vs_bf16"}
 IMPLS = {"dense fp32", "dense bf16", "twin int4 (fp32)", "int4pack bf16"}

@@ -8,8 +8,9 @@ import torch
 import quantkit
 from quantkit.errors import QuantkitError
 from quantkit.formats.checkpoint import read_tensors
-from quantkit.kv import add_kv_scales, kv_args
-from quantkit.quantize import Calibration, quantize
+from quantkit.calibration.kv import kv_args
+from quantkit.pipeline.kv import add_kv_scales
+from quantkit.pipeline.quantize import Calibration, quantize
 from quantkit.scheme import preset
 
 IDS = torch.randint(0, 320, (2, 16), generator=torch.Generator().manual_seed(0))

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from quantkit.errors import QuantkitError
-from quantkit.eval.plan import GPUS, kv_bytes_per_token, model_config, param_count, plan, weight_bytes
+from quantkit.perf.plan import GPUS, kv_bytes_per_token, model_config, param_count, plan, weight_bytes
 
 LLAMA2_7B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,

@@ -88,7 +88,7 @@ def enable(model) -> None:
 def _states(model) -> list[tuple[torch.nn.Module, KVState]]:
     pairs = [(attn, getattr(attn, STATE_ATTR, None)) for _, attn in _attention_modules(model)]
     if not pairs or any(not isinstance(s, KVState) for _, s in pairs):
-        raise QuantkitError("the model has no KV hooks; call quantkit.runtime.kv_attention.enable(model) first.")
+        raise QuantkitError("the model has no KV hooks; call quantkit.models.kv_cache.enable(model) first.")
     return pairs
 
 

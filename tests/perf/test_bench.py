@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.eval import bench
-from quantkit.eval.bench import Request
+from quantkit.perf import bench
+from quantkit.perf.bench import Request
 from quantkit.models.loading import load_tokenizer
 from quantkit.runtime.engine import LLM
 

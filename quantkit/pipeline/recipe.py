@@ -5,11 +5,12 @@ command's `--print-recipe`, and stored in the checkpoint's `quantkit.json`.
     model: smollm2-135m
     scheme:                       # a preset name, or a mapping:
       preset: w4a16-asym          #   optional base (w4a16, w4a16-asym, fp8-dynamic, fp8)
-      group_size: 64              #   weight args over the preset's (num_bits, type, ...)
+      group_size: 64              #   weight args over the preset's (num_bits, type, ...); group_size
+                                  #   absent or auto: the preset's, halved until it divides every width
       ignore: [lm_head]
       overrides:                  #   per-module args (or ignore: true), targets by regex
         - {targets: "re:.*down_proj$", group_size: 32}
-    steps:                        # one weight step (rtn|awq|gptq|fp8), then optionally kv; or kv alone
+    steps:                        # [smooth], one weight step (rtn|awq|gptq|fp8), [kv]; or kv alone
       - awq: {grid: 20}
       - kv: {dtype: fp8}
     calibration: {dataset: news, samples: 64, seq_len: 512, seed: 0}
@@ -29,9 +30,11 @@ from pathlib import Path
 
 import yaml
 
+from quantkit.calibration.datasets import Calibration
+from quantkit.calibration.method import describe
+from quantkit.calibration.registry import METHODS, weight_methods
 from quantkit.errors import QuantkitError
 from quantkit.progress import Track, no_progress
-from quantkit.quantize import Calibration
 from quantkit.scheme import ACTORDERS, PRESETS, QuantArgs, QuantScheme, preset
 
 Kind = tuple[Callable[[object], bool], str]  # (accepts the value?, what is allowed, in words)
@@ -61,26 +64,39 @@ def _choice(*values) -> Kind:
 
 WEIGHT_ARGS: dict[str, Kind] = {
     "num_bits": _choice(4, 8), "type": _choice("int", "float"), "symmetric": BOOL,
-    "strategy": _choice("tensor", "channel", "group"), "group_size": _optional(POSITIVE), "dynamic": BOOL,
+    "strategy": _choice("tensor", "channel", "group"), "group_size": (lambda v: v is None or v == "auto" or POSITIVE[0](v),
+                   "a positive integer, auto (the largest power of two up to the preset's that divides every input "
+                   "width) or null"), "dynamic": BOOL,
     "actorder": _choice(*ACTORDERS),
 }
 ACTIVATION_ARGS: dict[str, Kind] = {
     "num_bits": _choice(8), "type": _choice("int", "float"), "symmetric": BOOL,
     "strategy": _choice("tensor", "token"), "dynamic": BOOL,
 }
-WEIGHT_STEPS = ("rtn", "awq", "gptq", "fp8")
+
+
+def _kind(meta: dict) -> Kind:
+    """The recipe check of an option declared with `calibration.method.option`."""
+    kind, low = meta["kind"], meta["min"]
+    if kind == "choice":
+        return _choice(*meta["choices"])
+    if kind == "bool":
+        return BOOL
+    if kind == "text":
+        return _optional(TEXT) if meta["default"] is None else TEXT
+    if kind == "int":
+        return POSITIVE if low == 1 else NATURAL if low == 0 else (lambda v: _is_int(v), "an integer")
+    return NUMBER
+
+
+def _table(options: type) -> dict[str, tuple[object, Kind]]:
+    return {name: (meta["default"], _kind(meta)) for name, meta in describe(options).items()}
+
+
+WEIGHT_STEPS = tuple(weight_methods())
 STEP_OPTIONS: dict[str, dict[str, tuple[object, Kind]]] = {  # name -> option -> (default, kind)
-    "rtn": {},
-    "awq": {"grid": (20, POSITIVE), "duo": (False, BOOL), "clip": (True, BOOL), "module_loss": (False, BOOL),
-            "save_search": (None, _optional(TEXT)), "load_search": (None, _optional(TEXT))},
-    "gptq": {"damp": (0.01, NUMBER), "block_size": (128, POSITIVE)},
-    "fp8": {"smooth_grid": (0, NATURAL)},
-    "kv": {"dtype": ("fp8", TEXT), "per_head": (False, BOOL)},  # dtype checked by kv_args
-}
-CALIBRATION: dict[str, tuple[object, Kind]] = {
-    "dataset": ("news", TEXT), "samples": (128, POSITIVE), "seq_len": (512, POSITIVE), "seed": (0, NATURAL),
-    "batch_size": (8, POSITIVE),
-}
+    name: _table(m.options) for name, m in METHODS.items()}
+CALIBRATION: dict[str, tuple[object, Kind]] = _table(Calibration)
 EVAL: dict[str, tuple[object, Kind]] = {  # the keyword arguments of quantkit.eval.gates.evaluate_gates
     "ppl": ("wiki", _optional(TEXT)), "tasks": ((), (lambda v: isinstance(v, (list, tuple)) and all(
         isinstance(t, str) for t in v), "a list of task names")),
@@ -234,6 +250,7 @@ def _scheme_dict(s: SchemeSpec):
 
 
 def _merge(path: str, base: QuantArgs | None, changes: dict) -> QuantArgs:
+    changes = {k: v for k, v in changes.items() if not (k == "group_size" and v == "auto")}
     d = dataclasses.asdict(base or QuantArgs()) | changes
     if d["strategy"] != "group" and "group_size" not in changes:
         d["group_size"] = None
@@ -250,11 +267,14 @@ def build_scheme(spec: SchemeSpec, kv: QuantArgs | None = None) -> QuantScheme:
     acts = base.input_activations if spec.input_activations is None else _merge(
         "scheme.input_activations", base.input_activations, spec.input_activations)
     ignore = base.ignore if spec.ignore is None else spec.ignore
+    auto = spec.weights.get("group_size", "auto") == "auto"  # unless a number is given
     overrides = tuple(
-        QuantScheme(f"override_{i}", _merge(f"scheme.overrides[{i}]", weights, o.args), acts, o.targets, ignore=())
+        QuantScheme(f"override_{i}", _merge(f"scheme.overrides[{i}]", weights, o.args), acts, o.targets, ignore=(),
+                    auto_group_size=o.args.get("group_size", "auto" if auto else None) == "auto")
         for i, o in enumerate(spec.overrides) if not o.ignore)
     ignore += tuple(t for o in spec.overrides if o.ignore for t in o.targets)
-    return QuantScheme(base.name, weights, acts, ignore=ignore, kv_cache=kv, overrides=overrides)
+    return QuantScheme(base.name, weights, acts, ignore=ignore, kv_cache=kv, overrides=overrides,
+                       auto_group_size=auto)
 
 
 def _step(path: str, value) -> Step:
@@ -262,53 +282,33 @@ def _step(path: str, value) -> Step:
     name = next(iter(d)) if isinstance(d, dict) and len(d) == 1 else value
     if not isinstance(name, str) or name not in STEP_OPTIONS:
         raise _bad(path, name, f"one of {', '.join(STEP_OPTIONS)}, alone or with its options ({{awq: {{grid: 20}}}})")
-    step = Step(name, _options(f"{path}.{name}", d[name], STEP_OPTIONS[name]))
-    if name == "kv":
-        from quantkit.kv import kv_args
-
-        try:
-            kv_args(step.options["dtype"])
-        except QuantkitError as e:
-            raise QuantkitError(f"{path}.kv.dtype: {e}") from None
-    return step
-
-
-PIPELINES = [[w] for w in WEIGHT_STEPS] + [[w, "kv"] for w in WEIGHT_STEPS] + [["kv"]]
+    return Step(name, _options(f"{path}.{name}", d[name], STEP_OPTIONS[name]))
 
 
 def _steps(value) -> tuple[Step, ...]:
+    """Transforms (smooth), then one weight step, then optionally kv; or kv alone."""
     if not isinstance(value, list) or not value:
         raise _bad("steps", value, f"a list of steps ({', '.join(STEP_OPTIONS)}), e.g. [awq] or [gptq, kv]")
     steps = tuple(_step(f"steps[{i}]", s) for i, s in enumerate(value))
-    names = [s.name for s in steps]
-    if names not in PIPELINES:
-        raise QuantkitError(f"steps: [{', '.join(names)}] cannot run; a recipe has one weight step (rtn, awq, gptq or "
-                            "fp8), optionally followed by kv, or kv alone.")
+    roles = "".join({"transform": "t", "weights": "w", "kv": "k"}[METHODS[s.name].role] for s in steps)
+    if not re.fullmatch(r"t*wk?|k", roles):
+        raise QuantkitError(f"steps: [{', '.join(s.name for s in steps)}] cannot run; a recipe has one weight step "
+                            f"({', '.join(WEIGHT_STEPS)}), optionally after smooth and before kv, or kv alone.")
     return steps
 
 
 def _check_fit(steps: tuple[Step, ...], spec: SchemeSpec | None) -> None:
-    algorithm = steps[0].name
-    if algorithm == "kv":
+    from quantkit.pipeline.quantize import check_method
+
+    *transforms, weights = [s for s in steps if s.name != "kv"] or [None]
+    if weights is None:
         if spec is not None:
             raise QuantkitError("scheme: a recipe whose only step is kv keeps the model's weights; drop scheme.")
         return
+    method = METHODS[weights.name]
     if spec is None:
-        raise QuantkitError(f"scheme is missing; the {algorithm} step needs one, e.g. "
-                            f"{'fp8-dynamic' if algorithm == 'fp8' else 'w4a16'}.")
-    scheme = build_scheme(spec)
-    wanted = "float-quantized" if algorithm == "fp8" else "pack-quantized"
-    for path, s in [("scheme", scheme)] + [(f"scheme.overrides[{i}]", o) for i, o in enumerate(scheme.overrides)]:
-        if s.format != wanted:
-            hint = "fp8-dynamic or fp8 (fp8 weights)" if algorithm == "fp8" else "w4a16 or w4a16-asym (int weights, " \
-                   "no activation quantization)"
-            raise QuantkitError(f"{path}: the {algorithm} step cannot make {s.format} weights; use {hint}.")
-        if s.weights.actorder and algorithm != "gptq":
-            raise _bad(f"{path}.actorder", s.weights.actorder, f"null with the {algorithm} step (act-order is GPTQ's)")
-    if scheme.overrides and (algorithm == "awq" or steps[0].options.get("smooth_grid")):
-        raise QuantkitError(f"scheme.overrides: {'awq' if algorithm == 'awq' else 'fp8 smoothing'} folds one scale "
-                            "into the op before several linears, so it cannot give some of them other args; use "
-                            "rtn, gptq or fp8 without smoothing, or only ignore: true overrides.")
+        raise QuantkitError(f"scheme is missing; the {method.name} step needs one, e.g. {method.default_scheme}.")
+    check_method(method, build_scheme(spec), [(METHODS[t.name], t.options) for t in transforms], path="scheme")
 
 
 def _eval(value) -> dict:
@@ -398,12 +398,13 @@ def load_recipe(path: str | Path, sets: tuple[str, ...] | list[str] = ()) -> Rec
 def run_recipe(recipe: Recipe, output: str | Path | None = None, overwrite: bool = False,
                track: Track = no_progress, log: Callable[[str], None] | None = None) -> dict:
     """Carry out `recipe`, writing the checkpoint to `output` (default: the recipe's): the
-    weight step and a following kv step in one `quantize` call, a lone kv step through
-    `add_kv_scales`. Eval gates run after the checkpoint is written; their report is
-    returned as `provenance["gates"]` (`["failures"]` lists the failed ones). Returns the
-    provenance, which records the recipe."""
-    from quantkit.kv import add_kv_scales, kv_args
-    from quantkit.quantize import quantize
+    transforms, the weight step and a following kv step in one `quantize` call, a lone kv
+    step through `add_kv_scales`. Eval gates run after the checkpoint is written; their
+    report is returned as `provenance["gates"]` (`["failures"]` lists the failed ones).
+    Returns the provenance, which records the recipe."""
+    from quantkit.calibration.kv import kv_args
+    from quantkit.pipeline.kv import add_kv_scales
+    from quantkit.pipeline.quantize import quantize
 
     out = output if output is not None else recipe.output
     if out is None:
@@ -412,13 +413,14 @@ def run_recipe(recipe: Recipe, output: str | Path | None = None, overwrite: bool
     if recipe.eval is not None and recipe.eval["tasks"] and importlib.util.find_spec("lm_eval") is None:
         raise QuantkitError("eval.tasks needs lm-eval, which is not installed; install it or drop eval.tasks.")
     kv = next((kv_args(s.options["dtype"], s.options["per_head"]) for s in recipe.steps if s.name == "kv"), None)
-    first = recipe.steps[0]
-    if first.name == "kv":
+    *transforms, weights = [s for s in recipe.steps if s.name != "kv"] or [None]
+    if weights is None:
         prov = add_kv_scales(recipe.model, kv, Path(out), recipe.calibration, overwrite, track,
                              recipe=recipe.to_dict())
     else:
-        prov = quantize(recipe.model, build_scheme(recipe.scheme, kv), Path(out), first.name, recipe.calibration,
-                        dict(first.options), overwrite, recipe.device, track, log, recipe=recipe.to_dict())
+        prov = quantize(recipe.model, build_scheme(recipe.scheme, kv), Path(out), weights.name, recipe.calibration,
+                        dict(weights.options), overwrite, recipe.device, track, log, recipe=recipe.to_dict(),
+                        transforms=[(t.name, dict(t.options)) for t in transforms])
     if recipe.eval is not None:
         from quantkit.eval.gates import evaluate_gates
 

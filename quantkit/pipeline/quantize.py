@@ -1,44 +1,37 @@
-"""The quantization pipeline: load the float model, run an algorithm block by block
-through the calibration runner, pack the result and write the checkpoint."""
+"""The quantization pipeline: load the float model, run a method (after any transforms,
+such as smoothing) block by block through the calibration runner, pack the result and
+write the checkpoint. What a method needs and makes comes from its registry entry."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import resource
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from quantkit import __version__
-from quantkit.calibration.datasets import calibration_samples, load_documents
+from quantkit.calibration.datasets import Calibration, calibration_samples, load_documents
+from quantkit.calibration.method import Method, QParams
+from quantkit.calibration.registry import method as method_entry
 from quantkit.calibration.runner import run_blocks
-from quantkit.calibration.steps import STEPS, QParams
 from quantkit.errors import QuantkitError
 from quantkit.formats import float_quantized, pack_quantized
 from quantkit.formats.checkpoint import check_output, save_checkpoint
 from quantkit.malloc import trim_freed_memory
+from quantkit.models import kv_cache
 from quantkit.models.arch import ArchSpec, arch_for, get_module
 from quantkit.models.loading import load_float_model
 from quantkit.primitives import check_group_size
 from quantkit.progress import Track, no_progress
-from quantkit.runtime import kv_attention
-from quantkit.scheme import QuantScheme, to_quantization_config
+from quantkit.scheme import PRESETS, QuantScheme, fit_group_size, to_quantization_config
+from quantkit.version import __version__
 
-
-@dataclass(frozen=True)
-class Calibration:
-    """Which text to calibrate on and how to cut it (see `calibration_samples`)."""
-
-    dataset: str = "news"
-    samples: int = 128
-    seq_len: int = 512
-    seed: int = 0
-    batch_size: int = 8
+__all__ = ["Calibration", "quantize", "pack_model", "quantized_linears", "check_method"]
 
 
 def quantized_linears(model: nn.Module, spec: ArchSpec, scheme: QuantScheme) -> dict[str, nn.Linear]:
@@ -99,7 +92,7 @@ def _observe_kv_after(step, spec: ArchSpec):
     algorithm's own forwards."""
 
     def wrapped(index, prefix, block, inputs):
-        state = getattr(get_module(block, spec.attention), kv_attention.STATE_ATTR)
+        state = getattr(get_module(block, spec.attention), kv_cache.STATE_ATTR)
         state.recording = False
         step(index, prefix, block, inputs)
         state.recording = True
@@ -120,70 +113,91 @@ def check_scaled_together(spec: ArchSpec, blocks: int, linears: list[str]) -> No
                                     "smoothing ignore all of them or none.")
 
 
-def _make_step(algorithm: str, spec: ArchSpec, scheme: QuantScheme, linears: list[str], dtype, results: dict,
-               log, options: dict):
-    """The algorithm's runner step; with per-module overrides, one step per scheme, each
-    blind to the other schemes' linears, run one after the other on every block."""
+def check_method(method: Method, scheme: QuantScheme, transforms: list[tuple[Method, object]] = (),
+                 path: str | None = None) -> None:
+    """A `QuantkitError` when the scheme (or a per-module override) does not fit the weight
+    method or a transform run before it; `path` (a recipe key) names where the mistake is."""
+    where = path or "scheme"
+    folding = [m.name for m in (method, *(t for t, _ in transforms)) if m.folds_scales]
+    if scheme.overrides and folding:
+        raise QuantkitError(f"{where}.overrides: {folding[0]} folds one scale into the op before several linears, so "
+                            "it cannot give some of them other args; use rtn, gptq or fp8 without smoothing, or "
+                            "only ignore: true overrides.")
+    for p, s in [(where, scheme)] + [(f"{where}.overrides[{i}]", o) for i, o in enumerate(scheme.overrides)]:
+        if s.weights is None or s.format != method.format:
+            fits = " or ".join(name for name, ps in PRESETS.items() if ps.weights and ps.format == method.format)
+            raise QuantkitError(f"{p}: the {method.name} step cannot make {s.format} weights; use {fits}." if path
+                                else f"scheme {scheme.name!r} does not fit {method.name}; use {fits}.")
+        if s.weights.actorder and not method.actorder:
+            raise QuantkitError(f"{p}.actorder: {s.weights.actorder!r} is not allowed; use null with the "
+                                f"{method.name} step (act-order is GPTQ's).")
+    for t, _ in transforms:
+        if method.name not in t.before:
+            raise QuantkitError(f"steps: {t.name} runs before {' or '.join(t.before)}, not before {method.name}.")
+        if t.needs_activations and scheme.input_activations is None:
+            raise QuantkitError(f"{where}: {t.name} balances activation against weight quantization, but "
+                                f"{scheme.name!r} keeps activations in float; use fp8-dynamic or fp8.")
+
+
+def _options(method: Method, options) -> object:
+    """The method's options dataclass from a dict (or the dataclass itself)."""
+    if isinstance(options, method.options):
+        return options
+    known = {f.name for f in dataclasses.fields(method.options)}
+    unknown = [k for k in (options or {}) if k not in known]
+    if unknown:
+        raise QuantkitError(f"{method.name} has no option {unknown[0]!r}; its options are "
+                            f"{', '.join(sorted(known)) or 'none'}.")
+    return method.options(**{k: str(v) if isinstance(v, os.PathLike) else v for k, v in (options or {}).items()})
+
+
+def _make_step(method: Method, options, transforms, spec: ArchSpec, scheme: QuantScheme, linears: list[str],
+               dtype, results: dict, log):
+    """The runner step: each transform's step, then the method's; with per-module overrides,
+    one method step per scheme, each blind to the other schemes' linears."""
+    steps = [t.make_step(spec, scheme, o, results, dtype, log) for t, o in transforms]
     if not scheme.overrides:
-        return STEPS[algorithm](spec, scheme, dtype, results, log, **options)
-    parts = [(s, [n for n in linears if scheme.scheme_for(n) is s]) for s in (scheme, *scheme.overrides)]
-    steps = [STEPS[algorithm](spec, s.replace(ignore=scheme.ignore + tuple(n for n in linears if n not in names),
-                                               overrides=()), dtype, results, log, **options)
-             for s, names in parts if names]
+        steps.append(method.make_step(spec, scheme, options, results, dtype, log))
+    else:
+        parts = [(s, [n for n in linears if scheme.scheme_for(n) is s]) for s in (scheme, *scheme.overrides)]
+        steps += [method.make_step(spec, s.replace(ignore=scheme.ignore + tuple(n for n in linears if n not in names),
+                                                   overrides=()), options, results, dtype, log)
+                  for s, names in parts if names]
 
     def step(index, prefix, block, inputs):
         for s in steps:
             s(index, prefix, block, inputs)
 
-    step.needs_data = any(s.needs_data for s in steps)
+    step.finish = lambda: [s.finish() for s in steps if hasattr(s, "finish")]
     return step
-
-
-def _read_search(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(path)
-    except Exception as e:
-        raise QuantkitError(f"cannot read the saved search {path} ({e}); pass a file written by --save-search.") from None
-
-
-def _write_search(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    from safetensors.torch import save_file
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"format": "quantkit-awq-search"})
-    tmp.replace(path)
 
 
 def quantize(
     model_name: str,
     scheme: QuantScheme,
     out: Path,
-    algorithm: str = "rtn",
+    method: str = "rtn",
     calibration: Calibration | None = None,
-    options: dict | None = None,
+    options: dict | object | None = None,
     overwrite: bool = False,
     device: str = "cpu",
     track: Track = no_progress,
     log: Callable[[str], None] | None = None,
     recipe: dict | None = None,
+    transforms: list[tuple[str, dict | object]] = (),
 ) -> dict:
-    """Quantize `model_name` with `algorithm` (rtn, gptq, ...) and write the checkpoint to
-    `out`; `options` go to the algorithm's step, `recipe` (the `quantkit run` recipe this
-    call carries out) is recorded in the provenance. Returns the provenance it recorded."""
-    if algorithm not in STEPS:
-        raise QuantkitError(f"algorithm {algorithm!r} is unknown; use one of {', '.join(STEPS)}.")
+    """Quantize `model_name` with `method` (rtn, awq, gptq, fp8; see the registry) and write
+    the checkpoint to `out`. `options` are the method's (a dict or its options dataclass);
+    `transforms` (name, options) run on each block first (smooth). `recipe` (the
+    `quantkit run` recipe this call carries out) is recorded in the provenance. Returns the
+    provenance it recorded."""
+    m = method_entry(method)
+    if m.role != "weights":
+        raise QuantkitError(f"{method} does not quantize weights; use rtn, awq, gptq or fp8.")
+    transforms = [(method_entry(name), _options(method_entry(name), o)) for name, o in transforms]
+    check_method(m, scheme, transforms)
+    options = _options(m, options)
     calibration = calibration or Calibration()
-    wanted = "float-quantized" if algorithm == "fp8" else "pack-quantized"
-    if any(s.weights is None or s.format != wanted for s in (scheme, *scheme.overrides)):
-        hint = "fp8-dynamic or fp8" if algorithm == "fp8" else "w4a16 or w4a16-asym"
-        raise QuantkitError(f"scheme {scheme.name!r} does not fit {algorithm}; use {hint}.")
-    if scheme.overrides and (algorithm == "awq" or (options or {}).get("smooth_grid")):
-        raise QuantkitError(f"{'awq' if algorithm == 'awq' else 'fp8 smoothing'} folds one scale into the op before "
-                            "several linears, so it cannot give some of them other args; use per-module overrides "
-                            "with rtn, gptq or fp8 without smoothing (ignoring modules works with every algorithm).")
     out = Path(out)
     check_output(out, overwrite)
     start = time.perf_counter()
@@ -191,45 +205,39 @@ def quantize(
     trim_freed_memory()  # what loading left behind
     spec = arch_for(model.config)
     dtype = model.dtype
+    scheme = _fit_groups(model, spec, scheme, log)
     linears = list(quantized_linears(model, spec, scheme))  # validates group sizes before any work
-    if algorithm == "awq" or (options or {}).get("smooth_grid"):
+    if any(x.folds_scales for x in (m, *(t for t, _ in transforms))):
         check_scaled_together(spec, len(get_module(model, spec.blocks)), linears)
     results: dict[str, QParams] = {}
     kv = scheme.kv_cache
-    options = dict(options or {})
-    save_search, load_search = options.pop("save_search", None), options.pop("load_search", None)
-    if load_search:
-        options["loaded"] = _read_search(Path(load_search))
-    if save_search:
-        options["record"] = {}
-    step = _make_step(algorithm, spec, scheme, linears, dtype, results, log, options)
+    step = _make_step(m, options, transforms, spec, scheme, linears, dtype, results, log)
+    needs_data = m.needs_data(scheme, options) or any(t.needs_data(scheme, o) for t, o in transforms)
     samples = None
-    if step.needs_data or kv is not None:
+    if needs_data or kv is not None:
         c = calibration
         samples = calibration_samples(tokenizer, load_documents(c.dataset, "calib"), c.samples, c.seq_len, c.seed)
     model.float()
     if kv is None:
         run_blocks(model, spec, step, samples, batch_size=calibration.batch_size, device=device, track=track)
     else:
-        with kv_attention.record_kv_amax(model):
+        with kv_cache.record_kv_amax(model):
             run_blocks(model, spec, _observe_kv_after(step, spec), samples, calibration.batch_size, device, track)
-        kv_attention.quantize_kv(model, kv_attention.calibrated_scales(model, kv), kv)
-    if save_search:
-        _write_search(Path(save_search), options["record"])
+        kv_cache.quantize_kv(model, kv_cache.calibrated_scales(model, kv), kv)
+    step.finish()
     tensors = pack_model(model, scheme, results, dtype, release=True)
     provenance = {
         "quantkit_version": __version__,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "model": str(model_name),
-        "algorithm": algorithm,
+        "algorithm": method,
         "scheme": scheme.name,
         "weights": dataclasses.asdict(scheme.weights),
         "input_activations": dataclasses.asdict(scheme.input_activations) if scheme.input_activations else None,
         "kv_cache": dataclasses.asdict(kv) if kv else None,
         "calibration": dataclasses.asdict(calibration) if samples is not None else None,
-        "options": {k: v for k, v in options.items() if k not in ("loaded", "record")},
-        "search": {"saved_to": str(save_search) if save_search else None,
-                   "loaded_from": str(load_search) if load_search else None},
+        "options": dataclasses.asdict(options),
+        "transforms": {t.name: dataclasses.asdict(o) for t, o in transforms},
         "quantized_linears": len(results),
         "wall_time_s": round(time.perf_counter() - start, 2),
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
@@ -237,3 +245,14 @@ def quantize(
     }
     save_checkpoint(out, tensors, checkpoint_config(model, scheme, results, dtype), provenance, source, overwrite)
     return provenance
+
+
+def _fit_groups(model: nn.Module, spec: ArchSpec, scheme: QuantScheme, log) -> QuantScheme:
+    """Resolve an automatic group size against the input widths of the linears it covers."""
+    widths = {f"{spec.blocks}.{i}.{n}": get_module(block, n).in_features
+              for i, block in enumerate(get_module(model, spec.blocks)) for n in spec.linears}
+    scheme, notes = fit_group_size(scheme, widths)
+    for note in notes:
+        if log:
+            log(note)
+    return scheme

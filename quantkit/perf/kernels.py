@@ -1,4 +1,4 @@
-"""Kernel benchmark: `python -m quantkit.kernels.bench --device cpu|cuda [--quick]` prints a
+"""Kernel benchmark: `quantkit bench kernels --device cpu|cuda [--quick]` prints a
 markdown table; `run_cpu` / `run_gpu` return its rows (lists of dicts) for other code.
 
 CPU: dense fp32 and bf16 GEMM, the torch twin of int4_gemm (fp32) and torch's int4pack kernel
@@ -11,7 +11,6 @@ never in unit tests.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import importlib
 import math
@@ -23,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from quantkit.formats.pack_quantized import unpack
+from quantkit.packing import unpack
 from quantkit.kernels import cpu, reference
 from quantkit.primitives import dequantize, sqnr
 from quantkit.scheme import QuantArgs
@@ -361,20 +360,3 @@ def run_gpu(quick: bool = False, sizes: GpuSizes | None = None, impls: dict | No
                 torch.cuda.empty_cache()
     run.log("done")
     return run.rows
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m quantkit.kernels.bench", description=__doc__.splitlines()[0])
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--quick", action="store_true", help="fewer shapes and repetitions (smoke run)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default torch's; 1 gives steadier numbers on a loaded machine)")
-    a = p.parse_args(argv)
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    rows = run_cpu(quick=a.quick) if a.device == "cpu" else run_gpu(quick=a.quick)
-    print(f"\n{header(a.device)}\n\n{to_markdown(rows)}")
-
-
-if __name__ == "__main__":
-    main()

@@ -8,7 +8,7 @@ import quantkit
 from quantkit.errors import QuantkitError
 from quantkit.models.arch import arch_for, get_module
 from quantkit.primitives import fake_quantize
-from quantkit.quantize import quantize
+from quantkit.pipeline.quantize import quantize
 from quantkit.scheme import preset
 
 IDS = torch.randint(0, 320, (2, 20), generator=torch.Generator().manual_seed(0))
@@ -44,7 +44,7 @@ def test_rtn_checkpoint_loads_to_the_fake_quantized_model(tiny_llama, tmp_path, 
 
 @pytest.mark.parametrize("algorithm", ["rtn", "awq", "gptq"])
 def test_transformers_loads_symmetric_checkpoint_unchanged(tiny_llama, tiny_corpus, tmp_path, algorithm):
-    from quantkit.quantize import Calibration
+    from quantkit.pipeline.quantize import Calibration
 
     quantize(str(tiny_llama), preset("w4a16").with_group_size(32), tmp_path / "q", algorithm,
              Calibration(str(tiny_corpus), 4, 32))

@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 
 from quantkit.calibration.kv import fake_quantize_kv, kv_scales
 from quantkit.errors import QuantkitError
-from quantkit.runtime.kv_attention import (
+from quantkit.models.kv_cache import (
     ATTN_IMPLEMENTATION,
     calibrated_scales,
     enable,

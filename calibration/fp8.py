@@ -1,0 +1,36 @@
+"""FP8 e4m3 weights (amax / 448 per output channel or per tensor) and, for static
+activations, a per-tensor input scale from the max |x| each linear sees on the
+calibration set, observed after the block's weights are quantized."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+import torch
+from torch import nn
+
+from quantkit.calibration.hooks import input_amax, targets
+from quantkit.calibration.method import QParams
+from quantkit.calibration.registry import static_activations
+from quantkit.models.arch import ArchSpec, get_module
+from quantkit.primitives import FP8_MAX, compute_qparams, fake_quantize
+from quantkit.scheme import QuantScheme
+
+
+def fp8_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_dtype,
+             log: Callable | None = None):
+    """Runner step: quantize every targeted linear's weight to fp8 and, for static
+    activations, record each linear's input scale."""
+
+    def step(index: int, prefix: str, block: nn.Module, inputs) -> None:
+        names = targets(scheme, prefix, spec.linears)
+        for name in names:
+            linear = get_module(block, name)
+            scale, _ = compute_qparams(linear.weight.data, scheme.weights, torch.float32)
+            linear.weight.data.copy_(fake_quantize(linear.weight.data, scheme.weights, scale))
+            results[f"{prefix}.{name}"] = QParams(scale)
+        if static_activations(scheme):
+            amax = input_amax(block, {f"{prefix}.{n}": get_module(block, n) for n in names}, inputs)
+            for full, value in amax.items():
+                results[full].input_scale = (value.clamp_min(1e-12) / FP8_MAX).reshape(1)
+
+    return step

@@ -1,0 +1,186 @@
+"""What a method's runner step observes of a block: which of its linears are targeted,
+which mappings apply, the inputs its linears and modules receive on the calibration
+batches (captured whole, reduced as they go, or replayed from an earlier pass), and a
+module's output with candidate weights swapped in. Forward hooks only; no math."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from quantkit.calibration.runner import BlockInputs
+from quantkit.errors import QuantkitError
+from quantkit.models.arch import ArchSpec, get_module
+from quantkit.scheme import QuantScheme
+
+
+class _Stop(Exception):
+    pass
+
+
+def targets(scheme: QuantScheme, prefix: str, names) -> list[str]:
+    """The linears of `names` (inside the block at `prefix`) that `scheme` does not ignore."""
+    return [name for name in names if not scheme.is_ignored(f"{prefix}.{name}")]
+
+
+def owner(spec: ArchSpec, name: str) -> str:
+    """The first linear of the sequential group `name` is in (the group reads one input)."""
+    return next(g[0] for g in spec.sequential if name in g)
+
+
+def mappings(spec: ArchSpec, block: nn.Module, names: list[str]):
+    """(mapping, previous op, targeted linears) for each AWQ/SmoothQuant mapping of the
+    table that targets some of `names` and whose shapes allow it (not v → o under
+    grouped-query attention)."""
+    for m in spec.awq:
+        linears = [get_module(block, n) for n in m.linears if n in names]
+        prev = get_module(block, m.prev)
+        if linears and not (isinstance(prev, nn.Linear) and prev.out_features != linears[0].in_features):
+            yield m, prev, linears
+
+
+class Replay:
+    """Reuse a finished sub-module's outputs across passes over the calibration batches:
+    while active, the module's calls of the first pass run and are kept, and the calls of
+    later passes (one per batch, in the same order) return the kept outputs. Only valid
+    while the module's weights and inputs stay as they were."""
+
+    def __init__(self, module: nn.Module, batches: int):
+        self.module, self.batches, self.outputs, self.calls = module, batches, [], 0
+
+    @contextlib.contextmanager
+    def active(self):
+        forward = self.module.forward
+
+        def replay(*args, **kwargs):
+            i, self.calls = self.calls % self.batches, self.calls + 1
+            if len(self.outputs) <= i:
+                self.outputs.append(forward(*args, **kwargs))
+            return self.outputs[i]
+
+        self.module.forward = replay
+        try:
+            yield
+        finally:
+            del self.module.forward
+
+
+@torch.no_grad()
+def reduce_inputs(block: nn.Module, linear: nn.Linear, inputs: BlockInputs, name: str,
+                  add: Callable, replay: Replay | None = None):
+    """Fold the inputs of `linear` over all calibration batches into `state = add(state, x, n)`
+    (n: tokens seen so far), running the block (as it is now) only as far as that linear
+    and reusing `replay`'s module outputs. Returns the final state."""
+    state, n = None, 0
+
+    def hook(module, args):
+        nonlocal state, n
+        state, n = add(state, args[0], n)
+        raise _Stop
+
+    handle = linear.register_forward_pre_hook(hook)
+    try:
+        with replay.active() if replay else contextlib.nullcontext():
+            for h, kw in zip(inputs.hidden, inputs.kwargs):
+                try:
+                    block(h, **kw)
+                except _Stop:
+                    pass
+    finally:
+        handle.remove()
+    if state is None or n == 0:
+        raise QuantkitError(f"no calibration token reached {name}; calibrate on more text.")
+    return state
+
+
+@torch.no_grad()
+def observe_inputs(block: nn.Module, linears: dict[str, nn.Linear], inputs: BlockInputs, observe) -> None:
+    """Run the block on every calibration batch, calling observe(name, x) with the input
+    x of each named linear."""
+    hooks = [module.register_forward_pre_hook(lambda m, args, name=name: observe(name, args[0]))
+             for name, module in linears.items()]
+    try:
+        inputs.run(block)
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def capture_inputs(block: nn.Module, linears: dict[str, nn.Linear], inputs: BlockInputs, max_tokens: int):
+    """Inputs [tokens, in] of each named linear over the calibration batches, run through
+    the block as it is now; evenly spaced tokens, at most about `max_tokens` of them."""
+    total = sum(h.shape[0] * h.shape[1] for h in inputs.hidden)
+    stride = max(1, total // max_tokens)
+    seen: dict[str, list[torch.Tensor]] = {name: [] for name in linears}
+    observe_inputs(block, linears, inputs,
+                   lambda name, x: seen[name].append(x.reshape(-1, x.shape[-1])[::stride].float()))
+    for name, chunks in seen.items():
+        if not chunks or sum(c.shape[0] for c in chunks) == 0:
+            raise QuantkitError(f"no calibration token reached {name}; calibrate on more text.")
+    return {name: torch.cat(chunks) for name, chunks in seen.items()}
+
+
+def group_inputs(spec: ArchSpec, block: nn.Module, names: list[str], inputs: BlockInputs, max_tokens: int):
+    """capture_inputs for the input each sequential group of `names` reads, keyed by the
+    group's first linear."""
+    return capture_inputs(block, {n: get_module(block, n) for n in {owner(spec, n) for n in names}},
+                          inputs, max_tokens)
+
+
+@torch.no_grad()
+def capture_calls(block: nn.Module, modules: dict[str, nn.Module], inputs: BlockInputs, max_tokens: int):
+    """The (args, kwargs) each named module receives on the first calibration batches,
+    at least `max_tokens` tokens' worth (whole sequences, so attention can run on them)."""
+    calls = {name: [] for name in modules}
+    hooks = [m.register_forward_pre_hook(lambda mod, a, kw, name=name: calls[name].append((a, dict(kw))),
+                                         with_kwargs=True) for name, m in modules.items()]
+    try:
+        seen = 0
+        for h, kw in zip(inputs.hidden, inputs.kwargs):
+            if seen >= max_tokens:
+                break
+            block(h, **kw)
+            seen += h.shape[0] * h.shape[1]
+    finally:
+        for h in hooks:
+            h.remove()
+    return calls
+
+
+def module_output(module: nn.Module, linears: list[nn.Linear], calls: list):
+    """output_fn(weights): `module`'s output [tokens, out] on its captured `calls` with the
+    linears' weights swapped for the candidates."""
+
+    def output_fn(weights: list[torch.Tensor]) -> torch.Tensor:
+        saved = [l.weight.data for l in linears]  # noqa: E741
+        for l, w in zip(linears, weights):  # noqa: E741
+            l.weight.data = w
+        try:
+            outs = [module(*args, **kwargs) for args, kwargs in calls]
+            outs = [o[0] if isinstance(o, tuple) else o for o in outs]  # attention returns (output, weights)
+            return torch.cat([o.reshape(-1, o.shape[-1]) for o in outs])
+        finally:
+            for l, w in zip(linears, saved):  # noqa: E741
+                l.weight.data = w
+
+    return output_fn
+
+
+def input_amax(block: nn.Module, linears: dict[str, nn.Linear], inputs: BlockInputs) -> dict[str, torch.Tensor]:
+    """max |x| over all calibration tokens of each named linear's input."""
+    amax = {name: None for name in linears}
+
+    def observe(name, x):
+        m = x.detach().abs().amax().float()
+        amax[name] = m if amax[name] is None else torch.maximum(amax[name], m)
+
+    observe_inputs(block, linears, inputs, observe)
+    for name, value in amax.items():
+        if value is None:
+            raise QuantkitError(f"no calibration token reached {name}; calibrate on more text.")
+        if not torch.isfinite(value):
+            raise QuantkitError(f"the calibration activations of {name} contain NaN or inf; try other calibration text.")
+    return amax

@@ -1,0 +1,92 @@
+"""The calibration methods, one entry each: its options (a frozen dataclass whose fields,
+declared with `option`, are the recipe keys and the CLI flags), the on-disk format its
+weights get, whether it needs calibration text, whether it folds scales into other
+modules, and where its runner step lives. The recipe validator, the quantize pipeline and
+the CLI read these entries, so each default exists once. Adding a method is its module
+(math and runner step) plus an entry here; docs/methods.md walks through one. No torch
+here: the CLI reads this table at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from quantkit.calibration.method import Method, option
+from quantkit.errors import QuantkitError
+
+KV_DTYPES = ("fp8", "int8")
+
+
+@dataclass(frozen=True)
+class RTNOptions:
+    """Round-to-nearest has no options."""
+
+
+@dataclass(frozen=True)
+class AWQOptions:
+    grid: int = option(20, "Points of the scale-exponent grid in [0, 1).", min=1)
+    duo: bool = option(False, "Blend weight magnitudes into the scales (duo scaling).")
+    clip: bool = option(True, "Search per-group clipping ranges (else round to nearest).")
+    module_loss: bool = option(False, "Score q,k,v scales on the attention output and gate,up on the MLP output "
+                               "(slower) instead of the linears' own outputs.")
+    save_search: str | None = option(None, "Write the found scales and clips to this file (safetensors).",
+                                     kind="text")
+    load_search: str | None = option(None, "Apply a saved search instead of calibrating.", kind="text")
+
+
+@dataclass(frozen=True)
+class GPTQOptions:
+    damp: float = option(0.01, "Hessian dampening, as a fraction of its mean diagonal.", min=0)
+    block_size: int = option(128, "Columns per lazy-update block.", min=1)
+
+
+@dataclass(frozen=True)
+class FP8Options:
+    """FP8 has no options of its own (smoothing is the `smooth` method, run before it)."""
+
+
+@dataclass(frozen=True)
+class SmoothOptions:
+    grid: int = option(10, "Points of the α grid in [0, 1] (s = 1, no smoothing, is always tried).", min=1)
+
+
+@dataclass(frozen=True)
+class KVOptions:
+    dtype: str = option("fp8", "KV-cache type.", choices=KV_DTYPES)
+    per_head: bool = option(False, "One scale per KV head instead of per layer.")
+
+
+def static_activations(scheme, options=None) -> bool:
+    """Whether the scheme's activation scales are calibrated (fp8) rather than taken per token at run time."""
+    acts = scheme.input_activations
+    return acts is not None and not acts.dynamic
+
+
+METHODS: dict[str, Method] = {m.name: m for m in (
+    Method("rtn", "Round-to-nearest: the baseline for AWQ and GPTQ (no calibration data).", RTNOptions, "weights",
+           "quantkit.calibration.rtn:rtn_step", "pack-quantized", needs_data=lambda scheme, o: False,
+           default_scheme="w4a16"),
+    Method("awq", "AWQ (Lin et al.): activation-aware scales folded into the previous op, then per-group clipping.",
+           AWQOptions, "weights", "quantkit.calibration.awq:awq_step", "pack-quantized",
+           needs_data=lambda scheme, o: o.load_search is None, folds_scales=True, default_scheme="w4a16"),
+    Method("gptq", "GPTQ (Frantar et al.): Hessian-based error feedback, true-sequential, act-order.", GPTQOptions,
+           "weights", "quantkit.calibration.gptq:gptq_step", "pack-quantized", default_scheme="w4a16", actorder=True),
+    Method("fp8", "FP8 e4m3 weights and activations (static activation scales are calibrated).", FP8Options,
+           "weights", "quantkit.calibration.fp8:fp8_step", "float-quantized", needs_data=static_activations,
+           default_scheme="fp8-dynamic"),
+    Method("smooth", "SmoothQuant (Xiao et al.): migrate activation outliers into the weights before quantizing.",
+           SmoothOptions, "transform", "quantkit.calibration.smooth:smooth_step", folds_scales=True,
+           needs_activations=True, before=("fp8",)),
+    Method("kv", "KV-cache scales (fp8 or int8), calibrated on the keys and values the model computes.", KVOptions,
+           "kv"),
+)}
+
+
+def method(name: str) -> Method:
+    """The entry called `name`, or a `QuantkitError` naming the known ones."""
+    if name not in METHODS:
+        raise QuantkitError(f"method {name!r} is unknown; use one of {', '.join(METHODS)}.")
+    return METHODS[name]
+
+
+def weight_methods() -> list[str]:
+    return [m.name for m in METHODS.values() if m.role == "weights"]

@@ -1,0 +1,84 @@
+"""The Python API behind `from quantkit import quantize, evaluate`: the same recipes the
+CLI builds, for code (the engine, `LLM` and `SamplingParams`, and `load` live in
+`quantkit.runtime`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+from quantkit.calibration.datasets import Calibration
+from quantkit.progress import Track, no_progress
+
+
+def quantize(
+    model: str | Path,
+    output: str | Path,
+    method: str = "awq",
+    scheme: str | None = None,
+    *,
+    group_size: int | str = "auto",
+    calibration: Calibration | None = None,
+    kv_cache: str | None = None,
+    kv_per_head: bool = False,
+    smooth: bool = False,
+    overwrite: bool = False,
+    device: str = "cpu",
+    track: Track = no_progress,
+    log: Callable[[str], None] | None = None,
+    **options,
+) -> dict:
+    """Quantize `model` (built-in name, folder or hub id) with `method` (rtn, awq, gptq or
+    fp8) into the checkpoint folder `output`, and return its provenance (what
+    `quantkit.json` records). `scheme` defaults to the method's (w4a16, or fp8-dynamic
+    for fp8); `group_size` "auto" takes 128 or the largest power of two below it that
+    divides every quantized layer's input width; `options` are the method's own (e.g.
+    grid=10 for awq, damp=0.05 for gptq; see `quantkit.calibration.registry`); `kv_cache`
+    ("fp8"/"int8") also calibrates KV-cache scales; `smooth` runs SmoothQuant first (fp8).
+
+        quantkit.quantize("smollm2-135m", "out/awq", "awq", "w4a16-asym", group_size=64)
+    """
+    from quantkit.calibration.registry import method as method_entry
+    from quantkit.pipeline.recipe import from_dict, run_recipe
+
+    entry = method_entry(method)
+    weights = {} if group_size == "auto" else {"group_size": group_size}
+    raw = {
+        "model": str(model),
+        "scheme": {"preset": scheme or entry.default_scheme} | weights,
+        "steps": [*([{"smooth": {}}] if smooth else []), {method: options},
+                  *([{"kv": {"dtype": kv_cache, "per_head": kv_per_head}}] if kv_cache else [])],
+        "calibration": dataclasses.asdict(calibration or Calibration()),
+        "output": str(output),
+        "device": device,
+    }
+    return run_recipe(from_dict(raw), overwrite=overwrite, track=track, log=log)
+
+
+def evaluate(
+    model: str | Path,
+    baseline: str | Path | None = None,
+    *,
+    ppl: str | None = "wiki",
+    tasks: list[str] | tuple[str, ...] = (),
+    limit: int | None = None,
+    seq_len: int | None = None,
+    max_ppl_increase: float | None = None,
+    min_recovery: float | None = None,
+    batch_size: int = 1,
+    track: Track = no_progress,
+) -> dict:
+    """Score `model` (and `baseline`, on the same data) on perplexity of the text `ppl`
+    (the papers' protocol: non-overlapping windows of `seq_len` tokens, the first `limit`)
+    and on lm-eval `tasks`, and apply the gates. Returns the report that `quantkit eval
+    --json` writes: `rows` (metric, baseline, candidate, delta, recovery, passed),
+    `failures` (one sentence per failed gate), `passed`, and the raw results.
+
+        report = quantkit.evaluate("out/awq", "smollm2-135m", limit=8, max_ppl_increase=0.2)
+    """
+    from quantkit.eval.gates import evaluate_gates
+
+    return evaluate_gates(str(model), None if baseline is None else str(baseline), ppl=ppl, tasks=list(tasks),
+                          limit=limit, seq_len=seq_len, max_ppl_increase=max_ppl_increase,
+                          min_recovery=min_recovery, track=track, batch_size=batch_size)

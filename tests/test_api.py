@@ -1,0 +1,32 @@
+"""The public API, as a user imports it: quantize, evaluate, load, LLM and SamplingParams."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from quantkit import LLM, SamplingParams, evaluate, load, quantize
+from quantkit.calibration.method import Calibration
+
+
+def test_quantize_evaluate_load_and_generate(tiny_llama, tiny_corpus, tmp_path):
+    out = tmp_path / "awq"
+    prov = quantize(tiny_llama, out, "awq", "w4a16-asym", calibration=Calibration(str(tiny_corpus), 4, 32), grid=4)
+    assert prov["algorithm"] == "awq" and prov["options"]["grid"] == 4
+    assert prov["weights"]["group_size"] == 64  # auto: 128 does not divide the tiny model's width 64
+    assert json.loads((out / "quantkit.json").read_text())["recipe"]["steps"] == [{"awq": {
+        "grid": 4, "duo": False, "clip": True, "module_loss": False, "save_search": None, "load_search": None}}]
+
+    report = evaluate(out, tiny_llama, ppl=str(tiny_corpus), seq_len=32, limit=2)
+    (row,) = [r for r in report["rows"] if r["metric"].startswith("ppl")]
+    assert row["candidate"] > 1 and row["baseline"] > 1 and report["passed"]
+
+    model = load(out)
+    prompt = torch.tensor([[5, 17, 42, 7]])
+    ids = prompt
+    with torch.no_grad():
+        for _ in range(6):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    (output,) = LLM(str(out), num_blocks=16).generate([prompt[0].tolist()], SamplingParams(max_tokens=6, temperature=0))
+    assert output.token_ids == ids[0, 4:].tolist()
