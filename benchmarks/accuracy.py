@@ -19,8 +19,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from quantkit.eval.run import evaluate
 from quantkit.calibration.kv import kv_args
+from quantkit.eval.run import evaluate
 from quantkit.pipeline.kv import add_kv_scales
 from quantkit.pipeline.quantize import Calibration, quantize
 from quantkit.scheme import preset
@@ -31,7 +31,9 @@ def make(run: str, model: str, out: Path, calib: Calibration) -> dict:
     if algorithm == "kv":
         return add_kv_scales(model, kv_args(scheme, "head" in rest), out, calib)["kv_cache"]
     if algorithm == "fp8":
-        return quantize(model, preset(scheme), out, "fp8", calib, transforms=[("smooth", {})] if "smooth" in rest else [])
+        return quantize(
+            model, preset(scheme), out, "fp8", calib, transforms=[("smooth", {})] if "smooth" in rest else []
+        )
     qscheme = preset(scheme).with_group_size(int(rest[0]))
     if algorithm == "gptq":
         qscheme = qscheme.replace(weights=dataclasses.replace(qscheme.weights, actorder="static"))
@@ -74,8 +76,10 @@ def main() -> None:
         rtn = next((v for r, v, _ in rows if r == f"rtn:{scheme}:{rest[0]}"), None) if rest[:1] != [] else None
         ratio = f"{(value - base) / (rtn - base):.2f}" if rtn is not None and rtn != base else "–"
         peak = f"{prov['peak_rss_mib']:.0f} MiB" if "peak_rss_mib" in prov else "–"
-        print(f"| {run} | {value:.4f} | {value - base:+.4f} ({100 * (value - base) / base:+.2f}%) | {ratio} | "
-              f"{prov['wall_time_s']:.0f} s | {peak} |")
+        print(
+            f"| {run} | {value:.4f} | {value - base:+.4f} ({100 * (value - base) / base:+.2f}%) | {ratio} | "
+            f"{prov['wall_time_s']:.0f} s | {peak} |"
+        )
 
 
 if __name__ == "__main__":

@@ -73,8 +73,10 @@ def main() -> None:
         from quantkit.scheme import preset
 
         quantize(a.model, preset("w4a16").with_group_size(64), a.int4)
-    models = {"bf16": LLM(a.model, dtype=torch.bfloat16, max_num_seqs=1),
-              "int4 (RTN w4a16 g64)": LLM(str(a.int4), dtype=torch.bfloat16, max_num_seqs=1)}
+    models = {
+        "bf16": LLM(a.model, dtype=torch.bfloat16, max_num_seqs=1),
+        "int4 (RTN w4a16 g64)": LLM(str(a.int4), dtype=torch.bfloat16, max_num_seqs=1),
+    }
     for llm in models.values():
         decode_tps(llm, 4)  # warm up: builds the int4pack weights and fills caches
     samples = {name: [] for name in models}
@@ -86,11 +88,15 @@ def main() -> None:
     for name, llm in models.items():
         tps[name], nbytes = statistics.median(samples[name]), weight_bytes_per_token(llm)
         ceiling = copy * 1e9 / nbytes
-        rows.append(f"| {name} | {nbytes / 1e6:.1f} | {tps[name]:.1f} | {1e3 / tps[name]:.1f} | {ceiling:.0f} "
-                    f"| {100 * tps[name] / ceiling:.0f}% |")
+        rows.append(
+            f"| {name} | {nbytes / 1e6:.1f} | {tps[name]:.1f} | {1e3 / tps[name]:.1f} | {ceiling:.0f} "
+            f"| {100 * tps[name] / ceiling:.0f}% |"
+        )
     bf16, int4 = tps.values()
-    print(f"{a.model}, batch 1, {a.tokens} tokens after a {len(PROMPT)}-token prompt, {torch.get_num_threads()} "
-          f"thread(s), median of {a.repeats}; copy bandwidth {copy:.1f} GB/s (read + write)\n")
+    print(
+        f"{a.model}, batch 1, {a.tokens} tokens after a {len(PROMPT)}-token prompt, {torch.get_num_threads()} "
+        f"thread(s), median of {a.repeats}; copy bandwidth {copy:.1f} GB/s (read + write)\n"
+    )
     print("| checkpoint | weight MB / token | decode tok/s | ms / token | ceiling tok/s | of ceiling |")
     print("|---|---|---|---|---|---|")
     print("\n".join(rows))

@@ -33,15 +33,28 @@ def build(path: Path, layers: int) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers,
-                      num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048)
+    cfg = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(path)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    tok.train_from_iterator(["calibration text for a random model"] * 4,
-                            trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                special_tokens=["<eos>"], show_progress=False))
+    tok.train_from_iterator(
+        ["calibration text for a random model"] * 4,
+        trainers.BpeTrainer(
+            vocab_size=300,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            special_tokens=["<eos>"],
+            show_progress=False,
+        ),
+    )
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(path)
 
 
@@ -72,8 +85,10 @@ def main() -> None:
     if proc.returncode or not samples:
         sys.exit(f"the {a.algorithm} run failed (exit {proc.returncode}).")
     t, peak = max(samples, key=lambda s: s[1])
-    print(f"float weights {weights:.2f} GiB; {a.algorithm}: peak RSS {peak:.2f} GiB at {t:.0f} s of "
-          f"{samples[-1][0]:.0f} s ({peak - weights:.2f} GiB above the weights)")
+    print(
+        f"float weights {weights:.2f} GiB; {a.algorithm}: peak RSS {peak:.2f} GiB at {t:.0f} s of "
+        f"{samples[-1][0]:.0f} s ({peak - weights:.2f} GiB above the weights)"
+    )
     print("RSS over time (s:GiB): " + " ".join(f"{t:.0f}:{r:.2f}" for t, r in samples[:: max(1, len(samples) // 40)]))
 
 

@@ -141,8 +141,9 @@ class ClipInputs:
 
 
 @torch.no_grad()
-def clip_inputs(x: torch.Tensor, args: QuantArgs, name: str = "linear", max_gram_width: int = 512,
-                n_tokens: int = 512) -> ClipInputs:
+def clip_inputs(
+    x: torch.Tensor, args: QuantArgs, name: str = "linear", max_gram_width: int = 512, n_tokens: int = 512
+) -> ClipInputs:
     """`ClipInputs` of the inputs x [..., ci] of linears quantized with `args`: second moments
     of every token when the groups are at most max_gram_width wide, else n_tokens evenly
     spaced tokens."""
@@ -190,8 +191,10 @@ def search_clip(
     co, ci = w.shape
     gs = args.group_size if args.strategy == "group" else ci
     if inputs.group_size != gs:
-        raise QuantkitError(f"{name}: clip inputs summed in groups of {inputs.group_size} do not fit a weight "
-                            f"{tuple(w.shape)} in groups of {gs}; make them with clip_inputs and the same args.")
+        raise QuantkitError(
+            f"{name}: clip inputs summed in groups of {inputs.group_size} do not fit a weight "
+            f"{tuple(w.shape)} in groups of {gs}; make them with clip_inputs and the same args."
+        )
     ratios = [1 - i / grid for i in range(max(1, int(max_shrink * grid)))]
     out = []
     for W in w.detach().float().split(batch_co):  # W [co_b, ci]
@@ -300,8 +303,7 @@ SEARCH_TOKENS = 16384  # captured inputs per sequential group that scales and cl
 MODULE_TOKENS = 4096  # tokens of whole sequences that --module-loss runs the attention / MLP on
 
 
-def awq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_dtype,
-             log: Callable | None = None):
+def awq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_dtype, log: Callable | None = None):
     """Runner step: per mapping (norm → q,k,v; v → o when shapes allow; norm → gate,up;
     up → down) search activation-aware scales and fold them into the previous op, then
     search per-group clipping ranges for each linear (q and k too: on smollm2 that
@@ -321,23 +323,35 @@ def awq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_
             key = f"{prefix}.{m.prev}.awq_scales"
             if loaded is not None:
                 if key not in loaded:
-                    raise QuantkitError(f"the saved AWQ search has no scales for {prefix}.{m.prev}; "
-                                        "it was made for another model or scheme.")
+                    raise QuantkitError(
+                        f"the saved AWQ search has no scales for {prefix}.{m.prev}; "
+                        "it was made for another model or scheme."
+                    )
                 scales = loaded[key].float()
             else:
                 x = feats[owner(spec, m.linears[0])]
-                output_fn = module_output(inspected[m.inspect], linears, calls[m.inspect]) \
-                    if m.inspect in inspected else None
-                scales = search_scales(x, [lin.weight.data for lin in linears], args, o.grid, o.duo, output_fn,
-                                       scale_dtype=scale_dtype, name=f"{prefix}.{m.prev}").scales
+                output_fn = (
+                    module_output(inspected[m.inspect], linears, calls[m.inspect]) if m.inspect in inspected else None
+                )
+                scales = search_scales(
+                    x,
+                    [lin.weight.data for lin in linears],
+                    args,
+                    o.grid,
+                    o.duo,
+                    output_fn,
+                    scale_dtype=scale_dtype,
+                    name=f"{prefix}.{m.prev}",
+                ).scales
                 feats[owner(spec, m.linears[0])] = x / scales
             fold_scales(prev.weight.data, getattr(prev, "bias", None), [lin.weight.data for lin in linears], scales)
             if record is not None:
                 record[key] = scales
         summed = {}  # per input: what the clip search scores with
         for name in names:
-            _quantize_clipped(block, spec, name, f"{prefix}.{name}", feats, summed, loaded, record, o.clip, args,
-                              scale_dtype, results)
+            _quantize_clipped(
+                block, spec, name, f"{prefix}.{name}", feats, summed, loaded, record, o.clip, args, scale_dtype, results
+            )
 
     if record is not None:
         step.finish = lambda: _write_search(Path(o.save_search), record)
@@ -351,8 +365,10 @@ def _quantize_clipped(block, spec, name, full, feats, summed, loaded, record, cl
         if loaded is not None:
             ranges = loaded.get(f"{full}.awq_clip")
             if ranges is not None and ranges.dim() != 3:
-                raise QuantkitError(f"the saved AWQ search has clip maxima for {full} from an older quantkit "
-                                    "(it now saves [lo, hi] ranges); search again without --load-search.")
+                raise QuantkitError(
+                    f"the saved AWQ search has clip maxima for {full} from an older quantkit "
+                    "(it now saves [lo, hi] ranges); search again without --load-search."
+                )
         else:
             first = owner(spec, name)
             if first not in summed:
@@ -375,7 +391,9 @@ def _read_search(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(path)
     except Exception as e:
-        raise QuantkitError(f"cannot read the saved search {path} ({e}); pass a file written by --save-search.") from None
+        raise QuantkitError(
+            f"cannot read the saved search {path} ({e}); pass a file written by --save-search."
+        ) from None
 
 
 def _write_search(path: Path, tensors: dict[str, torch.Tensor]) -> None:

@@ -25,10 +25,15 @@ from quantkit.errors import QuantkitError
 BUILTIN = ("news", "wiki")
 HUB = {  # name -> (path, config, {split: (data_files, hub split)})
     "wikitext2": ("wikitext", "wikitext-2-raw-v1", {"calib": (None, "train"), "eval": (None, "test")}),
-    "c4": ("allenai/c4", None, {"calib": ("en/c4-train.00000-of-01024.json.gz", "train"),
-                                "eval": ("en/c4-validation.00000-of-00008.json.gz", "train")}),
-    "pileval": ("mit-han-lab/pile-val-backup", None, {"calib": (None, "validation"),
-                                                      "eval": (None, "validation")}),
+    "c4": (
+        "allenai/c4",
+        None,
+        {
+            "calib": ("en/c4-train.00000-of-01024.json.gz", "train"),
+            "eval": ("en/c4-validation.00000-of-00008.json.gz", "train"),
+        },
+    ),
+    "pileval": ("mit-han-lab/pile-val-backup", None, {"calib": (None, "validation"), "eval": (None, "validation")}),
 }
 FILE_TYPES = (".txt", ".jsonl", ".parquet")
 __all__ = ["Calibration", "load_documents", "calibration_samples", "eval_tokens"]
@@ -50,8 +55,9 @@ def load_documents(name: str, split: str = "calib") -> list[str]:
         return _from_hub(name, split)
     if name.lower().endswith(FILE_TYPES) or Path(name).exists():
         return _from_file(Path(name))
-    raise QuantkitError(f"unknown dataset {name!r}; use news, wiki, c4, wikitext2, pileval "
-                        "or a .txt/.jsonl/.parquet file.")
+    raise QuantkitError(
+        f"unknown dataset {name!r}; use news, wiki, c4, wikitext2, pileval or a .txt/.jsonl/.parquet file."
+    )
 
 
 @functools.cache
@@ -61,9 +67,11 @@ def _builtin(name: str) -> tuple[str, ...]:
 
 def _from_hub(name: str, split: str) -> list[str]:
     if not hub.hub_reachable():
-        raise QuantkitError(f"the dataset {name!r} lives on the Hugging Face hub, which cannot be "
-                            "reached; use the built-in news or wiki sets, or a local "
-                            ".txt/.jsonl/.parquet file.")
+        raise QuantkitError(
+            f"the dataset {name!r} lives on the Hugging Face hub, which cannot be "
+            "reached; use the built-in news or wiki sets, or a local "
+            ".txt/.jsonl/.parquet file."
+        )
     import datasets
 
     path, config, splits = HUB[name]
@@ -88,8 +96,10 @@ def _from_file(path: Path) -> list[str]:
 
         table = pq.read_table(path)
         if "text" not in table.column_names:
-            raise QuantkitError(f"{path} has no 'text' column (it has {', '.join(table.column_names)}); "
-                                "rename the column that holds the documents to 'text'.")
+            raise QuantkitError(
+                f"{path} has no 'text' column (it has {', '.join(table.column_names)}); "
+                "rename the column that holds the documents to 'text'."
+            )
         docs = [t for t in table.column("text").to_pylist() if isinstance(t, str)]
     else:
         raise QuantkitError(f"cannot read {path}: dataset files must end in .txt, .jsonl or .parquet.")
@@ -109,8 +119,7 @@ def _jsonl_texts(path: Path) -> list[str]:
         except json.JSONDecodeError as e:
             raise QuantkitError(f"{path} line {i} is not valid JSON ({e.msg}); write one object per line.") from None
         if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-            raise QuantkitError(f"{path} line {i} has no 'text' field; give every line a "
-                                "\"text\" string.")
+            raise QuantkitError(f"{path} line {i} has no 'text' field; give every line a \"text\" string.")
         docs.append(row["text"])
     return docs
 
@@ -127,6 +136,7 @@ def _fix_news(text: str) -> str:
     # '"?' is a mangled em dash after whitespace, else a closing quote plus a space
     def repl(m: re.Match) -> str:
         return m[1] + ("—" if m[1] else '"') + (m[2] or " ")
+
     return re.sub(r'(\s?)"\?(\s?)', repl, text).strip()
 
 
@@ -140,24 +150,33 @@ def _wiki() -> list[str]:
             if el.tag != _NS + "page":
                 continue
             text = el.findtext(f"{_NS}revision/{_NS}text") or ""
-            if (el.findtext(_NS + "ns") == "0" and el.find(_NS + "redirect") is None
-                    and not text.lstrip().lower().startswith("#redirect")):
+            if (
+                el.findtext(_NS + "ns") == "0"
+                and el.find(_NS + "redirect") is None
+                and not text.lstrip().lower().startswith("#redirect")
+            ):
                 if plain := _strip_wikitext(text):
                     docs.append(plain)
             el.clear()
     return docs
 
 
-_DROP_BLOCKS = re.compile(r"<!--.*?(?:-->|$)|<ref\b[^>]*/\s*>|<(ref|math|gallery|source|syntaxhighlight|"
-                          r"timeline|score|references)\b[^>]*>.*?</\1\s*>", re.S | re.I)
+_DROP_BLOCKS = re.compile(
+    r"<!--.*?(?:-->|$)|<ref\b[^>]*/\s*>|<(ref|math|gallery|source|syntaxhighlight|"
+    r"timeline|score|references)\b[^>]*>.*?</\1\s*>",
+    re.S | re.I,
+)
 _TAG = re.compile(r"</?[a-z][a-z0-9]*\b[^>]*>", re.I)
 _TEMPLATE = re.compile(r"\{\{(?:(?!\{\{|\}\}).)*\}\}", re.S)
 _TABLE = re.compile(r"\{\|(?:(?!\{\||\|\}).)*\|\}", re.S)
 _LINK = re.compile(r"\[\[((?:(?!\[\[|\]\]).)*)\]\]", re.S)
 _EXTERNAL = re.compile(r"\[(?:https?:|ftp:)?//[^\s\]]*\s*([^\]]*)\]")
 _DROP_LINK = re.compile(r"\s*(?:(?i:file|image|category|media)|[a-z]{2,3}(?:-[a-z]+)*)\s*:")  # + interlanguage
-_END_MATTER = re.compile(r"^==\s*(?:See also|Notes|Footnotes|References|Citations|Sources|Bibliography|"
-                         r"Further reading|External links)\s*==\s*$", re.M | re.I)
+_END_MATTER = re.compile(
+    r"^==\s*(?:See also|Notes|Footnotes|References|Citations|Sources|Bibliography|"
+    r"Further reading|External links)\s*==\s*$",
+    re.M | re.I,
+)
 _HEADING = re.compile(r"^(=+)\s*(.*?)\s*\1\s*$", re.M)
 
 
@@ -177,7 +196,7 @@ def _link(m: re.Match) -> str:
 
 def _strip_wikitext(text: str) -> str:
     if end := _END_MATTER.search(text):
-        text = text[:end.start()]
+        text = text[: end.start()]
     text = _DROP_BLOCKS.sub("", text)
     text = _TAG.sub("", re.sub(r"<br\s*/?>", " ", text, flags=re.I))
     text = _innermost(_TEMPLATE, "", text)
@@ -196,8 +215,9 @@ def _strip_wikitext(text: str) -> str:
     return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
 
 
-def calibration_samples(tokenizer, documents: list[str], n_samples: int, seq_len: int,
-                        seed: int = 0) -> torch.LongTensor:
+def calibration_samples(
+    tokenizer, documents: list[str], n_samples: int, seq_len: int, seed: int = 0
+) -> torch.LongTensor:
     """Calibration rows, a LongTensor [n_samples, seq_len], the same for the same seed.
 
     Method: shuffle the document order with `random.Random(seed)`, tokenize the documents
@@ -206,8 +226,9 @@ def calibration_samples(tokenizer, documents: list[str], n_samples: int, seq_len
     into n_samples consecutive rows of seq_len tokens.
     """
     if n_samples <= 0 or seq_len <= 0:
-        raise QuantkitError(f"need a positive number of samples and sequence length, got "
-                            f"{n_samples} samples of {seq_len} tokens.")
+        raise QuantkitError(
+            f"need a positive number of samples and sequence length, got {n_samples} samples of {seq_len} tokens."
+        )
     needed = n_samples * seq_len
     order = list(range(len(documents)))
     random.Random(seed).shuffle(order)
@@ -218,9 +239,11 @@ def calibration_samples(tokenizer, documents: list[str], n_samples: int, seq_len
             break
         ids.extend((sep if ids else []) + _encode(tokenizer, documents[i]))
     if len(ids) < needed:
-        raise QuantkitError(f"the calibration documents give only {len(ids)} tokens but "
-                            f"{n_samples} samples of {seq_len} need {needed}; use fewer --samples "
-                            "or a shorter --seq-len.")
+        raise QuantkitError(
+            f"the calibration documents give only {len(ids)} tokens but "
+            f"{n_samples} samples of {seq_len} need {needed}; use fewer --samples "
+            "or a shorter --seq-len."
+        )
     return torch.tensor(ids[:needed], dtype=torch.long).view(n_samples, seq_len)
 
 

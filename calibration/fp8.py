@@ -5,6 +5,7 @@ calibration set, observed after the block's weights are quantized."""
 from __future__ import annotations
 
 from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -16,8 +17,7 @@ from quantkit.primitives import FP8_MAX, compute_qparams, fake_quantize
 from quantkit.scheme import QuantScheme
 
 
-def fp8_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_dtype,
-             log: Callable | None = None):
+def fp8_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_dtype, log: Callable | None = None):
     """Runner step: quantize every targeted linear's weight to fp8 and, for static
     activations, record each linear's input scale."""
 

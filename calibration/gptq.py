@@ -221,8 +221,7 @@ def _current(Wt, W1, Err1, Hinv, cols, i1, k):
     return vals.T
 
 
-def gptq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_dtype,
-              log: Callable | None = None):
+def gptq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_dtype, log: Callable | None = None):
     """Runner step, true-sequential inside the block: each group of linears that share an
     input (q,k,v → o → gate,up → down) is quantized on inputs recomputed after the groups
     before it were quantized. Once the attention's linears are all done, its outputs are
@@ -252,15 +251,25 @@ def _group_hessian(block, linear, inputs, name, replay):
     """H = 2·XᵀX / n of the inputs of `linear` over all calibration batches."""
     H = reduce_inputs(block, linear, inputs, name, accumulate_hessian, replay)
     if not torch.isfinite(H).all():
-        raise QuantkitError(f"the calibration activations of {name} contain NaN or inf; the float model "
-                            "overflows on this text (try float32 or other calibration text).")
+        raise QuantkitError(
+            f"the calibration activations of {name} contain NaN or inf; the float model "
+            "overflows on this text (try float32 or other calibration text)."
+        )
     return H
 
 
 def _quantize_part(block, part, prefix, H, scheme, options, results, scale_dtype, log):
     linears = [get_module(block, n) for n in part]
-    r = quantize_weight(torch.cat([lin.weight.data for lin in linears]), H, scheme.weights, options.block_size,
-                        options.damp, scale_dtype=scale_dtype, log=log, name=f"{prefix}.{'+'.join(part)}")
+    r = quantize_weight(
+        torch.cat([lin.weight.data for lin in linears]),
+        H,
+        scheme.weights,
+        options.block_size,
+        options.damp,
+        scale_dtype=scale_dtype,
+        log=log,
+        name=f"{prefix}.{'+'.join(part)}",
+    )
     rows = [lin.out_features for lin in linears]
     zeros = r.zero_point.split(rows) if r.zero_point is not None else [None] * len(rows)
     for name, linear, w, scale, zero in zip(part, linears, r.weight.split(rows), r.scale.split(rows), zeros):

@@ -69,8 +69,9 @@ class Replay:
 
 
 @torch.no_grad()
-def reduce_inputs(block: nn.Module, linear: nn.Linear, inputs: BlockInputs, name: str,
-                  add: Callable, replay: Replay | None = None):
+def reduce_inputs(
+    block: nn.Module, linear: nn.Linear, inputs: BlockInputs, name: str, add: Callable, replay: Replay | None = None
+):
     """Fold the inputs of `linear` over all calibration batches into `state = add(state, x, n)`
     (n: tokens seen so far), running the block (as it is now) only as far as that linear
     and reusing `replay`'s module outputs. Returns the final state."""
@@ -100,8 +101,10 @@ def reduce_inputs(block: nn.Module, linear: nn.Linear, inputs: BlockInputs, name
 def observe_inputs(block: nn.Module, linears: dict[str, nn.Linear], inputs: BlockInputs, observe) -> None:
     """Run the block on every calibration batch, calling observe(name, x) with the input
     x of each named linear."""
-    hooks = [module.register_forward_pre_hook(lambda m, args, name=name: observe(name, args[0]))
-             for name, module in linears.items()]
+    hooks = [
+        module.register_forward_pre_hook(lambda m, args, name=name: observe(name, args[0]))
+        for name, module in linears.items()
+    ]
     try:
         inputs.run(block)
     finally:
@@ -115,8 +118,9 @@ def capture_inputs(block: nn.Module, linears: dict[str, nn.Linear], inputs: Bloc
     total = sum(h.shape[0] * h.shape[1] for h in inputs.hidden)
     stride = max(1, total // max_tokens)
     seen: dict[str, list[torch.Tensor]] = {name: [] for name in linears}
-    observe_inputs(block, linears, inputs,
-                   lambda name, x: seen[name].append(x.reshape(-1, x.shape[-1])[::stride].float()))
+    observe_inputs(
+        block, linears, inputs, lambda name, x: seen[name].append(x.reshape(-1, x.shape[-1])[::stride].float())
+    )
     for name, chunks in seen.items():
         if not chunks or sum(c.shape[0] for c in chunks) == 0:
             raise QuantkitError(f"no calibration token reached {name}; calibrate on more text.")
@@ -126,8 +130,7 @@ def capture_inputs(block: nn.Module, linears: dict[str, nn.Linear], inputs: Bloc
 def group_inputs(spec: ArchSpec, block: nn.Module, names: list[str], inputs: BlockInputs, max_tokens: int):
     """capture_inputs for the input each sequential group of `names` reads, keyed by the
     group's first linear."""
-    return capture_inputs(block, {n: get_module(block, n) for n in {owner(spec, n) for n in names}},
-                          inputs, max_tokens)
+    return capture_inputs(block, {n: get_module(block, n) for n in {owner(spec, n) for n in names}}, inputs, max_tokens)
 
 
 @torch.no_grad()
@@ -135,8 +138,10 @@ def capture_calls(block: nn.Module, modules: dict[str, nn.Module], inputs: Block
     """The (args, kwargs) each named module receives on the first calibration batches,
     at least `max_tokens` tokens' worth (whole sequences, so attention can run on them)."""
     calls = {name: [] for name in modules}
-    hooks = [m.register_forward_pre_hook(lambda mod, a, kw, name=name: calls[name].append((a, dict(kw))),
-                                         with_kwargs=True) for name, m in modules.items()]
+    hooks = [
+        m.register_forward_pre_hook(lambda mod, a, kw, name=name: calls[name].append((a, dict(kw))), with_kwargs=True)
+        for name, m in modules.items()
+    ]
     try:
         seen = 0
         for h, kw in zip(inputs.hidden, inputs.kwargs):
@@ -155,16 +160,16 @@ def module_output(module: nn.Module, linears: list[nn.Linear], calls: list):
     linears' weights swapped for the candidates."""
 
     def output_fn(weights: list[torch.Tensor]) -> torch.Tensor:
-        saved = [l.weight.data for l in linears]  # noqa: E741
-        for l, w in zip(linears, weights):  # noqa: E741
-            l.weight.data = w
+        saved = [lin.weight.data for lin in linears]
+        for lin, w in zip(linears, weights):
+            lin.weight.data = w
         try:
             outs = [module(*args, **kwargs) for args, kwargs in calls]
             outs = [o[0] if isinstance(o, tuple) else o for o in outs]  # attention returns (output, weights)
             return torch.cat([o.reshape(-1, o.shape[-1]) for o in outs])
         finally:
-            for l, w in zip(linears, saved):  # noqa: E741
-                l.weight.data = w
+            for lin, w in zip(linears, saved):
+                lin.weight.data = w
 
     return output_fn
 
@@ -182,5 +187,7 @@ def input_amax(block: nn.Module, linears: dict[str, nn.Linear], inputs: BlockInp
         if value is None:
             raise QuantkitError(f"no calibration token reached {name}; calibrate on more text.")
         if not torch.isfinite(value):
-            raise QuantkitError(f"the calibration activations of {name} contain NaN or inf; try other calibration text.")
+            raise QuantkitError(
+                f"the calibration activations of {name} contain NaN or inf; try other calibration text."
+            )
     return amax

@@ -18,13 +18,23 @@ if TYPE_CHECKING:
 KINDS = ("bool", "int", "float", "text", "choice")
 
 
-def option(default, help: str, *, kind: str | None = None, min: float | None = None,
-           choices: tuple = (), cli: bool = True):
+def option(
+    default, help: str, *, kind: str | None = None, min: float | None = None, choices: tuple = (), cli: bool = True
+):
     """A field of a method's options dataclass: the default, the help text (recipe docs and
     CLI flag), what values it takes (`kind`, read from the default when not given; `min`;
     `choices`), and whether the method's command has a flag for it."""
-    kind = kind or ("choice" if choices else "bool" if isinstance(default, bool) else "int"
-                    if isinstance(default, int) else "float" if isinstance(default, float) else "text")
+    kind = kind or (
+        "choice"
+        if choices
+        else "bool"
+        if isinstance(default, bool)
+        else "int"
+        if isinstance(default, int)
+        else "float"
+        if isinstance(default, float)
+        else "text"
+    )
     if kind not in KINDS:
         raise ValueError(f"option kind {kind!r} is not one of {KINDS}")
     meta = {"help": help, "kind": kind, "min": min, "choices": tuple(choices), "cli": cli}
@@ -50,8 +60,9 @@ class QParams:
 class Calibration:
     """Which text to calibrate on and how to cut it (see `datasets.calibration_samples`)."""
 
-    dataset: str = option("news", "Calibration text: news, wiki, c4, wikitext2, pileval or a .txt/.jsonl/.parquet "
-                          "file.")
+    dataset: str = option(
+        "news", "Calibration text: news, wiki, c4, wikitext2, pileval or a .txt/.jsonl/.parquet file."
+    )
     samples: int = option(128, "Calibration rows.", min=1)
     seq_len: int = option(512, "Tokens per calibration row.", min=1)
     seed: int = option(0, "Seed of the calibration document order.", min=0)

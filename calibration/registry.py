@@ -26,10 +26,12 @@ class AWQOptions:
     grid: int = option(20, "Points of the scale-exponent grid in [0, 1).", min=1)
     duo: bool = option(False, "Blend weight magnitudes into the scales (duo scaling).")
     clip: bool = option(True, "Search per-group clipping ranges (else round to nearest).")
-    module_loss: bool = option(False, "Score q,k,v scales on the attention output and gate,up on the MLP output "
-                               "(slower) instead of the linears' own outputs.")
-    save_search: str | None = option(None, "Write the found scales and clips to this file (safetensors).",
-                                     kind="text")
+    module_loss: bool = option(
+        False,
+        "Score q,k,v scales on the attention output and gate,up on the MLP output "
+        "(slower) instead of the linears' own outputs.",
+    )
+    save_search: str | None = option(None, "Write the found scales and clips to this file (safetensors).", kind="text")
     load_search: str | None = option(None, "Apply a saved search instead of calibrating.", kind="text")
 
 
@@ -61,24 +63,68 @@ def static_activations(scheme, options=None) -> bool:
     return acts is not None and not acts.dynamic
 
 
-METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("rtn", "Round-to-nearest: the baseline for AWQ and GPTQ (no calibration data).", RTNOptions, "weights",
-           "quantkit.calibration.rtn:rtn_step", "pack-quantized", needs_data=lambda scheme, o: False,
-           default_scheme="w4a16"),
-    Method("awq", "AWQ (Lin et al.): activation-aware scales folded into the previous op, then per-group clipping.",
-           AWQOptions, "weights", "quantkit.calibration.awq:awq_step", "pack-quantized",
-           needs_data=lambda scheme, o: o.load_search is None, folds_scales=True, default_scheme="w4a16"),
-    Method("gptq", "GPTQ (Frantar et al.): Hessian-based error feedback, true-sequential, act-order.", GPTQOptions,
-           "weights", "quantkit.calibration.gptq:gptq_step", "pack-quantized", default_scheme="w4a16", actorder=True),
-    Method("fp8", "FP8 e4m3 weights and activations (static activation scales are calibrated).", FP8Options,
-           "weights", "quantkit.calibration.fp8:fp8_step", "float-quantized", needs_data=static_activations,
-           default_scheme="fp8-dynamic"),
-    Method("smooth", "SmoothQuant (Xiao et al.): migrate activation outliers into the weights before quantizing.",
-           SmoothOptions, "transform", "quantkit.calibration.smooth:smooth_step", folds_scales=True,
-           needs_activations=True, before=("fp8",)),
-    Method("kv", "KV-cache scales (fp8 or int8), calibrated on the keys and values the model computes.", KVOptions,
-           "kv"),
-)}
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method(
+            "rtn",
+            "Round-to-nearest: the baseline for AWQ and GPTQ (no calibration data).",
+            RTNOptions,
+            "weights",
+            "quantkit.calibration.rtn:rtn_step",
+            "pack-quantized",
+            needs_data=lambda scheme, o: False,
+            default_scheme="w4a16",
+        ),
+        Method(
+            "awq",
+            "AWQ (Lin et al.): activation-aware scales folded into the previous op, then per-group clipping.",
+            AWQOptions,
+            "weights",
+            "quantkit.calibration.awq:awq_step",
+            "pack-quantized",
+            needs_data=lambda scheme, o: o.load_search is None,
+            folds_scales=True,
+            default_scheme="w4a16",
+        ),
+        Method(
+            "gptq",
+            "GPTQ (Frantar et al.): Hessian-based error feedback, true-sequential, act-order.",
+            GPTQOptions,
+            "weights",
+            "quantkit.calibration.gptq:gptq_step",
+            "pack-quantized",
+            default_scheme="w4a16",
+            actorder=True,
+        ),
+        Method(
+            "fp8",
+            "FP8 e4m3 weights and activations (static activation scales are calibrated).",
+            FP8Options,
+            "weights",
+            "quantkit.calibration.fp8:fp8_step",
+            "float-quantized",
+            needs_data=static_activations,
+            default_scheme="fp8-dynamic",
+        ),
+        Method(
+            "smooth",
+            "SmoothQuant (Xiao et al.): migrate activation outliers into the weights before quantizing.",
+            SmoothOptions,
+            "transform",
+            "quantkit.calibration.smooth:smooth_step",
+            folds_scales=True,
+            needs_activations=True,
+            before=("fp8",),
+        ),
+        Method(
+            "kv",
+            "KV-cache scales (fp8 or int8), calibrated on the keys and values the model computes.",
+            KVOptions,
+            "kv",
+        ),
+    )
+}
 
 
 def method(name: str) -> Method:

@@ -30,8 +30,14 @@ class SmoothResult:
     plain_loss: float  # s = 1
 
 
-def search_smooth_scales(x: torch.Tensor, weights: list[torch.Tensor], w_args: QuantArgs, x_args: QuantArgs,
-                         grid: int = 10, name: str = "linears") -> SmoothResult:
+def search_smooth_scales(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    w_args: QuantArgs,
+    x_args: QuantArgs,
+    grid: int = 10,
+    name: str = "linears",
+) -> SmoothResult:
     """Scales for the linears `weights` [co_i, ci] that all read x [n, ci], minimising the
     MSE of Q(x / s) · Q(W·s)ᵀ against x · Wᵀ over α ∈ {0, 1/grid, ..., 1}."""
     if not torch.isfinite(x).all():
@@ -60,8 +66,7 @@ def search_smooth_scales(x: torch.Tensor, weights: list[torch.Tensor], w_args: Q
 SEARCH_TOKENS = 2048  # captured inputs per sequential group that α is scored on
 
 
-def smooth_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_dtype,
-                log: Callable | None = None):
+def smooth_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_dtype, log: Callable | None = None):
     """Runner step: for every mapping of the architecture table whose shapes allow it,
     search s on the block's calibration inputs and fold it into the previous op and the
     linears (the float function is unchanged); records no qparams."""
@@ -71,8 +76,14 @@ def smooth_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, sca
         feats = group_inputs(spec, block, names, inputs, SEARCH_TOKENS)
         for m, prev, linears in mappings(spec, block, names):
             x = feats[owner(spec, m.linears[0])]
-            r = search_smooth_scales(x, [lin.weight.data for lin in linears], scheme.weights,
-                                     scheme.input_activations, options.grid, name=f"{prefix}.{m.prev}")
+            r = search_smooth_scales(
+                x,
+                [lin.weight.data for lin in linears],
+                scheme.weights,
+                scheme.input_activations,
+                options.grid,
+                name=f"{prefix}.{m.prev}",
+            )
             fold_scales(prev.weight.data, getattr(prev, "bias", None), [lin.weight.data for lin in linears], r.scales)
             feats[owner(spec, m.linears[0])] = x / r.scales
 

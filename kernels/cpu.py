@@ -38,8 +38,11 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)
 _HAS_INT4 = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 _HAS_INT8 = hasattr(torch, "_weight_int8pack_mm")
 # oneDNN's bf16 reorder needs a CPU with native bf16 support (AVX512-BF16/AMX; not AVX2-only CPUs)
-_HAS_PREPACK = (hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available()
-                and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+_HAS_PREPACK = (
+    hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    and torch.backends.mkldnn.is_available()
+    and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,8 +89,7 @@ def _act_order_perm(g_idx: torch.Tensor, group_size: int) -> torch.Tensor | None
     return perm if torch.equal(g_idx[perm], expected) else None
 
 
-def supports(out_features: int, in_features: int, group_size: int | None,
-             g_idx: torch.Tensor | None = None) -> bool:
+def supports(out_features: int, in_features: int, group_size: int | None, g_idx: torch.Tensor | None = None) -> bool:
     """True when `int4_gemm_cpu` can run an [out, in] int4 weight with these group settings
     (group_size None: per-channel scales); False sends the caller to the torch twin."""
     g = _group_for(in_features, group_size)

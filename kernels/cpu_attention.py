@@ -55,8 +55,9 @@ def kv_store(
         flat.index_copy_(0, slots, x)
 
 
-def _gather(cache: torch.Tensor, blocks: torch.Tensor, n: int, scale: torch.Tensor | None,
-            dtype: torch.dtype) -> torch.Tensor:
+def _gather(
+    cache: torch.Tensor, blocks: torch.Tensor, n: int, scale: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
     """cache [num_blocks, bs, h, d], blocks int64 [n * nb] (n sequences' tables, row after
     row) -> [n, nb * bs, h, d] in `dtype`, dequantised with `scale` fp32 [1] or [h]."""
     x = cache.index_select(0, blocks).view(n, -1, *cache.shape[2:])
@@ -98,8 +99,11 @@ def _plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, r
     for chunk in _chunks(lens, row_bytes):
         n, longest = len(chunk), lens[chunk[0]]
         rows = None if n == len(lens) else torch.tensor(chunk, device=block_tables.device)
-        tables, chunk_lens = (block_tables, seq_lens) if rows is None else \
-            (block_tables.index_select(0, rows), seq_lens.index_select(0, rows))
+        tables, chunk_lens = (
+            (block_tables, seq_lens)
+            if rows is None
+            else (block_tables.index_select(0, rows), seq_lens.index_select(0, rows))
+        )
         nb = -(-longest // block_size)
         blocks = tables[:, :nb].reshape(-1).long().clamp_min(0)
         if lens[chunk[-1]] == longest:
@@ -157,8 +161,9 @@ def paged_attention(
                 x.view(-1, kv_heads, head_dim).index_fill_(0, c.padding, 0)
         qc = q if c.rows is None else q.index_select(0, c.rows)
         qc = qc.to(dtype).view(c.n, kv_heads, group, head_dim)  # a KV head's query heads become its queries
-        o = F.scaled_dot_product_attention(qc, k.transpose(1, 2), v.transpose(1, 2), attn_mask=c.mask,
-                                           scale=scale)  # [n, kv_heads, group, D]
+        o = F.scaled_dot_product_attention(
+            qc, k.transpose(1, 2), v.transpose(1, 2), attn_mask=c.mask, scale=scale
+        )  # [n, kv_heads, group, D]
         o = o.reshape(c.n, heads, head_dim).to(q.dtype)
         if c.rows is None:
             return o

@@ -84,11 +84,23 @@ def _quantize_fp8_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, STATIC: t
 
 @triton.jit
 def _fp8_gemm_kernel(
-    a_ptr, b_ptr, as_ptr, bs_ptr, y_ptr,
-    M, N, K, M_BUCKET,  # M_BUCKET: autotune key only (M rounded up to a power of two)
-    stride_am, stride_bn, stride_ym,
-    PER_TOKEN: tl.constexpr, PER_CHANNEL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    a_ptr,
+    b_ptr,
+    as_ptr,
+    bs_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    M_BUCKET,  # M_BUCKET: autotune key only (M rounded up to a power of two)
+    stride_am,
+    stride_bn,
+    stride_ym,
+    PER_TOKEN: tl.constexpr,
+    PER_CHANNEL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -101,10 +113,12 @@ def _fp8_gemm_kernel(
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + rk
         k_mask = offs_k < K
-        a = tl.load(a_ptr + offs_m[:, None] * stride_am + offs_k[None, :],
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK] e4m3
-        b = tl.load(b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None],
-                    mask=k_mask[:, None] & n_mask[None, :], other=0.0)  # [BK, BN] e4m3 (W transposed)
+        a = tl.load(
+            a_ptr + offs_m[:, None] * stride_am + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0
+        )  # [BM, BK] e4m3
+        b = tl.load(
+            b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0
+        )  # [BK, BN] e4m3 (W transposed)
         acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
     if PER_TOKEN:
         acc = acc * tl.load(as_ptr + offs_m, mask=m_mask, other=0.0)[:, None]
@@ -114,8 +128,11 @@ def _fp8_gemm_kernel(
         acc = acc * tl.load(bs_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
     else:
         acc = acc * tl.load(bs_ptr)
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(
+        y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & n_mask[None, :],
+    )
 
 
 if not INTERPRET:
@@ -131,8 +148,11 @@ def _check_x(fn: str, x: torch.Tensor) -> None:
     if x.dtype not in FLOAT_DTYPES:
         _fail(fn, f"x must be float16, bfloat16 or float32, got {x.dtype}.")
     if not INTERPRET and x.device.type != "cuda":
-        _fail(fn, f"the Triton kernel needs CUDA tensors, got {x.device}; use the torch backend on CPU "
-                  "(or set TRITON_INTERPRET=1 before importing triton, for tests).")
+        _fail(
+            fn,
+            f"the Triton kernel needs CUDA tensors, got {x.device}; use the torch backend on CPU "
+            "(or set TRITON_INTERPRET=1 before importing triton, for tests).",
+        )
 
 
 def _quantize(x2: torch.Tensor, x_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,8 +163,9 @@ def _quantize(x2: torch.Tensor, x_scale: torch.Tensor | None) -> tuple[torch.Ten
     scale = x_scale.float().reshape(1) if static else torch.empty((m, 1), dtype=torch.float32, device=x2.device)
     if m and k:
         block_k = min(triton.next_power_of_2(k), 4096 if INTERPRET else 1024)
-        _quantize_fp8_kernel[(m,)](x2, q.view(torch.uint8), scale, k, x2.stride(0), q.stride(0),
-                                   STATIC=static, BLOCK_K=block_k)
+        _quantize_fp8_kernel[(m,)](
+            x2, q.view(torch.uint8), scale, k, x2.stride(0), q.stride(0), STATIC=static, BLOCK_K=block_k
+        )
     elif not static:
         scale.fill_(1e-12 / FP8_MAX)
     return q, scale
@@ -175,18 +196,27 @@ def _check_gemm(x, w_fp8, w_scale, x_scale) -> None:
     if x.dim() == 0 or x.shape[-1] != in_f:
         _fail("fp8_gemm", f"x must be [..., {in_f}] to match w_fp8 [{out_f}, {in_f}], got {list(x.shape)}.")
     if not w_scale.is_floating_point() or w_scale.numel() not in (1, out_f) or w_scale.dim() > 2:
-        _fail("fp8_gemm", f"w_scale must be float [{out_f}, 1] (per channel) or [1] (per tensor), "
-                          f"got {w_scale.dtype} {list(w_scale.shape)}.")
+        _fail(
+            "fp8_gemm",
+            f"w_scale must be float [{out_f}, 1] (per channel) or [1] (per tensor), "
+            f"got {w_scale.dtype} {list(w_scale.shape)}.",
+        )
     if x_scale is not None and (not x_scale.is_floating_point() or x_scale.numel() != 1):
-        _fail("fp8_gemm", f"x_scale must be a float [1] (static per tensor) or None (dynamic per token), "
-                          f"got {x_scale.dtype} {list(x_scale.shape)}.")
+        _fail(
+            "fp8_gemm",
+            f"x_scale must be a float [1] (static per tensor) or None (dynamic per token), "
+            f"got {x_scale.dtype} {list(x_scale.shape)}.",
+        )
     for name, t in (("w_fp8", w_fp8), ("w_scale", w_scale), ("x_scale", x_scale)):
         if t is not None and t.device != x.device:
             _fail("fp8_gemm", f"{name} is on {t.device} but x is on {x.device}; put all operands on one device.")
     if not INTERPRET and torch.cuda.get_device_capability(x.device) < (8, 9):
-        _fail("fp8_gemm", f"the fp8 kernel needs a GPU with fp8 tensor cores (compute capability 8.9+), "
-                          f"{torch.cuda.get_device_name(x.device)} has "
-                          f"{'.'.join(map(str, torch.cuda.get_device_capability(x.device)))}; use the torch backend.")
+        _fail(
+            "fp8_gemm",
+            f"the fp8 kernel needs a GPU with fp8 tensor cores (compute capability 8.9+), "
+            f"{torch.cuda.get_device_name(x.device)} has "
+            f"{'.'.join(map(str, torch.cuda.get_device_capability(x.device)))}; use the torch backend.",
+        )
 
 
 def fp8_gemm(
@@ -218,9 +248,20 @@ def fp8_gemm(
         return triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(out_f, meta["BLOCK_N"])
 
     _fp8_gemm_kernel[grid](
-        x_fp8, w_fp8, s_x, s_w, y, m, out_f, k, triton.next_power_of_2(m),
-        x_fp8.stride(0), w_fp8.stride(0), y.stride(0),
-        PER_TOKEN=x_scale is None, PER_CHANNEL=s_w.numel() == out_f and out_f > 1,
+        x_fp8,
+        w_fp8,
+        s_x,
+        s_w,
+        y,
+        m,
+        out_f,
+        k,
+        triton.next_power_of_2(m),
+        x_fp8.stride(0),
+        w_fp8.stride(0),
+        y.stride(0),
+        PER_TOKEN=x_scale is None,
+        PER_CHANNEL=s_w.numel() == out_f and out_f > 1,
         **_FIXED_META,
     )
     return y.reshape(*x.shape[:-1], out_f)

@@ -46,12 +46,30 @@ def _configs() -> list[triton.Config]:
 
 @triton.jit
 def _int4_gemm_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, g_ptr, y_ptr,
-    M, N, K, M_BUCKET,  # M_BUCKET: autotune key only (M rounded up to a power of two)
-    stride_xm, stride_wn, stride_sn, stride_zn, stride_ys, stride_ym,
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    z_ptr,
+    g_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    M_BUCKET,  # M_BUCKET: autotune key only (M rounded up to a power of two)
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_zn,
+    stride_ys,
+    stride_ym,
     GROUP_SIZE: tl.constexpr,  # 0: per channel (one scale column)
-    HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr, X_IS_FP32: tl.constexpr, SPLIT_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    HAS_G_IDX: tl.constexpr,
+    X_IS_FP32: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -75,8 +93,9 @@ def _int4_gemm_kernel(
     for k0 in range(pid_k * BLOCK_K, K, SPLIT_K * BLOCK_K):
         offs_k = k0 + rk
         k_mask = offs_k < K
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0
+        )  # [BM, BK]
         kn_mask = k_mask[:, None] & n_mask[None, :]
         words = tl.load(w_ptr + offs_n[None, :] * stride_wn + (offs_k // 8)[:, None], mask=kn_mask, other=0)
         q = ((words >> shifts) & 0xF) - 8  # [BK, BN] int32 in [-8, 7]
@@ -130,33 +149,47 @@ def _check(x, w_packed, scales, zeros, group_size, g_idx) -> int:
     if x.dtype not in FLOAT_DTYPES:
         _fail(f"x must be float16, bfloat16 or float32, got {x.dtype}.")
     if INTERPRET and x.dtype == torch.bfloat16:
-        _fail("bfloat16 x is not supported under TRITON_INTERPRET=1 (the interpreter's tl.dot on bf16 "
-              "is wrong); use float16/float32 or the torch backend.")
+        _fail(
+            "bfloat16 x is not supported under TRITON_INTERPRET=1 (the interpreter's tl.dot on bf16 "
+            "is wrong); use float16/float32 or the torch backend."
+        )
     if w_packed.dtype != torch.int32 or w_packed.dim() != 2:
         _fail(f"w_packed must be int32 [out, in / 8], got {w_packed.dtype} {list(w_packed.shape)}.")
     out_f, in_f = w_packed.shape[0], w_packed.shape[1] * 8
     if x.shape[-1] != in_f:
-        _fail(f"x's last dimension is {x.shape[-1]} but w_packed {list(w_packed.shape)} holds in = {in_f} "
-              f"columns (x must be [..., {in_f}]).")
+        _fail(
+            f"x's last dimension is {x.shape[-1]} but w_packed {list(w_packed.shape)} holds in = {in_f} "
+            f"columns (x must be [..., {in_f}])."
+        )
     if group_size is not None and (not isinstance(group_size, int) or group_size <= 0 or in_f % group_size):
-        _fail(f"group_size {group_size} does not divide the input width {in_f}; use a divisor of {in_f} "
-              "or None (per channel).")
+        _fail(
+            f"group_size {group_size} does not divide the input width {in_f}; use a divisor of {in_f} "
+            "or None (per channel)."
+        )
     n_groups = in_f // group_size if group_size else 1
     if scales.dtype not in FLOAT_DTYPES or tuple(scales.shape) != (out_f, n_groups):
-        _fail(f"scales must be float [{out_f}, {n_groups}] ([out, in / group_size]), "
-              f"got {scales.dtype} {list(scales.shape)}.")
+        _fail(
+            f"scales must be float [{out_f}, {n_groups}] ([out, in / group_size]), "
+            f"got {scales.dtype} {list(scales.shape)}."
+        )
     if zeros is not None and (zeros.dtype != torch.int8 or tuple(zeros.shape) != (out_f, n_groups)):
-        _fail(f"zeros must be int8 [{out_f}, {n_groups}] (unpacked signed zero points) or None, "
-              f"got {zeros.dtype} {list(zeros.shape)}.")
+        _fail(
+            f"zeros must be int8 [{out_f}, {n_groups}] (unpacked signed zero points) or None, "
+            f"got {zeros.dtype} {list(zeros.shape)}."
+        )
     if g_idx is not None and (g_idx.dtype not in (torch.int32, torch.int64) or tuple(g_idx.shape) != (in_f,)):
-        _fail(f"g_idx must be int32 [{in_f}] (the group of each input column) or None, "
-              f"got {g_idx.dtype} {list(g_idx.shape)}.")
+        _fail(
+            f"g_idx must be int32 [{in_f}] (the group of each input column) or None, "
+            f"got {g_idx.dtype} {list(g_idx.shape)}."
+        )
     for name, t in (("w_packed", w_packed), ("scales", scales), ("zeros", zeros), ("g_idx", g_idx)):
         if t is not None and t.device != x.device:
             _fail(f"{name} is on {t.device} but x is on {x.device}; put all operands on one device.")
     if not INTERPRET and x.device.type != "cuda":
-        _fail(f"the Triton kernel needs CUDA tensors, got {x.device}; use the torch backend on CPU "
-              "(or set TRITON_INTERPRET=1 before importing triton, for tests).")
+        _fail(
+            f"the Triton kernel needs CUDA tensors, got {x.device}; use the torch backend on CPU "
+            "(or set TRITON_INTERPRET=1 before importing triton, for tests)."
+        )
     return n_groups
 
 
@@ -189,12 +222,28 @@ def _launch(x, w_packed, scales, zeros, group_size, g_idx, split_k: int) -> torc
         return triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n_out, meta["BLOCK_N"]), split_k
 
     _int4_gemm_kernel[grid](
-        x2, w_packed, scales, zeros if zeros is not None else scales, g_idx if g_idx is not None else w_packed, out,
-        m, n_out, k, triton.next_power_of_2(m),
-        x2.stride(0), w_packed.stride(0), scales.stride(0), zeros.stride(0) if zeros is not None else 0,
-        out.stride(0) if split_k > 1 else 0, out.stride(-2),
-        GROUP_SIZE=group_size or 0, HAS_ZEROS=zeros is not None, HAS_G_IDX=g_idx is not None,
-        X_IS_FP32=x.dtype == torch.float32, SPLIT_K=split_k, **_FIXED_META,
+        x2,
+        w_packed,
+        scales,
+        zeros if zeros is not None else scales,
+        g_idx if g_idx is not None else w_packed,
+        out,
+        m,
+        n_out,
+        k,
+        triton.next_power_of_2(m),
+        x2.stride(0),
+        w_packed.stride(0),
+        scales.stride(0),
+        zeros.stride(0) if zeros is not None else 0,
+        out.stride(0) if split_k > 1 else 0,
+        out.stride(-2),
+        GROUP_SIZE=group_size or 0,
+        HAS_ZEROS=zeros is not None,
+        HAS_G_IDX=g_idx is not None,
+        X_IS_FP32=x.dtype == torch.float32,
+        SPLIT_K=split_k,
+        **_FIXED_META,
     )
     if split_k > 1:
         y = out.sum(dim=0).to(x.dtype)
@@ -221,5 +270,4 @@ def int4_gemm(
     """
     _check(x, w_packed, scales, zeros, group_size, g_idx)
     m = x.numel() // max(x.shape[-1], 1)
-    return _launch(x, w_packed, scales, zeros, group_size, g_idx,
-                   _split_k(m, w_packed.shape[0], x.shape[-1], x.device))
+    return _launch(x, w_packed, scales, zeros, group_size, g_idx, _split_k(m, w_packed.shape[0], x.shape[-1], x.device))

@@ -32,9 +32,27 @@ def _round_e4m3(x):
 
 
 @triton.jit
-def _store_tile(src_ptr, s_t, s_h, s_d, cache_ptr, c_b, c_t, c_h, c_d, scale_ptr, scale_stride,
-                token, block, offset, num_heads, head_dim,
-                HEADS: tl.constexpr, DIM: tl.constexpr, KIND: tl.constexpr):
+def _store_tile(
+    src_ptr,
+    s_t,
+    s_h,
+    s_d,
+    cache_ptr,
+    c_b,
+    c_t,
+    c_h,
+    c_d,
+    scale_ptr,
+    scale_stride,
+    token,
+    block,
+    offset,
+    num_heads,
+    head_dim,
+    HEADS: tl.constexpr,
+    DIM: tl.constexpr,
+    KIND: tl.constexpr,
+):
     h = tl.arange(0, HEADS)[:, None]
     d = tl.arange(0, DIM)[None, :]
     mask = (h < num_heads) & (d < head_dim)
@@ -55,21 +73,83 @@ def _store_tile(src_ptr, s_t, s_h, s_d, cache_ptr, c_b, c_t, c_h, c_d, scale_ptr
 
 @triton.jit
 def _kv_store_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
-    s_kt, s_kh, s_kd, s_vt, s_vh, s_vd,
-    s_kb, s_kc, s_kch, s_kcd, s_vb, s_vc, s_vch, s_vcd,
-    num_heads, head_dim, k_scale_stride, v_scale_stride,
-    BLOCK_SIZE: tl.constexpr, HEADS: tl.constexpr, DIM: tl.constexpr, KIND: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    s_kt,
+    s_kh,
+    s_kd,
+    s_vt,
+    s_vh,
+    s_vd,
+    s_kb,
+    s_kc,
+    s_kch,
+    s_kcd,
+    s_vb,
+    s_vc,
+    s_vch,
+    s_vcd,
+    num_heads,
+    head_dim,
+    k_scale_stride,
+    v_scale_stride,
+    BLOCK_SIZE: tl.constexpr,
+    HEADS: tl.constexpr,
+    DIM: tl.constexpr,
+    KIND: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:  # a negative slot is padding
         block = slot // BLOCK_SIZE
         offset = slot % BLOCK_SIZE
-        _store_tile(k_ptr, s_kt, s_kh, s_kd, k_cache_ptr, s_kb, s_kc, s_kch, s_kcd, k_scale_ptr, k_scale_stride,
-                    token, block, offset, num_heads, head_dim, HEADS, DIM, KIND)
-        _store_tile(v_ptr, s_vt, s_vh, s_vd, v_cache_ptr, s_vb, s_vc, s_vch, s_vcd, v_scale_ptr, v_scale_stride,
-                    token, block, offset, num_heads, head_dim, HEADS, DIM, KIND)
+        _store_tile(
+            k_ptr,
+            s_kt,
+            s_kh,
+            s_kd,
+            k_cache_ptr,
+            s_kb,
+            s_kc,
+            s_kch,
+            s_kcd,
+            k_scale_ptr,
+            k_scale_stride,
+            token,
+            block,
+            offset,
+            num_heads,
+            head_dim,
+            HEADS,
+            DIM,
+            KIND,
+        )
+        _store_tile(
+            v_ptr,
+            s_vt,
+            s_vh,
+            s_vd,
+            v_cache_ptr,
+            s_vb,
+            s_vc,
+            s_vch,
+            s_vcd,
+            v_scale_ptr,
+            v_scale_stride,
+            token,
+            block,
+            offset,
+            num_heads,
+            head_dim,
+            HEADS,
+            DIM,
+            KIND,
+        )
 
 
 def interpreting() -> bool:
@@ -172,10 +252,24 @@ def kv_store(
     if k.shape[0] == 0:
         return
     _kv_store_kernel[(k.shape[0],)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k_cache if k_scale is None else k_scale, v_cache if v_scale is None else v_scale,  # unread when None
-        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
-        kv_heads, head_dim, scale_stride(k_scale), scale_stride(v_scale),
-        BLOCK_SIZE=block_size, HEADS=triton.next_power_of_2(kv_heads), DIM=triton.next_power_of_2(head_dim),
-        KIND=kind, num_warps=4,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k_cache if k_scale is None else k_scale,
+        v_cache if v_scale is None else v_scale,  # unread when None
+        *k.stride(),
+        *v.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        kv_heads,
+        head_dim,
+        scale_stride(k_scale),
+        scale_stride(v_scale),
+        BLOCK_SIZE=block_size,
+        HEADS=triton.next_power_of_2(kv_heads),
+        DIM=triton.next_power_of_2(head_dim),
+        KIND=kind,
+        num_warps=4,
     )

@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from quantkit.kernels.kv_store import FLOAT_CACHE_DTYPES, check_cache, check_device, interpreting, scale_stride
 from quantkit.kernels import reference
+from quantkit.kernels.kv_store import FLOAT_CACHE_DTYPES, check_cache, check_device, interpreting, scale_stride
 
 LOG2E = 1.4426950408889634
 
@@ -43,12 +43,39 @@ def _configs() -> list[triton.Config]:
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    out_ptr,
     qk_scale,  # softmax scale * log2(e)
-    s_qs, s_qh, s_qd, s_kb, s_kt, s_kh, s_kd, s_vb, s_vt, s_vh, s_vd, s_bt, s_os, s_oh, s_od,
-    head_dim, k_scale_stride, v_scale_stride,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, DIM: tl.constexpr,
-    QUANT: tl.constexpr, PRECISION: tl.constexpr,
+    s_qs,
+    s_qh,
+    s_qd,
+    s_kb,
+    s_kt,
+    s_kh,
+    s_kd,
+    s_vb,
+    s_vt,
+    s_vh,
+    s_vd,
+    s_bt,
+    s_os,
+    s_oh,
+    s_od,
+    head_dim,
+    k_scale_stride,
+    v_scale_stride,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    DIM: tl.constexpr,
+    QUANT: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     # one program per (sequence, KV head): the group's query heads share each K/V tile
     seq = tl.program_id(0)
@@ -57,8 +84,9 @@ def _decode_kernel(
     d = tl.arange(0, DIM)
     t = tl.arange(0, BLOCK_SIZE)
     q_mask = (g[:, None] < GROUP) & (d[None, :] < head_dim)
-    q = tl.load(q_ptr + seq * s_qs + (kvh * GROUP + g[:, None]) * s_qh + d[None, :] * s_qd,
-                mask=q_mask, other=0.0)  # [GROUP_PAD, DIM]
+    q = tl.load(
+        q_ptr + seq * s_qs + (kvh * GROUP + g[:, None]) * s_qh + d[None, :] * s_qd, mask=q_mask, other=0.0
+    )  # [GROUP_PAD, DIM]
     if QUANT:  # scores = (q . k_stored) * k_scale, out = (p . v_stored) * v_scale: exact dequantisation
         qk_scale = qk_scale * tl.load(k_scale_ptr + kvh * k_scale_stride)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -69,28 +97,35 @@ def _decode_kernel(
         block = tl.load(block_tables_ptr + seq * s_bt + j).to(tl.int64)
         valid = j * BLOCK_SIZE + t < seq_len  # the tail of the last block is masked
         kv_mask = valid[:, None] & (d[None, :] < head_dim)
-        k = tl.load(k_cache_ptr + block * s_kb + t[:, None] * s_kt + kvh * s_kh + d[None, :] * s_kd,
-                    mask=kv_mask, other=0.0)  # [BLOCK_SIZE, DIM], fp8/int8 -> q's dtype is exact
+        k = tl.load(
+            k_cache_ptr + block * s_kb + t[:, None] * s_kt + kvh * s_kh + d[None, :] * s_kd, mask=kv_mask, other=0.0
+        )  # [BLOCK_SIZE, DIM], fp8/int8 -> q's dtype is exact
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_SIZE]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + block * s_vb + t[:, None] * s_vt + kvh * s_vh + d[None, :] * s_vd,
-                    mask=kv_mask, other=0.0)  # masked: stale slots may hold NaN
+        v = tl.load(
+            v_cache_ptr + block * s_vb + t[:, None] * s_vt + kvh * s_vh + d[None, :] * s_vd, mask=kv_mask, other=0.0
+        )  # masked: stale slots may hold NaN
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
         m_i = m_new
     if QUANT:
         acc = acc * tl.load(v_scale_ptr + kvh * v_scale_stride)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # seq_len 0 -> zeros
-    tl.store(out_ptr + seq * s_os + (kvh * GROUP + g[:, None]) * s_oh + d[None, :] * s_od,
-             out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(
+        out_ptr + seq * s_os + (kvh * GROUP + g[:, None]) * s_oh + d[None, :] * s_od,
+        out.to(out_ptr.dtype.element_ty),
+        mask=q_mask,
+    )
 
 
-_decode = _decode_kernel if interpreting() else triton.autotune(
-    _configs(), key=["GROUP_PAD", "BLOCK_SIZE", "DIM", "QUANT"]
-)(_decode_kernel)
+_decode = (
+    _decode_kernel
+    if interpreting()
+    else triton.autotune(_configs(), key=["GROUP_PAD", "BLOCK_SIZE", "DIM", "QUANT"])(_decode_kernel)
+)
 
 
 def _check_tables(name: str, num_seqs: int, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
@@ -154,13 +189,28 @@ def paged_attention(
         return out
     group = q.shape[1] // kv_heads
     _decode[(q.shape[0], kv_heads)](
-        q, k_cache, v_cache, block_tables, seq_lens,
-        k_cache if k_scale is None else k_scale, v_cache if v_scale is None else v_scale,  # unread when None
-        out, scale * LOG2E,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
-        head_dim, scale_stride(k_scale), scale_stride(v_scale),
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
-        DIM=max(16, triton.next_power_of_2(head_dim)), QUANT=kind != "float",
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        k_cache if k_scale is None else k_scale,
+        v_cache if v_scale is None else v_scale,  # unread when None
+        out,
+        scale * LOG2E,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        block_tables.stride(0),
+        *out.stride(),
+        head_dim,
+        scale_stride(k_scale),
+        scale_stride(v_scale),
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        BLOCK_SIZE=block_size,
+        DIM=max(16, triton.next_power_of_2(head_dim)),
+        QUANT=kind != "float",
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 q: no tf32 rounding on the GPU
     )
     return out

@@ -25,8 +25,13 @@ if TYPE_CHECKING:
 
 __all__ = ["LLM", "SamplingParams", "__version__", "evaluate", "load", "quantize"]
 
-_WHERE = {"LLM": "quantkit.runtime.engine", "SamplingParams": "quantkit.runtime.sequence",
-          "load": "quantkit.runtime.loader", "quantize": "quantkit.api", "evaluate": "quantkit.api"}
+_WHERE = {
+    "LLM": "quantkit.runtime.engine",
+    "SamplingParams": "quantkit.runtime.sequence",
+    "load": "quantkit.runtime.loader",
+    "quantize": "quantkit.api",
+    "evaluate": "quantkit.api",
+}
 
 
 def __getattr__(name: str):

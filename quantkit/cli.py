@@ -30,15 +30,21 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
-app = typer.Typer(no_args_is_help=True, add_completion=False,
-                  help="Quantize Hugging Face causal LMs, measure what it cost, serve the result.")
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    help="Quantize Hugging Face causal LMs, measure what it cost, serve the result.",
+)
 console = Console(stderr=True)
 out = Console()
 
 
 @app.callback()
-def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                       help="Print the version and exit.")):
+def _main(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+):
     pass
 
 
@@ -52,8 +58,16 @@ def _quiet_transformers() -> None:
 
 @contextlib.contextmanager
 def _progress():
-    with Progress(TextColumn("{task.description:<12}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=False) as bar:
+    with Progress(
+        TextColumn("{task.description:<12}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+    ) as bar:
+
         def track(iterable, description="", total=None):
             task = bar.add_task(description, total=total)
             for item in iterable:
@@ -131,18 +145,27 @@ def _int4_scheme():
 
 
 def _group():
-    return typer.Option("auto", help="Weights per scale: a number that divides every quantized layer's input width, "
-                        "or auto (128, or the largest power of two below it that divides them all).")
+    return typer.Option(
+        "auto",
+        help="Weights per scale: a number that divides every quantized layer's input width, "
+        "or auto (128, or the largest power of two below it that divides them all).",
+    )
 
 
 def _calibration_options():
-    return (_opt(Calibration, "dataset", "--calib"), _opt(Calibration, "samples", "--samples"),
-            _opt(Calibration, "seq_len", "--seq-len"), _opt(Calibration, "seed", "--seed"))
+    return (
+        _opt(Calibration, "dataset", "--calib"),
+        _opt(Calibration, "samples", "--samples"),
+        _opt(Calibration, "seq_len", "--seq-len"),
+        _opt(Calibration, "seed", "--seed"),
+    )
 
 
 def _kv_options():
-    return (typer.Option(None, "--kv-cache", help="Also calibrate KV-cache scales: fp8 or int8."),
-            _opt(KVOptions, "per_head", "--kv-per-head"))
+    return (
+        typer.Option(None, "--kv-cache", help="Also calibrate KV-cache scales: fp8 or int8."),
+        _opt(KVOptions, "per_head", "--kv-per-head"),
+    )
 
 
 CALIB, SAMPLES, SEQ_LEN, SEED = _calibration_options()
@@ -157,17 +180,36 @@ def _group_size(value: str) -> int | str:
     return int(value)
 
 
-def _weights_recipe(method, model, output, scheme, group_size, calib, samples, seq_len, seed, options, kv_cache,
-                    kv_per_head, device, weights=None, before=()) -> dict:
+def _weights_recipe(
+    method,
+    model,
+    output,
+    scheme,
+    group_size,
+    calib,
+    samples,
+    seq_len,
+    seed,
+    options,
+    kv_cache,
+    kv_per_head,
+    device,
+    weights=None,
+    before=(),
+) -> dict:
     """The recipe dict a quantizing command means, so each command and `quantkit run` share one path."""
     if kv_cache is not None and kv_cache not in KV_DTYPES:
         raise QuantkitError(f"KV-cache type {kv_cache!r} is unknown; use {' or '.join(KV_DTYPES)}.")
     kv = [{"kv": {"dtype": kv_cache, "per_head": kv_per_head}}] if kv_cache else []
     group = _group_size(group_size) if group_size else "auto"
-    return {"model": model, "scheme": {"preset": scheme} | ({"group_size": group} if group != "auto" else {})
-            | (weights or {}), "steps": [*before, {method: options}, *kv],
-            "calibration": {"dataset": calib, "samples": samples, "seq_len": seq_len, "seed": seed},
-            "output": None if output is None else str(output), "device": device}
+    return {
+        "model": model,
+        "scheme": {"preset": scheme} | ({"group_size": group} if group != "auto" else {}) | (weights or {}),
+        "steps": [*before, {method: options}, *kv],
+        "calibration": {"dataset": calib, "samples": samples, "seq_len": seq_len, "seed": seed},
+        "output": None if output is None else str(output),
+        "device": device,
+    }
 
 
 def _command_recipe(raw: dict, overwrite: bool, print_recipe: bool, json_path: Path | None = None) -> None:
@@ -188,26 +230,36 @@ def _quantize_rows(prov: dict) -> list[tuple[str, object]]:
         a = prov["input_activations"]
         kind = f"fp8 {w['strategy']} weights, {'dynamic ' if a['dynamic'] else 'static '}{a['strategy']} activations"
     else:
-        kind = (f"int{w['num_bits']}, group {w['group_size']}, {'sym' if w['symmetric'] else 'asym'}"
-                + (f", act-order {w['actorder']}" if w["actorder"] else ""))
+        kind = f"int{w['num_bits']}, group {w['group_size']}, {'sym' if w['symmetric'] else 'asym'}" + (
+            f", act-order {w['actorder']}" if w["actorder"] else ""
+        )
     rows = [("scheme", f"{prov['scheme']} ({kind})"), ("quantized linears", prov["quantized_linears"])]
     if prov.get("transforms"):
         rows.append(("before quantizing", ", ".join(prov["transforms"])))
     if prov["kv_cache"]:
         k = prov["kv_cache"]
-        rows.append(("kv cache", f"{k['type']}{k['num_bits']}, one scale per "
-                                 f"{'head' if k['strategy'] == 'attn_head' else 'layer'}"))
+        rows.append(
+            (
+                "kv cache",
+                f"{k['type']}{k['num_bits']}, one scale per {'head' if k['strategy'] == 'attn_head' else 'layer'}",
+            )
+        )
     if c:
         rows.append(("calibration", f"{c['dataset']}: {c['samples']} × {c['seq_len']} tokens, seed {c['seed']}"))
-    return rows + [("wall time", f"{prov['wall_time_s']:.1f} s"),
-                   ("peak memory (RSS)", f"{prov['peak_rss_mib']:.0f} MiB")]
+    return rows + [
+        ("wall time", f"{prov['wall_time_s']:.1f} s"),
+        ("peak memory (RSS)", f"{prov['peak_rss_mib']:.0f} MiB"),
+    ]
 
 
 def _kv_rows(prov: dict) -> list[tuple[str, object]]:
     k, c = prov["kv_cache"], prov["kv_cache"]["calibration"]
     return [
-        ("kv cache", f"{k['args']['type'].replace('float', 'fp')}{k['args']['num_bits']}, one scale per "
-                     f"{'head' if k['args']['strategy'] == 'attn_head' else 'layer'}"),
+        (
+            "kv cache",
+            f"{k['args']['type'].replace('float', 'fp')}{k['args']['num_bits']}, one scale per "
+            f"{'head' if k['args']['strategy'] == 'attn_head' else 'layer'}",
+        ),
         ("calibration", f"{c['dataset']}: {c['samples']} × {c['seq_len']} tokens, seed {c['seed']}"),
         ("wall time", f"{k['wall_time_s']:.1f} s"),
     ]
@@ -221,8 +273,9 @@ def _run_recipe(recipe, output: Optional[Path], overwrite: bool, json_path: Path
     if recipe.eval is not None and recipe.eval["tasks"]:
         _quiet_lm_eval()
     with _progress() as track:
-        prov = run_recipe(recipe, output, overwrite, track,
-                          log=lambda message: console.print(f"[yellow]note:[/] {escape(message)}"))
+        prov = run_recipe(
+            recipe, output, overwrite, track, log=lambda message: console.print(f"[yellow]note:[/] {escape(message)}")
+        )
     _write_json(json_path, prov)
     name = "kv" if [s.name for s in recipe.steps] == ["kv"] else prov["algorithm"]
     out.print(_table(f"{name} → {output or recipe.output}", _kv_rows(prov) if name == "kv" else _quantize_rows(prov)))
@@ -236,14 +289,31 @@ def _run_recipe(recipe, output: Optional[Path], overwrite: bool, json_path: Path
 
 
 @command
-def rtn(model: str = MODEL, output: Optional[Path] = QOUTPUT, scheme: str = _int4_scheme(), group_size: str = _group(),
-        kv_cache: Optional[str] = KV, kv_per_head: bool = KV_PER_HEAD,
-        calib: str = CALIB, samples: int = SAMPLES, seq_len: int = SEQ_LEN, seed: int = SEED,
-        overwrite: bool = OVERWRITE, device: str = DEVICE, print_recipe: bool = PRINT_RECIPE,
-        json_path: Optional[Path] = JSON):
+def rtn(
+    model: str = MODEL,
+    output: Optional[Path] = QOUTPUT,
+    scheme: str = _int4_scheme(),
+    group_size: str = _group(),
+    kv_cache: Optional[str] = KV,
+    kv_per_head: bool = KV_PER_HEAD,
+    calib: str = CALIB,
+    samples: int = SAMPLES,
+    seq_len: int = SEQ_LEN,
+    seed: int = SEED,
+    overwrite: bool = OVERWRITE,
+    device: str = DEVICE,
+    print_recipe: bool = PRINT_RECIPE,
+    json_path: Optional[Path] = JSON,
+):
     """Round-to-nearest INT4 weights: the baseline for AWQ and GPTQ (calibration text is used only for --kv-cache)."""
-    _command_recipe(_weights_recipe("rtn", model, output, scheme, group_size, calib, samples, seq_len, seed, {},
-                                    kv_cache, kv_per_head, device), overwrite, print_recipe, json_path)
+    _command_recipe(
+        _weights_recipe(
+            "rtn", model, output, scheme, group_size, calib, samples, seq_len, seed, {}, kv_cache, kv_per_head, device
+        ),
+        overwrite,
+        print_recipe,
+        json_path,
+    )
 
 
 def _awq_option(name: str, *decls: str):
@@ -252,39 +322,105 @@ def _awq_option(name: str, *decls: str):
 
 @command
 def awq(
-    model: str = MODEL, output: Optional[Path] = QOUTPUT, scheme: str = _int4_scheme(), group_size: str = _group(),
-    calib: str = CALIB, samples: int = SAMPLES, seq_len: int = SEQ_LEN, seed: int = SEED,
-    grid: int = _awq_option("grid"), duo: bool = _awq_option("duo"), clip: bool = _awq_option("clip"),
+    model: str = MODEL,
+    output: Optional[Path] = QOUTPUT,
+    scheme: str = _int4_scheme(),
+    group_size: str = _group(),
+    calib: str = CALIB,
+    samples: int = SAMPLES,
+    seq_len: int = SEQ_LEN,
+    seed: int = SEED,
+    grid: int = _awq_option("grid"),
+    duo: bool = _awq_option("duo"),
+    clip: bool = _awq_option("clip"),
     module_loss: bool = _awq_option("module_loss"),
-    save_search: Optional[Path] = _awq_option("save_search"), load_search: Optional[Path] = _awq_option("load_search"),
-    kv_cache: Optional[str] = KV, kv_per_head: bool = KV_PER_HEAD,
-    overwrite: bool = OVERWRITE, device: str = DEVICE, print_recipe: bool = PRINT_RECIPE,
+    save_search: Optional[Path] = _awq_option("save_search"),
+    load_search: Optional[Path] = _awq_option("load_search"),
+    kv_cache: Optional[str] = KV,
+    kv_per_head: bool = KV_PER_HEAD,
+    overwrite: bool = OVERWRITE,
+    device: str = DEVICE,
+    print_recipe: bool = PRINT_RECIPE,
     json_path: Optional[Path] = JSON,
 ):
     """AWQ INT4 (Lin et al.): activation-aware scales folded into the previous op, then per-group clipping."""
-    options = {"grid": grid, "duo": duo, "clip": clip, "module_loss": module_loss,
-               "save_search": str(save_search) if save_search else None,
-               "load_search": str(load_search) if load_search else None}
-    _command_recipe(_weights_recipe("awq", model, output, scheme, group_size, calib, samples, seq_len, seed, options,
-                                    kv_cache, kv_per_head, device), overwrite, print_recipe, json_path)
+    options = {
+        "grid": grid,
+        "duo": duo,
+        "clip": clip,
+        "module_loss": module_loss,
+        "save_search": str(save_search) if save_search else None,
+        "load_search": str(load_search) if load_search else None,
+    }
+    _command_recipe(
+        _weights_recipe(
+            "awq",
+            model,
+            output,
+            scheme,
+            group_size,
+            calib,
+            samples,
+            seq_len,
+            seed,
+            options,
+            kv_cache,
+            kv_per_head,
+            device,
+        ),
+        overwrite,
+        print_recipe,
+        json_path,
+    )
 
 
 @command
 def fp8(
-    model: str = MODEL, output: Optional[Path] = QOUTPUT,
-    scheme: str = typer.Option("fp8-dynamic", help="fp8-dynamic (per-channel weights, per-token activations at run "
-                               "time) or fp8 (per-tensor weights and calibrated static activation scales)."),
-    calib: str = CALIB, samples: int = SAMPLES, seq_len: int = SEQ_LEN, seed: int = SEED,
-    smooth: bool = typer.Option(False, help="Migrate activation outliers into the weights first (SmoothQuant, "
-                                "α searched per mapping on --calib)."),
-    kv_cache: Optional[str] = KV, kv_per_head: bool = KV_PER_HEAD,
-    overwrite: bool = OVERWRITE, device: str = DEVICE, print_recipe: bool = PRINT_RECIPE,
+    model: str = MODEL,
+    output: Optional[Path] = QOUTPUT,
+    scheme: str = typer.Option(
+        "fp8-dynamic",
+        help="fp8-dynamic (per-channel weights, per-token activations at run "
+        "time) or fp8 (per-tensor weights and calibrated static activation scales).",
+    ),
+    calib: str = CALIB,
+    samples: int = SAMPLES,
+    seq_len: int = SEQ_LEN,
+    seed: int = SEED,
+    smooth: bool = typer.Option(
+        False,
+        help="Migrate activation outliers into the weights first (SmoothQuant, α searched per mapping on --calib).",
+    ),
+    kv_cache: Optional[str] = KV,
+    kv_per_head: bool = KV_PER_HEAD,
+    overwrite: bool = OVERWRITE,
+    device: str = DEVICE,
+    print_recipe: bool = PRINT_RECIPE,
     json_path: Optional[Path] = JSON,
 ):
     """FP8 e4m3 weights and activations (static scales and --smooth are calibrated on --calib)."""
     before = [{"smooth": dataclasses.asdict(SmoothOptions())}] if smooth else []
-    _command_recipe(_weights_recipe("fp8", model, output, scheme, None, calib, samples, seq_len, seed, {},
-                                    kv_cache, kv_per_head, device, before=before), overwrite, print_recipe, json_path)
+    _command_recipe(
+        _weights_recipe(
+            "fp8",
+            model,
+            output,
+            scheme,
+            None,
+            calib,
+            samples,
+            seq_len,
+            seed,
+            {},
+            kv_cache,
+            kv_per_head,
+            device,
+            before=before,
+        ),
+        overwrite,
+        print_recipe,
+        json_path,
+    )
 
 
 def _gptq_option(name: str):
@@ -293,34 +429,70 @@ def _gptq_option(name: str):
 
 @command
 def gptq(
-    model: str = MODEL, output: Optional[Path] = QOUTPUT, scheme: str = _int4_scheme(), group_size: str = _group(),
-    calib: str = CALIB, samples: int = SAMPLES, seq_len: int = SEQ_LEN, seed: int = SEED,
-    act_order: str = typer.Option("static", help="static (columns by descending Hessian diagonal, groups kept), "
-                                  "group (desc_act with g_idx) or none."),
-    damp: float = _gptq_option("damp"), block_size: int = _gptq_option("block_size"),
-    kv_cache: Optional[str] = KV, kv_per_head: bool = KV_PER_HEAD,
-    overwrite: bool = OVERWRITE, device: str = DEVICE, print_recipe: bool = PRINT_RECIPE,
+    model: str = MODEL,
+    output: Optional[Path] = QOUTPUT,
+    scheme: str = _int4_scheme(),
+    group_size: str = _group(),
+    calib: str = CALIB,
+    samples: int = SAMPLES,
+    seq_len: int = SEQ_LEN,
+    seed: int = SEED,
+    act_order: str = typer.Option(
+        "static",
+        help="static (columns by descending Hessian diagonal, groups kept), group (desc_act with g_idx) or none.",
+    ),
+    damp: float = _gptq_option("damp"),
+    block_size: int = _gptq_option("block_size"),
+    kv_cache: Optional[str] = KV,
+    kv_per_head: bool = KV_PER_HEAD,
+    overwrite: bool = OVERWRITE,
+    device: str = DEVICE,
+    print_recipe: bool = PRINT_RECIPE,
     json_path: Optional[Path] = JSON,
 ):
     """GPTQ INT4 (Frantar et al.): Hessian-based error feedback, true-sequential, act-order."""
     if act_order not in ("static", "group", "none"):
         raise QuantkitError(f"--act-order {act_order!r} is unknown; use static, group or none.")
-    _command_recipe(_weights_recipe("gptq", model, output, scheme, group_size, calib, samples, seq_len, seed,
-                                    {"damp": damp, "block_size": block_size}, kv_cache, kv_per_head, device,
-                                    {"actorder": act_order} if act_order != "none" else None),
-                    overwrite, print_recipe, json_path)
+    _command_recipe(
+        _weights_recipe(
+            "gptq",
+            model,
+            output,
+            scheme,
+            group_size,
+            calib,
+            samples,
+            seq_len,
+            seed,
+            {"damp": damp, "block_size": block_size},
+            kv_cache,
+            kv_per_head,
+            device,
+            {"actorder": act_order} if act_order != "none" else None,
+        ),
+        overwrite,
+        print_recipe,
+        json_path,
+    )
 
 
 @command
 def run(
     recipe: Path = typer.Argument(..., help="A recipe YAML file (see recipes/)."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Folder to write the checkpoint to "
-                                          "(default: the recipe's output)."),
-    set_: Optional[list[str]] = typer.Option(None, "--set", help="Change a recipe key, e.g. --set "
-                                             "calibration.samples=16 or --set steps.0.awq.grid=10 (repeatable)."),
-    overwrite: bool = OVERWRITE, print_recipe: bool = PRINT_RECIPE, json_path: Optional[Path] = JSON,
+    output: Optional[Path] = typer.Option(
+        None, "--output", "-o", help="Folder to write the checkpoint to (default: the recipe's output)."
+    ),
+    set_: Optional[list[str]] = typer.Option(
+        None,
+        "--set",
+        help="Change a recipe key, e.g. --set calibration.samples=16 or --set steps.0.awq.grid=10 (repeatable).",
+    ),
+    overwrite: bool = OVERWRITE,
+    print_recipe: bool = PRINT_RECIPE,
+    json_path: Optional[Path] = JSON,
 ):
-    """Make a checkpoint from a recipe: model, scheme, steps, calibration and eval gates in one YAML file (a failed gate exits 1; the checkpoint stays written)."""
+    """Make a checkpoint from a recipe: model, scheme, steps, calibration and eval gates in one
+    YAML file (a failed gate exits 1; the checkpoint stays written)."""
     from quantkit.pipeline.recipe import load_recipe
 
     r = load_recipe(recipe, set_ or ())
@@ -331,15 +503,16 @@ def run(
 
 
 def _fraction(value: str | None) -> float | None:
-    """"2%" or "0.02" -> 0.02."""
+    """ "2%" or "0.02" -> 0.02."""
     if value is None:
         return None
     text = value.strip()
     try:
         return float(text[:-1]) / 100 if text.endswith("%") else float(text)
     except ValueError:
-        raise QuantkitError(f"--max-ppl-increase {value!r} is neither a percentage nor a fraction; "
-                            "write 2% or 0.02.") from None
+        raise QuantkitError(
+            f"--max-ppl-increase {value!r} is neither a percentage nor a fraction; write 2% or 0.02."
+        ) from None
 
 
 def _number(value: float | None, signed: bool = False) -> str:
@@ -351,15 +524,22 @@ def _number(value: float | None, signed: bool = False) -> str:
 def _gate_table(report: dict) -> Table:
     pair = report["baseline"] is not None
     title = f"{report['candidate']} vs {report['baseline']}" if pair else f"scores of {report['candidate']}"
-    table = _new_table(title, ("metric", "baseline", "candidate", "delta", "recovery", "gate") if pair
-                       else ("metric", "value"))
+    table = _new_table(
+        title, ("metric", "baseline", "candidate", "delta", "recovery", "gate") if pair else ("metric", "value")
+    )
     for row in report["rows"]:
         if not pair:
             table.add_row(row["metric"], _number(row["candidate"]))
             continue
         gate = {True: "[green]pass[/]", False: "[bold red]FAIL[/]", None: ""}[row["passed"]]
-        table.add_row(row["metric"], _number(row["baseline"]), _number(row["candidate"]),
-                      _number(row["delta"], signed=True), _number(row["recovery"]), gate)
+        table.add_row(
+            row["metric"],
+            _number(row["baseline"]),
+            _number(row["candidate"]),
+            _number(row["delta"], signed=True),
+            _number(row["recovery"]),
+            gate,
+        )
     c = report["results"]["candidate"]
     scope = [f"{c['ppl']['dataset']}: {c['ppl']['windows']} × {c['ppl']['seq_len']} tokens"] if c["ppl"] else []
     scope += [f"{task}: {n} docs" for task, n in c["docs"].items()]
@@ -379,20 +559,28 @@ def _quiet_lm_eval() -> None:
 @command
 def eval(
     model: str = typer.Argument(..., help="Built-in name, local folder, hub id or quantkit checkpoint."),
-    ppl: str = typer.Option("wiki", help="Perplexity text: wiki, news, wikitext2, c4, pileval, a .txt/.jsonl/.parquet "
-                            "file, or none."),
-    tasks: Optional[str] = typer.Option(None, help="lm-eval tasks, comma-separated: wiki_cloze, wiki_wordppl (built in, "
-                                        "offline), lm-eval's own (need the hub) or yours under --include-path."),
+    ppl: str = typer.Option(
+        "wiki", help="Perplexity text: wiki, news, wikitext2, c4, pileval, a .txt/.jsonl/.parquet file, or none."
+    ),
+    tasks: Optional[str] = typer.Option(
+        None,
+        help="lm-eval tasks, comma-separated: wiki_cloze, wiki_wordppl (built in, "
+        "offline), lm-eval's own (need the hub) or yours under --include-path.",
+    ),
     include_path: Optional[Path] = typer.Option(None, help="A folder of your own lm-eval task YAMLs."),
     num_fewshot: Optional[int] = typer.Option(None, help="Few-shot examples per prompt (default: each task's own)."),
-    seq_len: Optional[int] = typer.Option(None, help="Window length (default 2048, or the model's context if shorter)."),
+    seq_len: Optional[int] = typer.Option(
+        None, help="Window length (default 2048, or the model's context if shorter)."
+    ),
     limit: Optional[int] = typer.Option(None, help="Score only the first N windows, and N documents per task."),
     batch_size: int = typer.Option(1, help="Windows (or task requests) per forward pass."),
     baseline: Optional[str] = typer.Option(None, help="The model to compare against, scored on the same data."),
-    max_ppl_increase: Optional[str] = typer.Option(None, help="Gate: fail when a perplexity rises more than this over "
-                                                   "the baseline (2% or 0.02)."),
-    min_recovery: Optional[float] = typer.Option(None, help="Gate: fail when a metric keeps less than this fraction of "
-                                                 "the baseline's (e.g. 0.98)."),
+    max_ppl_increase: Optional[str] = typer.Option(
+        None, help="Gate: fail when a perplexity rises more than this over the baseline (2% or 0.02)."
+    ),
+    min_recovery: Optional[float] = typer.Option(
+        None, help="Gate: fail when a metric keeps less than this fraction of the baseline's (e.g. 0.98)."
+    ),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the result to this JSON file."),
 ):
     """Perplexity on the papers' protocol (non-overlapping windows, mean token NLL) and
@@ -407,21 +595,37 @@ def eval(
             result = evaluate(model, text, seq_len, limit, batch_size, track)
         if json_path:
             _write_json(json_path, result)
-        out.print(_table(f"perplexity of {model}", [
-            ("dataset", result["dataset"]),
-            ("perplexity", f"{result['ppl']:.4f}"),
-            ("windows × seq_len", f"{result['windows']} × {result['seq_len']} = {result['tokens']} tokens"),
-            ("time", f"{result['eval_time_s']:.1f} s"),
-        ]))
+        out.print(
+            _table(
+                f"perplexity of {model}",
+                [
+                    ("dataset", result["dataset"]),
+                    ("perplexity", f"{result['ppl']:.4f}"),
+                    ("windows × seq_len", f"{result['windows']} × {result['seq_len']} = {result['tokens']} tokens"),
+                    ("time", f"{result['eval_time_s']:.1f} s"),
+                ],
+            )
+        )
         return
     from quantkit.eval.gates import evaluate_gates
 
     if task_list:
         _quiet_lm_eval()
     with _progress() as track:
-        report = evaluate_gates(model, baseline, ppl=text, tasks=task_list, limit=limit, seq_len=seq_len,
-                                num_fewshot=num_fewshot, include_path=include_path, max_ppl_increase=max_increase,
-                                min_recovery=min_recovery, track=track, batch_size=batch_size)
+        report = evaluate_gates(
+            model,
+            baseline,
+            ppl=text,
+            tasks=task_list,
+            limit=limit,
+            seq_len=seq_len,
+            num_fewshot=num_fewshot,
+            include_path=include_path,
+            max_ppl_increase=max_increase,
+            min_recovery=min_recovery,
+            track=track,
+            batch_size=batch_size,
+        )
     if json_path:
         _write_json(json_path, report)
     out.print(_gate_table(report))
@@ -437,14 +641,28 @@ def kv(
     output: Optional[Path] = QOUTPUT,
     dtype: str = _opt(KVOptions, "dtype", help="KV-cache type: fp8 or int8."),
     per_head: bool = _opt(KVOptions, "per_head"),
-    calib: str = CALIB, samples: int = SAMPLES, seq_len: int = SEQ_LEN, seed: int = SEED,
-    overwrite: bool = typer.Option(False, help="Replace an existing output folder, or KV scales the model already has."),
-    print_recipe: bool = PRINT_RECIPE, json_path: Optional[Path] = JSON,
+    calib: str = CALIB,
+    samples: int = SAMPLES,
+    seq_len: int = SEQ_LEN,
+    seed: int = SEED,
+    overwrite: bool = typer.Option(
+        False, help="Replace an existing output folder, or KV scales the model already has."
+    ),
+    print_recipe: bool = PRINT_RECIPE,
+    json_path: Optional[Path] = JSON,
 ):
     """Add calibrated KV-cache scales (k_scale/v_scale) to a model or checkpoint; weights stay as they are."""
-    _command_recipe({"model": model, "steps": [{"kv": {"dtype": dtype, "per_head": per_head}}],
-                     "calibration": {"dataset": calib, "samples": samples, "seq_len": seq_len, "seed": seed},
-                     "output": None if output is None else str(output)}, overwrite, print_recipe, json_path)
+    _command_recipe(
+        {
+            "model": model,
+            "steps": [{"kv": {"dtype": dtype, "per_head": per_head}}],
+            "calibration": {"dataset": calib, "samples": samples, "seq_len": seq_len, "seed": seed},
+            "output": None if output is None else str(output),
+        },
+        overwrite,
+        print_recipe,
+        json_path,
+    )
 
 
 DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
@@ -475,8 +693,9 @@ def generate(
     if chat:
         if not getattr(llm.tokenizer, "chat_template", None):
             raise QuantkitError(f"{model} has no chat template; drop --chat.")
-        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                   add_generation_prompt=True)
+        prompt = llm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     request = llm.add_request(prompt, params)
     shown = ""
@@ -487,26 +706,42 @@ def generate(
                 output = o
                 text = llm.tokenizer.decode(o.token_ids, skip_special_tokens=True)
                 if not text.endswith("\ufffd"):  # wait for the rest of a multibyte character
-                    out.print(text[len(shown):], end="", markup=False, highlight=False, soft_wrap=True)
+                    out.print(text[len(shown) :], end="", markup=False, highlight=False, soft_wrap=True)
                     shown = text
     out.print()
     n = len(output.token_ids)
     total = output.finish_time - output.arrival_time
-    _write_json(json_path, {"prompt": prompt, "text": shown, "prompt_tokens": len(output.prompt_token_ids),
-                            "generated_tokens": n, "finish_reason": output.finish_reason,
-                            "ttft_ms": 1000 * output.ttft, "tpot_ms": 1000 * output.tpot if output.tpot else None,
-                            "tokens_per_s": n / total})
-    out.print(_table("generation", [
-        ("tokens", f"{len(output.prompt_token_ids)} prompt, {n} generated ({output.finish_reason})"),
-        ("TTFT", f"{1000 * output.ttft:.1f} ms"),
-        ("TPOT", f"{1000 * output.tpot:.1f} ms" if output.tpot else "–"),
-        ("throughput", f"{n / total:.1f} tokens/s"),
-    ]))
+    _write_json(
+        json_path,
+        {
+            "prompt": prompt,
+            "text": shown,
+            "prompt_tokens": len(output.prompt_token_ids),
+            "generated_tokens": n,
+            "finish_reason": output.finish_reason,
+            "ttft_ms": 1000 * output.ttft,
+            "tpot_ms": 1000 * output.tpot if output.tpot else None,
+            "tokens_per_s": n / total,
+        },
+    )
+    out.print(
+        _table(
+            "generation",
+            [
+                ("tokens", f"{len(output.prompt_token_ids)} prompt, {n} generated ({output.finish_reason})"),
+                ("TTFT", f"{1000 * output.ttft:.1f} ms"),
+                ("TPOT", f"{1000 * output.tpot:.1f} ms" if output.tpot else "–"),
+                ("throughput", f"{n / total:.1f} tokens/s"),
+            ],
+        )
+    )
 
 
 def _report_rows(r: dict) -> list[tuple[str, object]]:
     def pct(d):
-        return " / ".join(f"{d[k]:.1f}" for k in ("p50", "p90", "p95", "p99")) if d and d.get("p50") is not None else "–"
+        return (
+            " / ".join(f"{d[k]:.1f}" for k in ("p50", "p90", "p95", "p99")) if d and d.get("p50") is not None else "–"
+        )
 
     rows = [
         ("requests", f"{r['num_requests']} ({r['input_tokens']} prompt + {r['output_tokens']} output tokens)"),
@@ -531,7 +766,9 @@ def serve(
     model: str = typer.Argument(..., help="Built-in name, local folder, hub id or quantkit checkpoint."),
     host: str = typer.Option("127.0.0.1", help="Address to bind (loopback by default)."),
     port: int = typer.Option(8000, help="Port to listen on."),
-    api_key: Optional[str] = typer.Option(None, help="Require `Authorization: Bearer KEY` on /v1 (or QUANTKIT_API_KEY)."),
+    api_key: Optional[str] = typer.Option(
+        None, help="Require `Authorization: Bearer KEY` on /v1 (or QUANTKIT_API_KEY)."
+    ),
     max_num_seqs: int = typer.Option(64, help="Sequences per engine step at most."),
     max_queue: int = typer.Option(256, help="Requests that may wait beyond those running; more get 429."),
     kv_cache_memory: float = typer.Option(1 << 30, help="KV-cache bytes (or a fraction of free memory)."),
@@ -545,14 +782,25 @@ def serve(
 
     if dtype not in DTYPES:
         raise QuantkitError(f"--dtype {dtype!r} is unknown; use one of {', '.join(DTYPES)}.")
-    run_server(model, host, port, api_key, max_num_seqs, max_queue, kv_cache_memory, served_model_name,
-               getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else None)
+    run_server(
+        model,
+        host,
+        port,
+        api_key,
+        max_num_seqs,
+        max_queue,
+        kv_cache_memory,
+        served_model_name,
+        getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else None,
+    )
 
 
 @command
 def bench(
-    model: str = typer.Argument(..., help="Built-in name, local folder, hub id or quantkit checkpoint; or kernels, "
-                                "for the kernel micro-benchmark."),
+    model: str = typer.Argument(
+        ...,
+        help="Built-in name, local folder, hub id or quantkit checkpoint; or kernels, for the kernel micro-benchmark.",
+    ),
     workload: Optional[Path] = typer.Option(None, help="jsonl of {prompt or prompt_token_ids, max_tokens}."),
     num_requests: int = typer.Option(64, help="Synthetic requests (without --workload)."),
     input_len: str = typer.Option("32:512", help="Prompt tokens, A:B uniform."),
@@ -565,25 +813,31 @@ def bench(
     slo_ttft: Optional[float] = typer.Option(None, "--slo-ttft", help="TTFT objective (ms) for goodput."),
     slo_tpot: Optional[float] = typer.Option(None, "--slo-tpot", help="TPOT objective (ms) for goodput."),
     gpu_cost_per_hour: Optional[float] = typer.Option(None, help="Machine price, for cost per 1M tokens."),
-    compare: Optional[str] = typer.Option(None, help="hf: also run transformers (one at a time, static batches of 16)."),
+    compare: Optional[str] = typer.Option(
+        None, help="hf: also run transformers (one at a time, static batches of 16)."
+    ),
     dtype: str = typer.Option("auto", help="auto, float32, bfloat16 or float16."),
     max_num_seqs: int = typer.Option(64, help="Engine: sequences per step at most."),
     kv_cache_memory: float = typer.Option(1 << 30, help="Engine: KV-cache bytes (or a fraction of free memory)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the report here."),
     plot: Optional[Path] = typer.Option(None, help="Online: sweep rates and plot latency against throughput (PNG)."),
-    device: str = typer.Option("cpu", help="Kernels: cpu (GEMM paths against the copy bandwidth) or cuda (each "
-                               "Triton kernel checked against its twin, then timed)."),
+    device: str = typer.Option(
+        "cpu",
+        help="Kernels: cpu (GEMM paths against the copy bandwidth) or cuda (each "
+        "Triton kernel checked against its twin, then timed).",
+    ),
     quick: bool = typer.Option(False, help="Kernels: fewer shapes and repetitions."),
     threads: Optional[int] = typer.Option(None, help="Kernels: torch CPU threads (1 gives steadier numbers)."),
 ):
-    """Throughput, TTFT, TPOT, latency percentiles, goodput and cost of serving a model; `quantkit bench kernels` times the kernels instead."""
+    """Throughput, TTFT, TPOT, latency percentiles, goodput and cost of serving a model;
+    `quantkit bench kernels` times the kernels instead."""
     import torch
 
     if model == "kernels":
         return _bench_kernels(device, quick, threads, json_path)
 
-    from quantkit.perf import bench as b
     from quantkit.models.loading import load_tokenizer, resolve_model
+    from quantkit.perf import bench as b
 
     if dtype not in DTYPES:
         raise QuantkitError(f"--dtype {dtype!r} is unknown; use one of {', '.join(DTYPES)}.")
@@ -592,8 +846,11 @@ def bench(
     torch_dtype = getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else None
     slo = {"slo_ttft_ms": slo_ttft, "slo_tpot_ms": slo_tpot, "cost_per_hour": gpu_cost_per_hour}
     tokenizer = load_tokenizer(resolve_model(model))
-    requests = b.load_workload(workload) if workload else b.synthetic_workload(
-        tokenizer, num_requests, input_len, output_len, seed)
+    requests = (
+        b.load_workload(workload)
+        if workload
+        else b.synthetic_workload(tokenizer, num_requests, input_len, output_len, seed)
+    )
     with _progress() as track:
         if url:
             report = b.run_http(url, requests, rate, concurrency, model, track, seed, **slo)
@@ -613,12 +870,21 @@ def bench(
     out.print(_table(f"bench {model} ({report['mode']})", _report_rows(report)))
     if report.get("compare"):
         c = report["compare"]
-        out.print(_table("against transformers (output tokens/s)", [
-            ("hf, one request at a time", f"{c['hf_sequential']['output_tokens_per_s']:.1f} "
-                                          f"(ours ×{c['ratio_vs_hf_sequential']:.2f})"),
-            ("hf, static batches of 16", f"{c['hf_static']['output_tokens_per_s']:.1f} "
-                                         f"(ours ×{c['ratio_vs_hf_static']:.2f})"),
-        ]))
+        out.print(
+            _table(
+                "against transformers (output tokens/s)",
+                [
+                    (
+                        "hf, one request at a time",
+                        f"{c['hf_sequential']['output_tokens_per_s']:.1f} (ours ×{c['ratio_vs_hf_sequential']:.2f})",
+                    ),
+                    (
+                        "hf, static batches of 16",
+                        f"{c['hf_static']['output_tokens_per_s']:.1f} (ours ×{c['ratio_vs_hf_static']:.2f})",
+                    ),
+                ],
+            )
+        )
 
 
 def _bench_kernels(device: str, quick: bool, threads: int | None, json_path: Path | None) -> None:
@@ -653,12 +919,25 @@ def plan(
 
     rows = make_plan(model_config(model), list(scheme), kv_cache, gpu, context, gpu_cost_per_hour)
     _write_json(json_path, rows)
-    table = _new_table(f"plan {model} on {gpu}, {context}-token sequences, KV {kv_cache or 'bf16'}", (
-        "scheme", "weights", "KV/token", "seqs that fit", "TPOT bound b=1", "TPOT bound full", "tokens/s full",
-        "$ / 1K tokens"))
+    table = _new_table(
+        f"plan {model} on {gpu}, {context}-token sequences, KV {kv_cache or 'bf16'}",
+        (
+            "scheme",
+            "weights",
+            "KV/token",
+            "seqs that fit",
+            "TPOT bound b=1",
+            "TPOT bound full",
+            "tokens/s full",
+            "$ / 1K tokens",
+        ),
+    )
     for r in rows:
         table.add_row(
-            r["scheme"], _mib(r["weight_bytes"]), f"{r['kv_bytes_per_token'] / 1024:.1f} KiB", str(r["max_seqs"]),
+            r["scheme"],
+            _mib(r["weight_bytes"]),
+            f"{r['kv_bytes_per_token'] / 1024:.1f} KiB",
+            str(r["max_seqs"]),
             f"{r['tpot_ms_batch1']:.2f} ms",
             f"{r['tpot_ms_full']:.2f} ms" if r["tpot_ms_full"] is not None else "–",
             f"{r['tokens_per_s_full']:.0f}" if r["tokens_per_s_full"] is not None else "–",
@@ -699,9 +978,16 @@ def inspect(
     rows = [("format", f"{info['quant_method']} / {info['format']}")]
     for name, w in info["weights"].items():
         if w:
-            kind = f"{w['type']}{w['num_bits']} {w['strategy']}" + (f" {w['group_size']}" if w.get("group_size") else "")
-            rows.append((f"weights ({name})", f"{kind}, {'symmetric' if w['symmetric'] else 'asymmetric'}"
-                         + (f", actorder {w['actorder']}" if w.get("actorder") else "")))
+            kind = f"{w['type']}{w['num_bits']} {w['strategy']}" + (
+                f" {w['group_size']}" if w.get("group_size") else ""
+            )
+            rows.append(
+                (
+                    f"weights ({name})",
+                    f"{kind}, {'symmetric' if w['symmetric'] else 'asymmetric'}"
+                    + (f", actorder {w['actorder']}" if w.get("actorder") else ""),
+                )
+            )
     q = info["quantized_modules"]
     rows += [
         ("quantized modules", f"{len(q)}" + (f" ({q[0]} … {q[-1]})" if q else "")),

@@ -25,7 +25,9 @@ def _triton(backend: str, module: str, x: torch.Tensor):
         return importlib.import_module(f"quantkit.kernels.{module}")
     except ImportError as e:
         if backend == "triton":
-            raise QuantkitError(f"the Triton kernel {module} is unavailable ({e}); install triton or use backend torch.") from None
+            raise QuantkitError(
+                f"the Triton kernel {module} is unavailable ({e}); install triton or use backend torch."
+            ) from None
         return None
 
 
@@ -49,15 +51,17 @@ def _cache_path(backend: str, module: str, x: torch.Tensor):
     return cpu_attention if backend == "auto" and not x.is_cuda else reference
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale=None, v_scale=None,
-                    backend: str = "auto") -> torch.Tensor:
+def paged_attention(
+    q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale=None, v_scale=None, backend: str = "auto"
+) -> torch.Tensor:
     """Decode attention over a block table; see `quantkit.kernels.paged_attention`."""
     k = _cache_path(backend, "paged_attention", q)
     return k.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
 
 
-def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, scale, k_scale=None, v_scale=None,
-                  backend: str = "auto"):
+def paged_prefill(
+    q, k_cache, v_cache, block_tables, seq_lens, query_lens, scale, k_scale=None, v_scale=None, backend: str = "auto"
+):
     """Causal attention of the new tokens of several sequences over their cached blocks
     (gathered blocks + SDPA; on a GPU the twin's path); see `quantkit.kernels.reference.paged_prefill`."""
     if backend not in BACKENDS:

@@ -126,8 +126,10 @@ class QuantScheme:
             return None
         hits = [o for o in self.overrides if any(_matches(t, module_name) for t in o.targets)]
         if len(hits) > 1:
-            raise QuantkitError(f"{module_name} is matched by the overrides {hits[0].targets[0]!r} and "
-                                f"{hits[1].targets[0]!r}; make their targets disjoint.")
+            raise QuantkitError(
+                f"{module_name} is matched by the overrides {hits[0].targets[0]!r} and "
+                f"{hits[1].targets[0]!r}; make their targets disjoint."
+            )
         return hits[0] if hits else self
 
 
@@ -179,7 +181,9 @@ PRESETS: dict[str, QuantScheme] = {
     ),
     "fp8": QuantScheme("fp8", _FP8_TENSOR, input_activations=_FP8_TENSOR),
     "kv-fp8": QuantScheme("kv-fp8", None, kv_cache=_FP8_TENSOR),
-    "kv-int8": QuantScheme("kv-int8", None, kv_cache=QuantArgs(num_bits=8, type="int", strategy="tensor", group_size=None)),
+    "kv-int8": QuantScheme(
+        "kv-int8", None, kv_cache=QuantArgs(num_bits=8, type="int", strategy="tensor", group_size=None)
+    ),
 }
 
 
@@ -266,5 +270,7 @@ def from_quantization_config(qc: dict) -> CheckpointConfig:
             )
         )
         if g.get("format") and g["format"] != top_format and top_format != "mixed-precision":
-            raise QuantkitError(f"config group {gname} has format {g['format']!r} unlike the checkpoint's {top_format!r}.")
+            raise QuantkitError(
+                f"config group {gname} has format {g['format']!r} unlike the checkpoint's {top_format!r}."
+            )
     return CheckpointConfig(top_format, tuple(schemes), ignore, QuantArgs.from_dict(qc.get("kv_cache_scheme")))

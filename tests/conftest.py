@@ -29,20 +29,32 @@ def make_tokenizer():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<eos>"], show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<eos>"],
+        show_progress=False,
+    )
     tok.train_from_iterator(TEXT, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", model_max_length=512)
 
 
-def make_tiny_model(path: Path, model_type: str = "llama", tie: bool = False, seed: int = 0,
-                    dtype: torch.dtype = torch.float32) -> Path:
+def make_tiny_model(
+    path: Path, model_type: str = "llama", tie: bool = False, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> Path:
     """Save a random 2-block causal LM (hidden 64, MLP 128, 4 heads / 2 KV heads) with a tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(
-        model_type, vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=tie,
+        model_type,
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -9,8 +9,9 @@ runner = CliRunner()
 
 def test_rtn_inspect_eval_end_to_end(tiny_llama, tiny_corpus, tmp_path):
     out = tmp_path / "q"
-    r = runner.invoke(app, ["rtn", "--model", str(tiny_llama), "--scheme", "w4a16-asym", "--group-size", "32",
-                            "-o", str(out)])
+    r = runner.invoke(
+        app, ["rtn", "--model", str(tiny_llama), "--scheme", "w4a16-asym", "--group-size", "32", "-o", str(out)]
+    )
     assert r.exit_code == 0, r.output
     assert "quantized linears" in r.stdout and (out / "model.safetensors").is_file()
 
@@ -22,8 +23,21 @@ def test_rtn_inspect_eval_end_to_end(tiny_llama, tiny_corpus, tmp_path):
     assert info["provenance"]["algorithm"] == "rtn"
 
     for model in (str(tiny_llama), str(out)):
-        r = runner.invoke(app, ["eval", model, "--ppl", str(tiny_corpus), "--seq-len", "64", "--limit", "3",
-                                "--json", str(tmp_path / "e.json")])
+        r = runner.invoke(
+            app,
+            [
+                "eval",
+                model,
+                "--ppl",
+                str(tiny_corpus),
+                "--seq-len",
+                "64",
+                "--limit",
+                "3",
+                "--json",
+                str(tmp_path / "e.json"),
+            ],
+        )
         assert r.exit_code == 0, r.output
         result = json.loads((tmp_path / "e.json").read_text())
         assert result["windows"] == 3 and result["seq_len"] == 64 and result["tokens"] == 192
@@ -34,12 +48,18 @@ def test_user_errors_exit_2_with_one_sentence(tiny_llama, tmp_path):
     cases = [
         (["rtn", "--model", "no-such-model-anywhere", "-o", str(tmp_path / "a")], "no-such-model-anywhere"),
         (["rtn", "--model", str(tiny_llama), "--scheme", "w5", "-o", str(tmp_path / "b")], "unknown scheme 'w5'"),
-        (["rtn", "--model", str(tiny_llama), "--group-size", "128", "-o", str(tmp_path / "c")],
-         "does not divide the input width 64"),
-        (["rtn", "--model", str(tiny_llama), "--group-size", "big", "-o", str(tmp_path / "d")],
-         "--group-size 'big' is neither a positive number nor auto"),
-        (["rtn", "--model", str(tiny_llama), "--kv-cache", "fp4", "-o", str(tmp_path / "e")],
-         "KV-cache type 'fp4' is unknown; use fp8 or int8."),
+        (
+            ["rtn", "--model", str(tiny_llama), "--group-size", "128", "-o", str(tmp_path / "c")],
+            "does not divide the input width 64",
+        ),
+        (
+            ["rtn", "--model", str(tiny_llama), "--group-size", "big", "-o", str(tmp_path / "d")],
+            "--group-size 'big' is neither a positive number nor auto",
+        ),
+        (
+            ["rtn", "--model", str(tiny_llama), "--kv-cache", "fp4", "-o", str(tmp_path / "e")],
+            "KV-cache type 'fp4' is unknown; use fp8 or int8.",
+        ),
         (["eval", str(tiny_llama), "--ppl", "nonsense"], "unknown dataset 'nonsense'"),
         (["eval", str(tiny_llama), "--ppl", "wiki", "--seq-len", "4096"], "exceeds the model's context of 256"),
         (["inspect", str(tmp_path / "missing")], "does not exist"),
@@ -54,7 +74,9 @@ def test_user_errors_exit_2_with_one_sentence(tiny_llama, tmp_path):
 
 def test_rtn_runs_on_its_defaults_with_an_automatic_group_size(tiny_llama, tmp_path):
     """No --group-size: 128 does not divide the tiny model's widths (64, 128), so 64 is taken and said."""
-    r = runner.invoke(app, ["rtn", "--model", str(tiny_llama), "-o", str(tmp_path / "q"), "--json", str(tmp_path / "p.json")])
+    r = runner.invoke(
+        app, ["rtn", "--model", str(tiny_llama), "-o", str(tmp_path / "q"), "--json", str(tmp_path / "p.json")]
+    )
     assert r.exit_code == 0, r.output
     assert "group size 64: 128 does not divide the input width 64" in " ".join(r.output.split())
     prov = json.loads((tmp_path / "p.json").read_text())
@@ -73,16 +95,41 @@ def test_version_and_help_have_no_broken_sentences():
 
 
 def test_awq_gptq_export_commands(tiny_llama, tiny_corpus, tmp_path):
-    common = ["--model", str(tiny_llama), "--group-size", "32", "--calib", str(tiny_corpus), "--samples", "4",
-              "--seq-len", "32"]
-    r = runner.invoke(app, ["awq", *common, "--scheme", "w4a16-asym", "-o", str(tmp_path / "awq"),
-                            "--save-search", str(tmp_path / "search.safetensors")])
+    common = [
+        "--model",
+        str(tiny_llama),
+        "--group-size",
+        "32",
+        "--calib",
+        str(tiny_corpus),
+        "--samples",
+        "4",
+        "--seq-len",
+        "32",
+    ]
+    r = runner.invoke(
+        app,
+        [
+            "awq",
+            *common,
+            "--scheme",
+            "w4a16-asym",
+            "-o",
+            str(tmp_path / "awq"),
+            "--save-search",
+            str(tmp_path / "search.safetensors"),
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert (tmp_path / "search.safetensors").is_file() and "calibration" in r.stdout
     r = runner.invoke(app, ["gptq", *common, "--act-order", "group", "-o", str(tmp_path / "gptq")])
     assert r.exit_code == 0, r.output
-    assert json.loads((tmp_path / "gptq" / "config.json").read_text())["quantization_config"]["config_groups"][
-        "group_0"]["weights"]["actorder"] == "group"
+    assert (
+        json.loads((tmp_path / "gptq" / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"][
+            "weights"
+        ]["actorder"]
+        == "group"
+    )
     r = runner.invoke(app, ["export", str(tmp_path / "gptq"), "--format", "gptq", "-o", str(tmp_path / "exp")])
     assert r.exit_code == 0, r.output
     assert (tmp_path / "exp" / "model.safetensors").is_file()
@@ -98,21 +145,36 @@ def test_awq_gptq_export_commands(tiny_llama, tiny_corpus, tmp_path):
 
 def test_fp8_and_kv_commands(tiny_llama, tiny_corpus, tmp_path):
     calib = ["--calib", str(tiny_corpus), "--samples", "4", "--seq-len", "32"]
-    r = runner.invoke(app, ["fp8", "--model", str(tiny_llama), "--scheme", "fp8", *calib, "--kv-cache", "fp8",
-                            "-o", str(tmp_path / "fp8")])
+    r = runner.invoke(
+        app,
+        [
+            "fp8",
+            "--model",
+            str(tiny_llama),
+            "--scheme",
+            "fp8",
+            *calib,
+            "--kv-cache",
+            "fp8",
+            "-o",
+            str(tmp_path / "fp8"),
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert "kv cache" in r.stdout and "static tensor activations" in " ".join(r.stdout.split())
     r = runner.invoke(app, ["rtn", "--model", str(tiny_llama), "--group-size", "32", "-o", str(tmp_path / "rtn")])
     assert r.exit_code == 0, r.output
-    r = runner.invoke(app, ["kv", str(tmp_path / "rtn"), "--dtype", "int8", "--per-head", *calib,
-                            "-o", str(tmp_path / "kv")])
+    r = runner.invoke(
+        app, ["kv", str(tmp_path / "rtn"), "--dtype", "int8", "--per-head", *calib, "-o", str(tmp_path / "kv")]
+    )
     assert r.exit_code == 0, r.output
     r = runner.invoke(app, ["inspect", str(tmp_path / "kv"), "--json", str(tmp_path / "i.json")])
     assert json.loads((tmp_path / "i.json").read_text())["kv_cache_scheme"]["strategy"] == "attn_head"
     r = runner.invoke(app, ["kv", str(tmp_path / "kv"), *calib, "-o", str(tmp_path / "kv2")])
     assert r.exit_code == 2 and "already has KV-cache scales" in " ".join(r.output.split())
-    r = runner.invoke(app, ["rtn", "--model", str(tiny_llama), "--group-size", "32", "--kv-cache", "fp4",
-                            "-o", str(tmp_path / "x")])
+    r = runner.invoke(
+        app, ["rtn", "--model", str(tiny_llama), "--group-size", "32", "--kv-cache", "fp4", "-o", str(tmp_path / "x")]
+    )
     assert r.exit_code == 2 and "KV-cache type 'fp4' is unknown" in " ".join(r.output.split())
     assert not (tmp_path / "kv2").exists() and not (tmp_path / "x").exists()
 
@@ -134,8 +196,23 @@ def test_plan_and_bench_commands(tiny_llama, tmp_path):
     assert "w4a16" in r.stdout and "bf16" in r.stdout
     r = runner.invoke(app, ["plan", str(tiny_llama), "--gpu", "tpu9"])
     assert r.exit_code == 2 and "tpu9" in r.output
-    r = runner.invoke(app, ["bench", str(tiny_llama), "--num-requests", "3", "--input-len", "4:8", "--output-len",
-                            "2:4", "--kv-cache-memory", "1000000", "--json", str(tmp_path / "b.json")])
+    r = runner.invoke(
+        app,
+        [
+            "bench",
+            str(tiny_llama),
+            "--num-requests",
+            "3",
+            "--input-len",
+            "4:8",
+            "--output-len",
+            "2:4",
+            "--kv-cache-memory",
+            "1000000",
+            "--json",
+            str(tmp_path / "b.json"),
+        ],
+    )
     assert r.exit_code == 0, r.output
     report = json.loads((tmp_path / "b.json").read_text())
     assert report["num_requests"] == 3 and report["output_tokens"] >= 6 and report["output_tokens_per_s"] > 0

@@ -10,8 +10,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"quantkit": ROOT / "quantkit", "quantkit.kernels": ROOT / "kernels",
-            "quantkit.calibration": ROOT / "calibration"}
+PACKAGES = {
+    "quantkit": ROOT / "quantkit",
+    "quantkit.kernels": ROOT / "kernels",
+    "quantkit.calibration": ROOT / "calibration",
+}
 CORE = {"quantkit.errors", "quantkit.scheme", "quantkit.primitives", "quantkit.packing"}
 
 

@@ -26,8 +26,9 @@ def test_auto_on_cpu_agrees_with_the_twin_and_triton():
     auto = ops.paged_attention(q, kc, vc, tables, lens, 0.25)
     torch.testing.assert_close(auto, reference.paged_attention(q, kc, vc, tables, lens, 0.25), rtol=2e-5, atol=2e-5)
     pytest.importorskip("triton")
-    torch.testing.assert_close(ops.paged_attention(q, kc, vc, tables, lens, 0.25, backend="triton"), auto,
-                               rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(
+        ops.paged_attention(q, kc, vc, tables, lens, 0.25, backend="triton"), auto, rtol=2e-5, atol=2e-5
+    )
 
 
 def test_unknown_backend():

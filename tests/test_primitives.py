@@ -5,7 +5,13 @@ from compressed_tensors.quantization.lifecycle.forward import fake_quantize as c
 
 from quantkit.errors import QuantkitError
 from quantkit.primitives import (
-    FP8_MAX, check_group_size, compute_qparams, dequantize, fake_quantize, quantize, sqnr,
+    FP8_MAX,
+    check_group_size,
+    compute_qparams,
+    dequantize,
+    fake_quantize,
+    quantize,
+    sqnr,
 )
 from quantkit.scheme import QuantArgs
 
@@ -70,8 +76,9 @@ def test_matches_compressed_tensors_grid(args):
     """Same qparams in, same fake-quantized values out as compressed-tensors."""
     w = weight()
     scale, zero = compute_qparams(w, args)
-    ct_args = QuantizationArgs(num_bits=args.num_bits, symmetric=args.symmetric, strategy=args.strategy,
-                               group_size=args.group_size)
+    ct_args = QuantizationArgs(
+        num_bits=args.num_bits, symmetric=args.symmetric, strategy=args.strategy, group_size=args.group_size
+    )
     ct_zero = zero if zero is not None else torch.zeros_like(scale, dtype=torch.int8)
     ours = fake_quantize(w, args, scale, zero)
     theirs = ct_fake_quantize(w, scale, ct_zero, ct_args)
@@ -89,9 +96,13 @@ def test_fp8_scales_and_token_strategy():
 def test_sqnr_floors():
     """Single-layer accuracy floors (dB) on a gaussian weight with one outlier channel."""
     w = weight(256, 256)
-    floors = {"int4 g32 sym": (INT_ARGS[0], 15.5), "int4 g32 asym": (INT_ARGS[1], 19.0),
-              "int8 tensor": (INT_ARGS[4], 20.0), "int8 g64 asym": (INT_ARGS[5], 40.0),
-              "fp8 channel": (FP8_ARGS[1], 34.0)}
+    floors = {
+        "int4 g32 sym": (INT_ARGS[0], 15.5),
+        "int4 g32 asym": (INT_ARGS[1], 19.0),
+        "int8 tensor": (INT_ARGS[4], 20.0),
+        "int8 g64 asym": (INT_ARGS[5], 40.0),
+        "fp8 channel": (FP8_ARGS[1], 34.0),
+    }
     for name, (args, floor) in floors.items():
         assert sqnr(w, fake_quantize(w, args)) > floor, name
     # grouping pays: finer groups, lower error
@@ -120,6 +131,9 @@ def test_zero_group_and_scale_dtype():
 
 def test_group_size_error_names_layer_and_fits():
     check_group_size("x", 576, 64)
-    with pytest.raises(QuantkitError, match=r"group size 128 does not divide the input width 576 of "
-                                            r"model.layers.0.mlp.up_proj; use one of 16, 32, 64"):
+    with pytest.raises(
+        QuantkitError,
+        match=r"group size 128 does not divide the input width 576 of "
+        r"model.layers.0.mlp.up_proj; use one of 16, 32, 64",
+    ):
         check_group_size("model.layers.0.mlp.up_proj", 576, 128)

@@ -18,22 +18,32 @@ runner = CliRunner()
 
 
 def test_the_issue_s_recipes_are_shipped():
-    assert {"w4a16-awq.yaml", "w4a16-gptq.yaml", "fp8-dynamic.yaml", "w4a16-awq-kv-fp8.yaml",
-            "smollm2-demo.yaml"} <= set(SHIPPED)
+    assert {
+        "w4a16-awq.yaml",
+        "w4a16-gptq.yaml",
+        "fp8-dynamic.yaml",
+        "w4a16-awq-kv-fp8.yaml",
+        "smollm2-demo.yaml",
+    } <= set(SHIPPED)
 
 
 @pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_recipe_runs_on_a_tiny_model(name, tiny_llama, tiny_corpus, tmp_path):
     shipped = load_recipe(RECIPES / name)
     assert shipped.model == "smollm2-135m"
-    tiny = [f"model={tiny_llama}", f"calibration.dataset={tiny_corpus}", "calibration.samples=4",
-            "calibration.seq_len=32"]
+    tiny = [
+        f"model={tiny_llama}",
+        f"calibration.dataset={tiny_corpus}",
+        "calibration.samples=4",
+        "calibration.seq_len=32",
+    ]
     if shipped.steps[0].name == "awq":
         tiny.append("steps.0.awq.grid=4")
     if shipped.eval is not None:  # the gate runs, on the tiny corpus, with a bound a random model meets
         tiny += [f"eval.ppl={tiny_corpus}", "eval.limit=2", "eval.seq_len=32", "eval.max_ppl_increase=10"]
-    r = runner.invoke(app, ["run", str(RECIPES / name), "-o", str(tmp_path / "q"),
-                            *[arg for s in tiny for arg in ("--set", s)]])
+    r = runner.invoke(
+        app, ["run", str(RECIPES / name), "-o", str(tmp_path / "q"), *[arg for s in tiny for arg in ("--set", s)]]
+    )
     assert r.exit_code == 0, r.output
     prov = json.loads((tmp_path / "q" / "quantkit.json").read_text())
     assert prov["algorithm"] == shipped.steps[0].name and prov["recipe"]["model"] == str(tiny_llama)

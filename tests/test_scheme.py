@@ -55,11 +55,29 @@ def test_bad_input_is_one_sentence():
 
 def test_reads_another_tools_config():
     qc = {  # as llm-compressor writes it, with extra keys we ignore
-        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "format": "pack-quantized", "weights": {
-            "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128,
-            "dynamic": False, "actorder": "weight", "observer": "mse", "scale_dtype": None}}},
-        "ignore": ["lm_head", "re:.*gate$"], "kv_cache_scheme": None, "version": "0.12.2",
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "format": "pack-quantized",
+                "weights": {
+                    "num_bits": 4,
+                    "type": "int",
+                    "symmetric": True,
+                    "strategy": "group",
+                    "group_size": 128,
+                    "dynamic": False,
+                    "actorder": "weight",
+                    "observer": "mse",
+                    "scale_dtype": None,
+                },
+            }
+        },
+        "ignore": ["lm_head", "re:.*gate$"],
+        "kv_cache_scheme": None,
+        "version": "0.12.2",
     }
     ckpt = from_quantization_config(qc)
     assert ckpt.scheme_for("model.layers.0.self_attn.q_proj").weights.group_size == 128

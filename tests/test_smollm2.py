@@ -28,7 +28,7 @@ def test_perplexity_agrees_with_a_plain_transformers_forward(float_ppl):
     losses = []
     with torch.no_grad():
         for i in range(WINDOWS):
-            ids = tokens[i * SEQ:(i + 1) * SEQ].unsqueeze(0)
+            ids = tokens[i * SEQ : (i + 1) * SEQ].unsqueeze(0)
             losses.append(model(ids, labels=ids).loss.item())
     plain = math.exp(sum(losses) / len(losses))
     assert float_ppl["windows"] == WINDOWS and float_ppl["tokens"] == WINDOWS * SEQ
@@ -45,7 +45,7 @@ def test_rtn_asym_g64_checkpoint_loads_and_scores(float_ppl, tmp_path):
 
 ENGINE_PROMPTS = [
     "The capital of France is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "Once upon a time, in a village at the edge of a great forest, there lived an old clockmaker who",
     "Photosynthesis is the process by which",
     "Q: What is the boiling point of water at sea level?\nA:",
@@ -71,8 +71,12 @@ def test_engine_greedy_matches_transformers_alone_and_batched():
         prompts = [llm.encode(p) for p in ENGINE_PROMPTS]
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         with torch.inference_mode():
-            want = [hf.generate(torch.tensor([p]), max_new_tokens=64, do_sample=False, eos_token_id=None,
-                                pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+            want = [
+                hf.generate(torch.tensor([p]), max_new_tokens=64, do_sample=False, eos_token_id=None, pad_token_id=0)[
+                    0, len(p) :
+                ].tolist()
+                for p in prompts
+            ]
         greedy = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
         assert [llm.generate([p], greedy)[0].token_ids for p in prompts] == want
         traffic = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=1, ignore_eos=True)

@@ -29,12 +29,24 @@ def _ratio(num: float, den: float) -> float | None:
     return num / den if den else (1.0 if num == den else None)
 
 
-def compare_metric(metric: str, candidate: float, baseline: float | None, higher_is_better: bool,
-                   max_ppl_increase: float | None = None, min_recovery: float | None = None) -> tuple[dict, str | None]:
+def compare_metric(
+    metric: str,
+    candidate: float,
+    baseline: float | None,
+    higher_is_better: bool,
+    max_ppl_increase: float | None = None,
+    min_recovery: float | None = None,
+) -> tuple[dict, str | None]:
     """({metric, baseline, candidate, delta, recovery, passed}, the failure sentence or None).
     `passed` is None where no threshold applies (or there is no baseline)."""
-    row = {"metric": metric, "baseline": baseline, "candidate": candidate, "delta": None, "recovery": None,
-           "passed": None}
+    row = {
+        "metric": metric,
+        "baseline": baseline,
+        "candidate": candidate,
+        "delta": None,
+        "recovery": None,
+        "passed": None,
+    }
     if baseline is None:
         return row, None
     delta = candidate - baseline
@@ -52,14 +64,16 @@ def compare_metric(metric: str, candidate: float, baseline: float | None, higher
     return row, (failure if row["passed"] is False else None)
 
 
-def compare(candidate: dict, baseline: dict | None, max_ppl_increase: float | None = None,
-            min_recovery: float | None = None) -> tuple[list[dict], list[str]]:
+def compare(
+    candidate: dict, baseline: dict | None, max_ppl_increase: float | None = None, min_recovery: float | None = None
+) -> tuple[list[dict], list[str]]:
     """Rows and failure sentences for the metrics of two `measure` results (baseline None: one model)."""
     rows, failures = [], []
     for metric, value in candidate["metrics"].items():
         base = None if baseline is None else baseline["metrics"].get(metric)
-        row, failure = compare_metric(metric, value, base, candidate["higher_is_better"][metric],
-                                      max_ppl_increase, min_recovery)
+        row, failure = compare_metric(
+            metric, value, base, candidate["higher_is_better"][metric], max_ppl_increase, min_recovery
+        )
         rows.append(row)
         failures += [failure] if failure else []
     if baseline is not None and baseline["data_sha256"] != candidate["data_sha256"]:
@@ -74,13 +88,25 @@ def check_same_tokenizer(candidate: str, baseline: str) -> None:
 
     a, b = (load_tokenizer(resolve_model(m)) for m in (candidate, baseline))
     if len(a) != len(b) or a.encode(PROBE) != b.encode(PROBE):
-        raise QuantkitError(f"the tokenizer of {candidate} differs from the baseline {baseline}'s (vocabulary "
-                            f"{len(a)} vs {len(b)} tokens, or another encoding of the same text); compare a "
-                            "checkpoint with the model it was made from.")
+        raise QuantkitError(
+            f"the tokenizer of {candidate} differs from the baseline {baseline}'s (vocabulary "
+            f"{len(a)} vs {len(b)} tokens, or another encoding of the same text); compare a "
+            "checkpoint with the model it was made from."
+        )
 
 
-def measure(model_name: str, ppl: str | None, tasks, manager=None, *, limit=None, seq_len=None, num_fewshot=None,
-            batch_size: int = 1, track: Track = no_progress) -> dict:
+def measure(
+    model_name: str,
+    ppl: str | None,
+    tasks,
+    manager=None,
+    *,
+    limit=None,
+    seq_len=None,
+    num_fewshot=None,
+    batch_size: int = 1,
+    track: Track = no_progress,
+) -> dict:
     """Load one model and score it: {"metrics", "higher_is_better", "data_sha256", "ppl"
     (details or None), "docs", "eval_time_s"}; the model is freed on return."""
     from quantkit.eval.run import load_for_eval, text_perplexity, window_length
@@ -96,8 +122,13 @@ def measure(model_name: str, ppl: str | None, tasks, manager=None, *, limit=None
     if tasks:
         from quantkit.eval.harness import QuantkitLM, run_tasks
 
-        lm = QuantkitLM(model=model, tokenizer=tokenizer, batch_size=batch_size,
-                        max_length=window_length(model, seq_len), track=track)
+        lm = QuantkitLM(
+            model=model,
+            tokenizer=tokenizer,
+            batch_size=batch_size,
+            max_length=window_length(model, seq_len),
+            track=track,
+        )
         scores = run_tasks(lm, list(tasks), manager, limit=limit, num_fewshot=num_fewshot)
         for key in ("metrics", "higher_is_better", "data_sha256", "docs"):
             result[key].update(scores[key])
@@ -114,8 +145,13 @@ def _versions() -> dict:
 
     from quantkit.version import __version__
 
-    return {"quantkit": __version__, "torch": version("torch"), "transformers": version("transformers"),
-            "lm_eval": version("lm_eval"), "python": platform.python_version()}
+    return {
+        "quantkit": __version__,
+        "torch": version("torch"),
+        "transformers": version("transformers"),
+        "lm_eval": version("lm_eval"),
+        "python": platform.python_version(),
+    }
 
 
 def _check_args(baseline, ppl, tasks, max_ppl_increase, min_recovery) -> None:
@@ -135,15 +171,27 @@ def _task_manager(tasks, include_path):
     try:
         from quantkit.eval.harness import task_manager
     except ImportError as e:
-        raise QuantkitError(f"--tasks needs lm-eval ({e.name} is missing); install it with "
-                            "pip install -e '.[eval]' -c constraints.txt.") from None
+        raise QuantkitError(
+            f"--tasks needs lm-eval ({e.name} is missing); install it with pip install -e '.[eval]' -c constraints.txt."
+        ) from None
     return task_manager(list(tasks), include_path)
 
 
-def evaluate_gates(candidate: str, baseline: str | None = None, *, ppl: str | None = "wiki", tasks: list[str] = (),
-                   limit: int | None = None, seq_len: int | None = None, num_fewshot: int | None = None,
-                   include_path: str | None = None, max_ppl_increase: float | None = None,
-                   min_recovery: float | None = None, track: Track | None = None, batch_size: int = 1) -> dict:
+def evaluate_gates(
+    candidate: str,
+    baseline: str | None = None,
+    *,
+    ppl: str | None = "wiki",
+    tasks: list[str] = (),
+    limit: int | None = None,
+    seq_len: int | None = None,
+    num_fewshot: int | None = None,
+    include_path: str | None = None,
+    max_ppl_increase: float | None = None,
+    min_recovery: float | None = None,
+    track: Track | None = None,
+    batch_size: int = 1,
+) -> dict:
     """Score `candidate` (and `baseline`, on the same data, after it) on perplexity of the
     text `ppl` (quantkit's protocol; None to skip) and the lm-eval `tasks` (built-in
     wiki_cloze and wiki_wordppl, folders under `include_path`, lm-eval's own), `limit`
@@ -159,8 +207,9 @@ def evaluate_gates(candidate: str, baseline: str | None = None, *, ppl: str | No
     if baseline is not None:
         check_same_tokenizer(candidate, baseline)
     manager = _task_manager(tasks, include_path)
-    options = dict(limit=limit, seq_len=seq_len, num_fewshot=num_fewshot, batch_size=batch_size,
-                   track=track or no_progress)
+    options = dict(
+        limit=limit, seq_len=seq_len, num_fewshot=num_fewshot, batch_size=batch_size, track=track or no_progress
+    )
     scored = {"candidate": measure(candidate, ppl, tasks, manager, **options)}
     gc.collect()
     if baseline is not None:
@@ -174,11 +223,20 @@ def evaluate_gates(candidate: str, baseline: str | None = None, *, ppl: str | No
 
         seeds = {"lm_eval": SEEDS, **({"wiki_cloze": builtin.CLOZE_SEED} if "wiki_cloze" in tasks else {})}
     return {
-        "candidate": str(candidate), "baseline": None if baseline is None else str(baseline), "ppl": ppl,
-        "tasks": tasks, "limit": limit, "seq_len": seq_len, "num_fewshot": num_fewshot,
+        "candidate": str(candidate),
+        "baseline": None if baseline is None else str(baseline),
+        "ppl": ppl,
+        "tasks": tasks,
+        "limit": limit,
+        "seq_len": seq_len,
+        "num_fewshot": num_fewshot,
         "include_path": None if include_path is None else str(include_path),
         "thresholds": {"max_ppl_increase": max_ppl_increase, "min_recovery": min_recovery},
-        "rows": rows, "failures": failures, "passed": not failures,
+        "rows": rows,
+        "failures": failures,
+        "passed": not failures,
         "results": {"candidate": scored["candidate"], "baseline": scored.get("baseline")},
-        "data_sha256": scored["candidate"]["data_sha256"], "versions": _versions(), "seeds": seeds,
+        "data_sha256": scored["candidate"]["data_sha256"],
+        "versions": _versions(),
+        "seeds": seeds,
     }

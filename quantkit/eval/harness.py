@@ -37,10 +37,21 @@ class QuantkitLM(TemplateLM):
     ignored). Model arguments: path (or pretrained), batch_size, max_length,
     max_gen_toks, device, dtype."""
 
-    def __init__(self, path: str | None = None, pretrained: str | None = None, batch_size: int | str = 1,
-                 max_length: int | None = None, max_gen_toks: int = 256, device: str | None = None,
-                 dtype: str | None = None, max_batch_size: int | None = None,  # lm-eval passes it; unused
-                 *, model=None, tokenizer=None, track: Track = no_progress):
+    def __init__(
+        self,
+        path: str | None = None,
+        pretrained: str | None = None,
+        batch_size: int | str = 1,
+        max_length: int | None = None,
+        max_gen_toks: int = 256,
+        device: str | None = None,
+        dtype: str | None = None,
+        max_batch_size: int | None = None,  # lm-eval passes it; unused
+        *,
+        model=None,
+        tokenizer=None,
+        track: Track = no_progress,
+    ):
         super().__init__()
         from quantkit.eval.run import context_length, load_for_eval
 
@@ -98,9 +109,12 @@ class QuantkitLM(TemplateLM):
         context 1, `max_length` tokens per window, the prefix token before the first)."""
         pairs, owners = [], []
         for n, (string,) in enumerate(r.args for r in requests):
-            windows = lm_utils.get_rolling_token_windows(token_list=self.tok_encode(string),
-                                                         prefix_token=self.prefix_token_id,
-                                                         max_seq_len=self.max_length, context_len=1)
+            windows = lm_utils.get_rolling_token_windows(
+                token_list=self.tok_encode(string),
+                prefix_token=self.prefix_token_id,
+                max_seq_len=self.max_length,
+                context_len=1,
+            )
             for pair in map(lm_utils.make_disjoint_window, windows):
                 pairs.append(pair)
                 owners.append(n)
@@ -116,7 +130,7 @@ class QuantkitLM(TemplateLM):
         (context ids, continuation ids); contexts are cut on the left to fit `max_length`."""
         rows = [self._row(context, continuation) for context, continuation in pairs]
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))  # longest first: less padding
-        batches = [order[i:i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
         results: list = [None] * len(rows)
         with torch.inference_mode():
             for batch in self.track(batches, "loglikelihood", len(batches)):
@@ -124,17 +138,21 @@ class QuantkitLM(TemplateLM):
                 for i, row_logits in zip(batch, logits):
                     inputs, target = rows[i]
                     n = len(target)
-                    logprobs = row_logits[len(inputs) - n:len(inputs)].float().log_softmax(-1)  # [n, vocab]
+                    logprobs = row_logits[len(inputs) - n : len(inputs)].float().log_softmax(-1)  # [n, vocab]
                     target = torch.tensor(target, device=logprobs.device)
-                    results[i] = (logprobs.gather(1, target[:, None]).sum().item(),
-                                  bool((logprobs.argmax(-1) == target).all()))
+                    results[i] = (
+                        logprobs.gather(1, target[:, None]).sum().item(),
+                        bool((logprobs.argmax(-1) == target).all()),
+                    )
         return results
 
     def _row(self, context: list[int], continuation: list[int]) -> tuple[list[int], list[int]]:
         if len(continuation) > self.max_length:
-            raise QuantkitError(f"a continuation of {len(continuation)} tokens is longer than max_length "
-                                f"{self.max_length}; raise max_length or shorten the task's targets.")
-        whole = (context + continuation)[-(self.max_length + 1):]
+            raise QuantkitError(
+                f"a continuation of {len(continuation)} tokens is longer than max_length "
+                f"{self.max_length}; raise max_length or shorten the task's targets."
+            )
+        whole = (context + continuation)[-(self.max_length + 1) :]
         return whole[:-1], continuation
 
     def _forward(self, inputs: list[list[int]]) -> torch.Tensor:
@@ -153,7 +171,7 @@ class QuantkitLM(TemplateLM):
             until, max_new = self._stop_args(requests[indices[0]].args[1])
             prompts = {i: self.tok_encode(requests[i].args[0]) or [self.prefix_token_id] for i in indices}
             order = sorted(indices, key=lambda i: -len(prompts[i]))
-            batches = [order[i:i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+            batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
             for batch in self.track(batches, "generate", len(batches)):
                 for i, text in zip(batch, self.generate([prompts[i] for i in batch], until, max_new)):
                     results[i] = text
@@ -169,20 +187,28 @@ class QuantkitLM(TemplateLM):
         leave room for `max_new` tokens), stopped at EOS or an `until` string."""
         room = self.max_length - max_new
         if room < 1:
-            raise QuantkitError(f"max_gen_toks {max_new} leaves no room for a prompt in max_length "
-                                f"{self.max_length}; lower max_gen_toks or raise max_length.")
+            raise QuantkitError(
+                f"max_gen_toks {max_new} leaves no room for a prompt in max_length "
+                f"{self.max_length}; lower max_gen_toks or raise max_length."
+            )
         prompts = [p[-room:] for p in prompts]
         width = max(map(len, prompts))
         ids = torch.tensor([[self._pad] * (width - len(p)) + p for p in prompts], device=self.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         stop = StoppingCriteriaList([_StopStrings(self.tokenizer, until, width)] if until else [])
         with torch.inference_mode():
-            out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
-                                      pad_token_id=self._pad, eos_token_id=self.eot_token_id,
-                                      stopping_criteria=stop)
+            out = self.model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max_new,
+                do_sample=False,
+                pad_token_id=self._pad,
+                eos_token_id=self.eot_token_id,
+                stopping_criteria=stop,
+            )
         texts = []
         for row in out[:, width:].tolist():
-            row = row[:row.index(self.eot_token_id)] if self.eot_token_id in row else row
+            row = row[: row.index(self.eot_token_id)] if self.eot_token_id in row else row
             texts.append(cut_at(self.tokenizer.decode(row, skip_special_tokens=True), until))
         return texts
 
@@ -200,7 +226,7 @@ class _StopStrings(StoppingCriteria):
         self.tokenizer, self.until, self.start = tokenizer, until, start
 
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
-        texts = self.tokenizer.batch_decode(input_ids[:, self.start:], skip_special_tokens=True)
+        texts = self.tokenizer.batch_decode(input_ids[:, self.start :], skip_special_tokens=True)
         return torch.tensor([any(s and s in t for s in self.until) for t in texts], device=input_ids.device)
 
 
@@ -213,8 +239,10 @@ class _Tasks(TaskManager):
         except Exception as e:
             names = ", ".join(map(str, task_list if isinstance(task_list, list) else [task_list]))
             detail = (str(e).splitlines() or [""])[0][:200]
-            raise QuantkitError(f"could not load the lm-eval task(s) {names} ({type(e).__name__}: {detail}); "
-                                "check the name and that its data is reachable.") from None
+            raise QuantkitError(
+                f"could not load the lm-eval task(s) {names} ({type(e).__name__}: {detail}); "
+                "check the name and that its data is reachable."
+            ) from None
 
 
 def task_manager(tasks: list[str], include_path: str | None = None) -> TaskManager:
@@ -226,21 +254,26 @@ def task_manager(tasks: list[str], include_path: str | None = None) -> TaskManag
         raise QuantkitError("no tasks given; name at least one, e.g. --tasks wiki_cloze.")
     if include_path is not None and not Path(include_path).is_dir():
         raise QuantkitError(f"--include-path {include_path} is not a folder; give the folder of your task YAMLs.")
-    paths = ([str(builtin.task_folder())] if set(tasks) & set(builtin.TASKS) else []) + \
-        ([str(include_path)] if include_path else [])
+    paths = ([str(builtin.task_folder())] if set(tasks) & set(builtin.TASKS) else []) + (
+        [str(include_path)] if include_path else []
+    )
     manager = _Tasks(include_path=paths, include_defaults=False)
     others = [t for t in tasks if t not in manager.all_tasks]
     if not others:
         return manager
     if not hub_reachable():
-        raise QuantkitError(f"task {others[0]!r} is not built in or under --include-path, and lm-eval's own tasks "
-                            "need the Hugging Face hub, which cannot be reached; use wiki_cloze, wiki_wordppl or "
-                            "a local task folder with --include-path.")
+        raise QuantkitError(
+            f"task {others[0]!r} is not built in or under --include-path, and lm-eval's own tasks "
+            "need the Hugging Face hub, which cannot be reached; use wiki_cloze, wiki_wordppl or "
+            "a local task folder with --include-path."
+        )
     manager = _Tasks(include_path=paths or None, include_defaults=True)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
-        raise QuantkitError(f"unknown task {unknown[0]!r}; use wiki_cloze, wiki_wordppl, an lm-eval task name "
-                            "or a task YAML under --include-path.")
+        raise QuantkitError(
+            f"unknown task {unknown[0]!r}; use wiki_cloze, wiki_wordppl, an lm-eval task name "
+            "or a task YAML under --include-path."
+        )
     return manager
 
 
@@ -259,8 +292,15 @@ def _data_sha256(samples: list[dict]) -> str:
     return hashlib.sha256("\n".join(hashes[k] for k in sorted(hashes)).encode()).hexdigest()
 
 
-def run_tasks(lm, tasks: list[str], manager: TaskManager | None = None, *, limit: int | None = None,
-              num_fewshot: int | None = None, include_path: str | None = None) -> dict:
+def run_tasks(
+    lm,
+    tasks: list[str],
+    manager: TaskManager | None = None,
+    *,
+    limit: int | None = None,
+    num_fewshot: int | None = None,
+    include_path: str | None = None,
+) -> dict:
     """lm-eval `tasks` on `lm`, with lm-eval's default seeds. Returns {"metrics":
     {"task/metric": value}, "higher_is_better": {"task/metric": bool}, "docs": {task: n},
     "data_sha256": {task: sha256 of the evaluated documents' lm-eval hashes}}."""

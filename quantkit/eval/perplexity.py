@@ -11,8 +11,14 @@ from quantkit.errors import QuantkitError
 from quantkit.progress import Track, no_progress
 
 
-def perplexity(model, tokens: torch.LongTensor, seq_len: int, limit: int | None = None,
-               batch_size: int = 1, track: Track = no_progress) -> dict:
+def perplexity(
+    model,
+    tokens: torch.LongTensor,
+    seq_len: int,
+    limit: int | None = None,
+    batch_size: int = 1,
+    track: Track = no_progress,
+) -> dict:
     """Perplexity of a causal LM (`model(input_ids).logits`) on a 1-D token stream.
 
     The stream is cut into non-overlapping windows of exactly `seq_len` tokens (the
@@ -23,15 +29,20 @@ def perplexity(model, tokens: torch.LongTensor, seq_len: int, limit: int | None 
     "seq_len"}.
     """
     if tokens.dim() != 1:
-        raise QuantkitError(f"perplexity needs a 1-D token stream, got shape {tuple(tokens.shape)}; "
-                            "flatten the tokens first.")
+        raise QuantkitError(
+            f"perplexity needs a 1-D token stream, got shape {tuple(tokens.shape)}; flatten the tokens first."
+        )
     if seq_len < 2 or batch_size < 1 or (limit is not None and limit < 1):
-        raise QuantkitError(f"need seq_len >= 2, batch_size >= 1 and limit >= 1, got seq_len={seq_len}, "
-                            f"batch_size={batch_size}, limit={limit}.")
+        raise QuantkitError(
+            f"need seq_len >= 2, batch_size >= 1 and limit >= 1, got seq_len={seq_len}, "
+            f"batch_size={batch_size}, limit={limit}."
+        )
     n = tokens.numel() // seq_len
     if n == 0:
-        raise QuantkitError(f"the evaluation text has {tokens.numel()} tokens, fewer than one window of "
-                            f"{seq_len}; use a shorter --seq-len or a larger evaluation set.")
+        raise QuantkitError(
+            f"the evaluation text has {tokens.numel()} tokens, fewer than one window of "
+            f"{seq_len}; use a shorter --seq-len or a larger evaluation set."
+        )
     n = min(n, limit) if limit is not None else n
     windows = tokens[: n * seq_len].view(n, seq_len)
     device = next(model.parameters()).device
@@ -42,7 +53,7 @@ def perplexity(model, tokens: torch.LongTensor, seq_len: int, limit: int | None 
     try:
         with torch.inference_mode():
             for start in track(starts, "perplexity", len(starts)):
-                ids = windows[start:start + batch_size].to(device)  # [b, seq_len]
+                ids = windows[start : start + batch_size].to(device)  # [b, seq_len]
                 logits = model(ids).logits  # [b, seq_len, vocab]
                 for row, row_logits in zip(ids, logits):
                     total += F.cross_entropy(row_logits[:-1].float(), row[1:], reduction="sum").item()

@@ -28,12 +28,21 @@ def window_length(model, seq_len: int | None) -> int:
     context = context_length(model)
     seq_len = seq_len or min(2048, context)
     if seq_len > context:
-        raise QuantkitError(f"--seq-len {seq_len} exceeds the model's context of {context} tokens; use at most {context}.")
+        raise QuantkitError(
+            f"--seq-len {seq_len} exceeds the model's context of {context} tokens; use at most {context}."
+        )
     return seq_len
 
 
-def text_perplexity(model, tokenizer, ppl: str = "wiki", seq_len: int | None = None, limit: int | None = None,
-                    batch_size: int = 1, track: Track = no_progress) -> dict:
+def text_perplexity(
+    model,
+    tokenizer,
+    ppl: str = "wiki",
+    seq_len: int | None = None,
+    limit: int | None = None,
+    batch_size: int = 1,
+    track: Track = no_progress,
+) -> dict:
     """Perplexity of a loaded model on the eval split of `ppl` (the papers' protocol), with
     the dataset name and the sha256 of its text ("\\n\\n"-joined documents)."""
     seq_len = window_length(model, seq_len)

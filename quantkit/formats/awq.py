@@ -71,8 +71,10 @@ def zero_points(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     if zeros is None:
         return torch.zeros(scales.shape[::-1], dtype=torch.int8)
     if scales.dim() != 2 or zeros.shape != (scales.shape[0], scales.shape[1] // 8):
-        raise QuantkitError(f"{name} has qzeros {tuple(zeros.shape)} and scales {tuple(scales.shape)}, which do not "
-                            "fit the AutoAWQ GEMM layout; the checkpoint is damaged or uses another layout.")
+        raise QuantkitError(
+            f"{name} has qzeros {tuple(zeros.shape)} and scales {tuple(scales.shape)}, which do not "
+            "fit the AutoAWQ GEMM layout; the checkpoint is damaged or uses another layout."
+        )
     return unpack_awq(zeros).t().contiguous()
 
 
@@ -82,8 +84,10 @@ def decode(tensors: dict[str, torch.Tensor], name: str):
     qweight, scales = tensors["qweight"], tensors["scales"]
     in_f, out_f = qweight.shape[0], qweight.shape[1] * 8
     if scales.dim() != 2 or scales.shape[1] != out_f or in_f % scales.shape[0]:
-        raise QuantkitError(f"{name} has qweight {tuple(qweight.shape)} and scales {tuple(scales.shape)}, which "
-                            "do not fit the AutoAWQ GEMM layout; the checkpoint is damaged or uses another layout.")
+        raise QuantkitError(
+            f"{name} has qweight {tuple(qweight.shape)} and scales {tuple(scales.shape)}, which "
+            "do not fit the AutoAWQ GEMM layout; the checkpoint is damaged or uses another layout."
+        )
     return unpack_awq(qweight).t().contiguous(), scales.t().contiguous(), zero_points(tensors, name), None
 
 
@@ -92,16 +96,22 @@ def fp16_scales(scale: torch.Tensor, name: str, layout: str) -> torch.Tensor:
     when a value falls outside float16's range."""
     s = scale.to(torch.float16)
     if not torch.isfinite(s).all() or ((s == 0) & (scale != 0)).any():
-        raise QuantkitError(f"{name} has scales outside float16's range, which the {layout} layout cannot store; "
-                            "keep the compressed-tensors checkpoint.")
+        raise QuantkitError(
+            f"{name} has scales outside float16's range, which the {layout} layout cannot store; "
+            "keep the compressed-tensors checkpoint."
+        )
     return s
 
 
 def awq_config(group_size: int | None, modules_to_not_convert: list[str]) -> dict:
     """The `quantization_config` of an AutoAWQ GEMM checkpoint (group_size None: per channel)."""
     return {
-        "quant_method": "awq", "bits": 4, "group_size": group_size or -1, "zero_point": True,
-        "version": "gemm", "modules_to_not_convert": modules_to_not_convert or None,
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": group_size or -1,
+        "zero_point": True,
+        "version": "gemm",
+        "modules_to_not_convert": modules_to_not_convert or None,
     }
 
 

@@ -17,9 +17,17 @@ from quantkit.errors import QuantkitError
 
 SHARD_BYTES = 4 << 30
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-    "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "chat_template.jinja",
-    "chat_template.json", "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
 )
 
 
@@ -76,8 +84,10 @@ def save_checkpoint(
     need = _nbytes(tensors) + (16 << 20)
     free = shutil.disk_usage(out.parent).free
     if free < need:
-        raise QuantkitError(f"not enough disk space in {out.parent}: the checkpoint needs "
-                            f"{need / 2**20:.0f} MiB and {free / 2**20:.0f} MiB are free.")
+        raise QuantkitError(
+            f"not enough disk space in {out.parent}: the checkpoint needs "
+            f"{need / 2**20:.0f} MiB and {free / 2**20:.0f} MiB are free."
+        )
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -130,13 +140,26 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
         try:
             tensors.update(_read_safetensors(f))
         except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
-            raise QuantkitError(f"{f} is unreadable or truncated ({e}); re-create or re-download the checkpoint.") from None
+            raise QuantkitError(
+                f"{f} is unreadable or truncated ({e}); re-create or re-download the checkpoint."
+            ) from None
     return tensors
 
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:

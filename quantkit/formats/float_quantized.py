@@ -17,8 +17,9 @@ from quantkit.primitives import quantize
 from quantkit.scheme import QuantArgs
 
 
-def compress(weight: torch.Tensor, scale: torch.Tensor, args: QuantArgs,
-             input_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def compress(
+    weight: torch.Tensor, scale: torch.Tensor, args: QuantArgs, input_scale: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
     """The stored tensors of one linear (keys without the module prefix)."""
     out = {"weight": quantize(weight, scale, None, args), "weight_scale": scale.float().contiguous()}
     if input_scale is not None:

@@ -27,16 +27,24 @@ from quantkit.packing import pack, unpack
 from quantkit.scheme import QuantArgs
 
 
-def to_gptq(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int | None,
-            g_idx: torch.Tensor | None, name: str) -> dict[str, torch.Tensor]:
+def to_gptq(
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    group_size: int | None,
+    g_idx: torch.Tensor | None,
+    name: str,
+) -> dict[str, torch.Tensor]:
     """GPTQ tensors of one linear from signed int4 values q [out, in], scale [out, G], zero [out, G] or None."""
     out_f, in_f = q.shape
     if out_f % 8 or in_f % 8:
         raise QuantkitError(f"{name} is {out_f}×{in_f}; the GPTQ layout needs both sizes divisible by 8.")
     zero = torch.zeros_like(scale, dtype=torch.int8) if zero is None else zero
     if (zero == -8).any():
-        raise QuantkitError(f"{name} has a zero point of 0 (unsigned), which GPTQ v1 cannot store (it keeps zero - 1); "
-                            "export a symmetric checkpoint or use the compressed-tensors checkpoint as is.")
+        raise QuantkitError(
+            f"{name} has a zero point of 0 (unsigned), which GPTQ v1 cannot store (it keeps zero - 1); "
+            "export a symmetric checkpoint or use the compressed-tensors checkpoint as is."
+        )
     if g_idx is None:
         g_idx = torch.arange(in_f) // (group_size or in_f)
     return {
@@ -52,8 +60,10 @@ def zero_points(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     qzeros = tensors["qzeros"]
     zero = unpack(qzeros, qzeros.shape[1] * 8, 4, dim=1).to(torch.int16) + 1  # [G, out]
     if (zero > 7).any():
-        raise QuantkitError(f"{name} stores a qzeros nibble of 15 (unsigned zero point 16), which no 4-bit format "
-                            "holds; the checkpoint is damaged or its zero points of 0 wrapped around.")
+        raise QuantkitError(
+            f"{name} stores a qzeros nibble of 15 (unsigned zero point 16), which no 4-bit format "
+            "holds; the checkpoint is damaged or its zero points of 0 wrapped around."
+        )
     return zero.to(torch.int8).t().contiguous()
 
 
@@ -63,12 +73,15 @@ def decode(tensors: dict[str, torch.Tensor], name: str):
     qweight, qzeros, scales = tensors["qweight"], tensors["qzeros"], tensors["scales"]
     in_f, out_f = qweight.shape[0] * 8, qweight.shape[1]
     if scales.dim() != 2 or scales.shape[1] != out_f or qzeros.shape != (scales.shape[0], out_f // 8):
-        raise QuantkitError(f"{name} has qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)} and scales "
-                            f"{tuple(scales.shape)}, which do not fit the GPTQ v1 layout; the checkpoint is damaged.")
+        raise QuantkitError(
+            f"{name} has qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)} and scales "
+            f"{tuple(scales.shape)}, which do not fit the GPTQ v1 layout; the checkpoint is damaged."
+        )
     g_idx = tensors.get("g_idx")
     if g_idx is not None and (g_idx.shape != (in_f,) or g_idx.min() < 0 or g_idx.max() >= scales.shape[0]):
-        raise QuantkitError(f"{name} has a g_idx that does not index its {scales.shape[0]} groups; "
-                            "the checkpoint is damaged.")
+        raise QuantkitError(
+            f"{name} has a g_idx that does not index its {scales.shape[0]} groups; the checkpoint is damaged."
+        )
     q = unpack(qweight.t(), in_f, 4, dim=1)  # [out, in]
     return q, scales.t().contiguous(), zero_points(tensors, name), g_idx
 
@@ -76,10 +89,16 @@ def decode(tensors: dict[str, torch.Tensor], name: str):
 def gptq_config(args: QuantArgs) -> dict:
     """The `quantization_config` of a GPTQ v1 checkpoint with int4 weights `args`."""
     return {
-        "quant_method": "gptq", "checkpoint_format": "gptq", "bits": 4,
+        "quant_method": "gptq",
+        "checkpoint_format": "gptq",
+        "bits": 4,
         "group_size": args.group_size if args.strategy == "group" else -1,
-        "desc_act": args.actorder == "group", "sym": args.symmetric, "true_sequential": True,
-        "static_groups": False, "damp_percent": 0.01, "modules_in_block_to_quantize": None,
+        "desc_act": args.actorder == "group",
+        "sym": args.symmetric,
+        "true_sequential": True,
+        "static_groups": False,
+        "damp_percent": 0.01,
+        "modules_in_block_to_quantize": None,
     }
 
 
@@ -98,4 +117,3 @@ def group_size(qc: dict) -> int | None:
     """The group size of a GPTQ `quantization_config` (None: per output channel)."""
     group = qc.get("group_size", 128)
     return None if group in (None, -1) else int(group)
-

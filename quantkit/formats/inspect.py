@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from safetensors import safe_open
 
 from quantkit.errors import QuantkitError
@@ -23,7 +22,9 @@ def _shapes(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
                     sl = st.get_slice(key)
                     out[key] = (tuple(sl.get_shape()), sl.get_dtype())
         except Exception as e:
-            raise QuantkitError(f"{f} is unreadable or truncated ({e}); re-create or re-download the checkpoint.") from None
+            raise QuantkitError(
+                f"{f} is unreadable or truncated ({e}); re-create or re-download the checkpoint."
+            ) from None
     if not out:
         raise QuantkitError(f"{path} has no .safetensors files; it is not a complete checkpoint.")
     return out
@@ -35,13 +36,18 @@ def describe(model_name: str) -> dict:
     path = resolve_model(model_name)
     config = read_config(path)
     qc = config.get("quantization_config") or {}
-    float_bytes = _BYTES.get({"float32": "F32", "float16": "F16", "bfloat16": "BF16"}.get(
-        str(config.get("dtype") or config.get("torch_dtype") or "float32"), "F32"), 4)
+    float_bytes = _BYTES.get(
+        {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}.get(
+            str(config.get("dtype") or config.get("torch_dtype") or "float32"), "F32"
+        ),
+        4,
+    )
     shapes = _shapes(path)
     packed = (".weight_packed", ".qweight")  # compressed-tensors; AutoAWQ and GPTQ
     quantized = sorted(k.rsplit(".", 1)[0] for k in shapes if k.endswith(packed))
-    groups = qc.get("config_groups") or ({"group_0": {"weights": _int4_args(qc)}} if qc.get("quant_method") in
-                                         ("awq", "gptq") else {})
+    groups = qc.get("config_groups") or (
+        {"group_0": {"weights": _int4_args(qc)}} if qc.get("quant_method") in ("awq", "gptq") else {}
+    )
     q_bytes = q_params = 0
     float_total = 0
     for key, (shape, dtype) in shapes.items():
@@ -82,7 +88,11 @@ def _int4_args(qc: dict) -> dict:
     awq = qc.get("quant_method") == "awq"
     bits = qc.get("bits", qc.get("w_bit", 4))
     group_size = qc.get("group_size", qc.get("q_group_size"))
-    return {"type": "int", "num_bits": bits, "strategy": "group" if group_size and group_size > 0 else "channel",
-            "group_size": group_size if group_size and group_size > 0 else None,
-            "symmetric": not qc.get("zero_point", True) if awq else bool(qc.get("sym", True)),
-            "actorder": "group" if qc.get("desc_act") else None}
+    return {
+        "type": "int",
+        "num_bits": bits,
+        "strategy": "group" if group_size and group_size > 0 else "channel",
+        "group_size": group_size if group_size and group_size > 0 else None,
+        "symmetric": not qc.get("zero_point", True) if awq else bool(qc.get("sym", True)),
+        "actorder": "group" if qc.get("desc_act") else None,
+    }

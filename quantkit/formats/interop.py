@@ -59,8 +59,15 @@ class Int4Checkpoint:
             q, scale, zero, g_idx = self.decode(part, name)
             if self.args.actorder == "group" and g_idx is None:
                 g_idx = _trivial_g_idx(q.shape[1], group)
-            yield name, (q, scale, None if self.args.symmetric else zero,
-                         g_idx.to(torch.int32) if self.args.actorder == "group" else None)
+            yield (
+                name,
+                (
+                    q,
+                    scale,
+                    None if self.args.symmetric else zero,
+                    g_idx.to(torch.int32) if self.args.actorder == "group" else None,
+                ),
+            )
 
     def unquantized(self) -> list[str]:
         """Modules whose weight is stored as a plain 2-D tensor, plus `lm_head` unless quantized."""
@@ -111,18 +118,28 @@ def _ct_args(folder: Path, qc: dict) -> QuantArgs:
     if len(schemes) != 1 or next(iter(schemes)).num_bits != 4:
         raise QuantkitError(f"{folder} mixes schemes or is not 4-bit; conversion takes one int4 scheme.")
     if ckpt.kv_cache is not None:
-        raise QuantkitError(f"{folder} carries KV-cache scales, which the AWQ and GPTQ layouts cannot record; "
-                            "convert the checkpoint made without --kv-cache.")
+        raise QuantkitError(
+            f"{folder} carries KV-cache scales, which the AWQ and GPTQ layouts cannot record; "
+            "convert the checkpoint made without --kv-cache."
+        )
     return next(iter(schemes))
 
 
 def _derived_args(parts: dict, zero_points: Callable, group_size: int | None) -> QuantArgs:
     """The scheme of an AWQ or GPTQ checkpoint, from its zero points and g_idx."""
     symmetric = all(bool((zero_points(part, name) == 0).all()) for name, part in parts.items())
-    act_order = any(not torch.equal(part["g_idx"].to(torch.int32), _trivial_g_idx(len(part["g_idx"]), group_size))
-                    for part in parts.values() if "g_idx" in part)
-    return QuantArgs(num_bits=4, symmetric=symmetric, strategy="group" if group_size else "channel",
-                     group_size=group_size, actorder="group" if act_order else None)
+    act_order = any(
+        not torch.equal(part["g_idx"].to(torch.int32), _trivial_g_idx(len(part["g_idx"]), group_size))
+        for part in parts.values()
+        if "g_idx" in part
+    )
+    return QuantArgs(
+        num_bits=4,
+        symmetric=symmetric,
+        strategy="group" if group_size else "channel",
+        group_size=group_size,
+        actorder="group" if act_order else None,
+    )
 
 
 def read_int4(folder: str | Path) -> Int4Checkpoint:
@@ -132,18 +149,23 @@ def read_int4(folder: str | Path) -> Int4Checkpoint:
     config = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
     qc = config.get("quantization_config") or sidecar_config(folder)
     if not qc:
-        raise QuantkitError(f"{folder} is not a compressed-tensors pack-quantized checkpoint (nor an AWQ or GPTQ one); "
-                            "quantize the model first (quantkit rtn, awq or gptq).")
+        raise QuantkitError(
+            f"{folder} is not a compressed-tensors pack-quantized checkpoint (nor an AWQ or GPTQ one); "
+            "quantize the model first (quantkit rtn, awq or gptq)."
+        )
     reason = unsupported(qc)
     if reason:
-        raise QuantkitError(f"{folder} {reason}; quantkit converts compressed-tensors pack-quantized, "
-                            "AutoAWQ GEMM and GPTQ v1 int4 checkpoints.")
+        raise QuantkitError(
+            f"{folder} {reason}; quantkit converts compressed-tensors pack-quantized, "
+            "AutoAWQ GEMM and GPTQ v1 int4 checkpoints."
+        )
     method = qc["quant_method"]
     ct_args = _ct_args(folder, qc) if method == "compressed-tensors" else None
     parts, others = _split(read_tensors(folder), KEYS[method])
     if not parts:
-        raise QuantkitError(f"{folder} declares {method} quantization but holds no {KEYS[method][0]} tensors; "
-                            "it is incomplete.")
+        raise QuantkitError(
+            f"{folder} declares {method} quantization but holds no {KEYS[method][0]} tensors; it is incomplete."
+        )
     if ct_args is not None:
 
         def decode(part, name):
@@ -162,9 +184,11 @@ def _checked(decode: Callable, group_size: int | None) -> Callable:
     def run(part, name):
         q, scale, zero, g_idx = decode(part, name)
         if scale.shape[1] != (q.shape[1] // group_size if group_size else 1) or q.shape[1] % (group_size or 1):
-            raise QuantkitError(f"{name} has {scale.shape[1]} scale groups for {q.shape[1]} inputs, which does not "
-                                f"match group_size {group_size or -1} in quantization_config; "
-                                "the checkpoint is damaged.")
+            raise QuantkitError(
+                f"{name} has {scale.shape[1]} scale groups for {q.shape[1]} inputs, which does not "
+                f"match group_size {group_size or -1} in quantization_config; "
+                "the checkpoint is damaged."
+            )
         return q, scale, zero, g_idx
 
     return run
@@ -172,8 +196,11 @@ def _checked(decode: Callable, group_size: int | None) -> Callable:
 
 def _pack_ct(q, scale, zero, g_idx) -> dict[str, torch.Tensor]:
     """compressed-tensors pack-quantized tensors of one linear (keys without the prefix)."""
-    tensors = {"weight_packed": pack(q, 4), "weight_scale": scale,
-               "weight_shape": torch.tensor(list(q.shape), dtype=torch.int64)}
+    tensors = {
+        "weight_packed": pack(q, 4),
+        "weight_scale": scale,
+        "weight_shape": torch.tensor(list(q.shape), dtype=torch.int64),
+    }
     if zero is not None:
         tensors["weight_zero_point"] = pack(zero, 4, dim=0)
     if g_idx is not None:
@@ -197,8 +224,10 @@ def to_pack_quantized(ck: Int4Checkpoint) -> tuple[dict, dict[str, torch.Tensor]
 def to_awq_checkpoint(ck: Int4Checkpoint) -> tuple[dict, dict[str, torch.Tensor]]:
     """(quantization_config, tensors) of the AutoAWQ GEMM checkpoint."""
     if ck.args.actorder == "group":
-        raise QuantkitError(f"{ck.path} uses act-order groups (g_idx), which the AWQ layout cannot store; "
-                            "export it to gptq or keep it as compressed-tensors.")
+        raise QuantkitError(
+            f"{ck.path} uses act-order groups (g_idx), which the AWQ layout cannot store; "
+            "export it to gptq or keep it as compressed-tensors."
+        )
     group = ck.args.group_size if ck.args.strategy == "group" else None
     qc = awq.awq_config(group, ck.unquantized())
     return qc, _convert(ck, lambda name, q, scale, zero, g_idx: awq.to_awq(q, scale, zero, name))
@@ -208,7 +237,8 @@ def to_gptq_checkpoint(ck: Int4Checkpoint) -> tuple[dict, dict[str, torch.Tensor
     """(quantization_config, tensors) of the GPTQ v1 checkpoint."""
     group = ck.args.group_size if ck.args.strategy == "group" else None
     return gptq.gptq_config(ck.args), _convert(
-        ck, lambda name, q, scale, zero, g_idx: gptq.to_gptq(q, scale, zero, group, g_idx, name))
+        ck, lambda name, q, scale, zero, g_idx: gptq.to_gptq(q, scale, zero, group, g_idx, name)
+    )
 
 
 WRITERS = {"compressed-tensors": to_pack_quantized, "awq": to_awq_checkpoint, "gptq": to_gptq_checkpoint}

@@ -28,12 +28,15 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
     path = Path(name).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
-            raise QuantkitError(f"{path} has no config.json; point at a Hugging Face model folder "
-                                f"or use a built-in model ({', '.join(BUILTIN_MODELS)}).")
+            raise QuantkitError(
+                f"{path} has no config.json; point at a Hugging Face model folder "
+                f"or use a built-in model ({', '.join(BUILTIN_MODELS)})."
+            )
         return path
     if name.startswith((".", "/", "~")) or name.count("/") > 1:
-        raise QuantkitError(f"model folder {name} does not exist; check the path "
-                            f"or use a built-in model ({', '.join(BUILTIN_MODELS)}).")
+        raise QuantkitError(
+            f"model folder {name} does not exist; check the path or use a built-in model ({', '.join(BUILTIN_MODELS)})."
+        )
     return _from_hub(name)
 
 
@@ -46,13 +49,17 @@ def _from_hub(repo_id: str) -> Path:
     except Exception:
         pass
     if not hub_reachable():
-        raise QuantkitError(f"model {repo_id!r} is neither a local folder nor reachable on the Hugging Face hub "
-                            f"(offline); use a local folder or a built-in model ({', '.join(BUILTIN_MODELS)}).")
+        raise QuantkitError(
+            f"model {repo_id!r} is neither a local folder nor reachable on the Hugging Face hub "
+            f"(offline); use a local folder or a built-in model ({', '.join(BUILTIN_MODELS)})."
+        )
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except Exception as e:
-        raise QuantkitError(f"could not download {repo_id!r} from the Hugging Face hub ({type(e).__name__}); "
-                            "check the model id and your access to it.") from None
+        raise QuantkitError(
+            f"could not download {repo_id!r} from the Hugging Face hub ({type(e).__name__}); "
+            "check the model id and your access to it."
+        ) from None
 
 
 def _builtin(name: str) -> Path:

@@ -35,7 +35,7 @@ class Request:
 
 
 def parse_range(value: str | int | tuple[int, int]) -> tuple[int, int]:
-    """"A:B" (or "N", N, (A, B)) -> (A, B) with 1 <= A <= B."""
+    """ "A:B" (or "N", N, (A, B)) -> (A, B) with 1 <= A <= B."""
     try:
         parts = value.split(":") if isinstance(value, str) and ":" in value else value
         lo, hi = (int(v) for v in ((parts, parts) if isinstance(parts, (str, int)) else parts))
@@ -46,8 +46,9 @@ def parse_range(value: str | int | tuple[int, int]) -> tuple[int, int]:
     return lo, hi
 
 
-def synthetic_workload(tokenizer, num_requests: int, input_len, output_len, seed: int = 0,
-                       vocab_size: int | None = None) -> list[Request]:
+def synthetic_workload(
+    tokenizer, num_requests: int, input_len, output_len, seed: int = 0, vocab_size: int | None = None
+) -> list[Request]:
     """`num_requests` prompts of random token ids (no special tokens), lengths uniform in
     `input_len` and `output_len` ("A:B"); the same seed gives the same workload."""
     if num_requests < 1:
@@ -72,8 +73,9 @@ def load_workload(path: str | os.PathLike) -> list[Request]:
             prompt = row["prompt_token_ids"] if "prompt_token_ids" in row else row["prompt"]
             requests.append(Request(prompt, int(row["max_tokens"])))
         except (ValueError, KeyError, TypeError):
-            raise QuantkitError(f"{path} line {n} is not {{\"prompt\" or \"prompt_token_ids\", \"max_tokens\"}} "
-                                "JSON; fix that line.") from None
+            raise QuantkitError(
+                f'{path} line {n} is not {{"prompt" or "prompt_token_ids", "max_tokens"}} JSON; fix that line.'
+            ) from None
     if not requests or any(r.max_tokens < 1 or not r.prompt for r in requests):
         raise QuantkitError(f"{path} needs at least one request, each with a non-empty prompt and max_tokens >= 1.")
     return requests
@@ -91,8 +93,10 @@ class _EngineRun:
             raise QuantkitError("the workload is empty; give at least one request.")
         longest = max(len(llm.encode(r.prompt)) + r.max_tokens for r in workload)
         if longest > llm.context:
-            raise QuantkitError(f"a request needs {longest} tokens (prompt + output), more than the model's "
-                                f"context of {llm.context}; use shorter --input-len/--output-len.")
+            raise QuantkitError(
+                f"a request needs {longest} tokens (prompt + output), more than the model's "
+                f"context of {llm.context}; use shorter --input-len/--output-len."
+            )
         if warmup:  # compile kernels and fill caches before timing (reversed: no prefix-cache hit)
             llm.generate([llm.encode(workload[0].prompt)[::-1]], SamplingParams(max_tokens=2, ignore_eos=True))
         self.llm, self.arrival, self.finished, self.records, self.peak_kv = llm, {}, set(), [], 0.0
@@ -114,8 +118,15 @@ class _EngineRun:
             self.llm.outputs.pop(o.request_id, None)
             self.finished.add(o.request_id)
             t0 = self.arrival[o.request_id]
-            self.records.append({"prompt_tokens": len(o.prompt_token_ids), "output_tokens": len(o.token_ids),
-                                 "ttft": o.first_token_time - t0, "tpot": o.tpot, "e2e": o.finish_time - t0})
+            self.records.append(
+                {
+                    "prompt_tokens": len(o.prompt_token_ids),
+                    "output_tokens": len(o.token_ids),
+                    "ttft": o.first_token_time - t0,
+                    "tpot": o.tpot,
+                    "e2e": o.finish_time - t0,
+                }
+            )
         return finished
 
     def drive(self, completions, track: Track, total: int, **report) -> dict:
@@ -131,13 +142,18 @@ class _EngineRun:
                 self.llm.abort(rid)
                 self.llm.outputs.pop(rid, None)
         preemptions = self.llm.scheduler.num_preemptions - self.preemptions
-        return summarize(self.records, time.perf_counter() - self.start, interrupted=interrupted,
-                         kv_usage_peak=self.peak_kv, preemptions=preemptions, threads=torch.get_num_threads(),
-                         **report)
+        return summarize(
+            self.records,
+            time.perf_counter() - self.start,
+            interrupted=interrupted,
+            kv_usage_peak=self.peak_kv,
+            preemptions=preemptions,
+            threads=torch.get_num_threads(),
+            **report,
+        )
 
 
-def run_offline(llm, workload: list[Request], track: Track = no_progress, *, warmup: bool = True,
-                **report) -> dict:
+def run_offline(llm, workload: list[Request], track: Track = no_progress, *, warmup: bool = True, **report) -> dict:
     """All requests queued at once and stepped to completion. `report` keywords
     (slo_ttft_ms, slo_tpot_ms, cost_per_hour) go to `summarize`."""
     run = _EngineRun(llm, workload, warmup)
@@ -151,8 +167,17 @@ def run_offline(llm, workload: list[Request], track: Track = no_progress, *, war
     return run.drive(completions(), track, len(workload), mode="offline", **report)
 
 
-def run_online(llm, workload: list[Request], rate: float = math.inf, concurrency: int | None = None,
-               track: Track = no_progress, seed: int = 0, *, warmup: bool = True, **report) -> dict:
+def run_online(
+    llm,
+    workload: list[Request],
+    rate: float = math.inf,
+    concurrency: int | None = None,
+    track: Track = no_progress,
+    seed: int = 0,
+    *,
+    warmup: bool = True,
+    **report,
+) -> dict:
     """Requests arrive by a Poisson process at `rate` req/s (inf: all at t=0), at most
     `concurrency` in flight when given (a closed loop of that many clients when the rate
     is inf); the engine steps in this thread, new arrivals joining between steps."""
@@ -171,8 +196,7 @@ def run_online(llm, workload: list[Request], rate: float = math.inf, concurrency
             elif pending:
                 time.sleep(max(0.0, pending[0][0] - (time.perf_counter() - run.start)))
 
-    return run.drive(completions(), track, len(workload), mode="online", rate=rate, concurrency=concurrency,
-                     **report)
+    return run.drive(completions(), track, len(workload), mode="online", rate=rate, concurrency=concurrency, **report)
 
 
 def _arrivals(n: int, rate: float, concurrency: int | None, seed: int) -> list[float]:
@@ -187,8 +211,16 @@ def _arrivals(n: int, rate: float, concurrency: int | None, seed: int) -> list[f
     return offsets
 
 
-def run(llm, workload: list[Request], mode: str = "offline", rate: float = math.inf,
-        concurrency: int | None = None, track: Track = no_progress, seed: int = 0, **report) -> dict:
+def run(
+    llm,
+    workload: list[Request],
+    mode: str = "offline",
+    rate: float = math.inf,
+    concurrency: int | None = None,
+    track: Track = no_progress,
+    seed: int = 0,
+    **report,
+) -> dict:
     """`run_offline` or `run_online` by `mode`."""
     if mode == "offline":
         return run_offline(llm, workload, track, **report)
@@ -211,30 +243,50 @@ def _percentiles(values: list[float]) -> dict:
     return {"mean": sum(v) / len(v), **{f"p{p}": at(p) for p in PERCENTILES}}
 
 
-def summarize(records: list[dict], duration: float, slo_ttft_ms: float | None = None,
-              slo_tpot_ms: float | None = None, cost_per_hour: float | None = None, **info) -> dict:
+def summarize(
+    records: list[dict],
+    duration: float,
+    slo_ttft_ms: float | None = None,
+    slo_tpot_ms: float | None = None,
+    cost_per_hour: float | None = None,
+    **info,
+) -> dict:
     """The report of finished requests (`records`: prompt_tokens, output_tokens, and
     ttft/tpot/e2e in seconds, tpot None for one-token outputs) over `duration` seconds."""
     duration = max(duration, 1e-9)
     out_tokens = sum(r["output_tokens"] for r in records)
     in_tokens = sum(r["prompt_tokens"] for r in records)
-    good = [r for r in records if (slo_ttft_ms is None or r["ttft"] * 1e3 <= slo_ttft_ms)
-            and (slo_tpot_ms is None or r["tpot"] is None or r["tpot"] * 1e3 <= slo_tpot_ms)]
+    good = [
+        r
+        for r in records
+        if (slo_ttft_ms is None or r["ttft"] * 1e3 <= slo_ttft_ms)
+        and (slo_tpot_ms is None or r["tpot"] is None or r["tpot"] * 1e3 <= slo_tpot_ms)
+    ]
     return {
-        "num_requests": len(records), "duration_s": duration,
-        "input_tokens": in_tokens, "output_tokens": out_tokens,
-        "requests_per_s": len(records) / duration, "output_tokens_per_s": out_tokens / duration,
+        "num_requests": len(records),
+        "duration_s": duration,
+        "input_tokens": in_tokens,
+        "output_tokens": out_tokens,
+        "requests_per_s": len(records) / duration,
+        "output_tokens_per_s": out_tokens / duration,
         "total_tokens_per_s": (in_tokens + out_tokens) / duration,
         "ttft_ms": _percentiles([r["ttft"] for r in records]),
         "tpot_ms": _percentiles([r["tpot"] for r in records if r["tpot"] is not None]),
         "e2e_ms": _percentiles([r["e2e"] for r in records]),
-        "slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms,
+        "slo_ttft_ms": slo_ttft_ms,
+        "slo_tpot_ms": slo_tpot_ms,
         "goodput_requests_per_s": None if slo_ttft_ms is None and slo_tpot_ms is None else len(good) / duration,
         "cost_per_hour": cost_per_hour,
         "cost_per_1m_output_tokens": cost_per_hour / 3600 / (out_tokens / duration) * 1e6
-        if cost_per_hour is not None and out_tokens else None,
-        "interrupted": False, "failed": 0, "kv_usage_peak": None, "preemptions": None, "rate": None,
-        "concurrency": None, **info,
+        if cost_per_hour is not None and out_tokens
+        else None,
+        "interrupted": False,
+        "failed": 0,
+        "kv_usage_peak": None,
+        "preemptions": None,
+        "rate": None,
+        "concurrency": None,
+        **info,
     }
 
 
@@ -260,16 +312,19 @@ def _hf_generate(hf, prompts: list[list[int]], n: int, pad: int):
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=hf.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=hf.device)
     with torch.inference_mode():
-        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                          do_sample=False, pad_token_id=pad)
+        out = hf.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad
+        )
     return out[:, width:]  # [batch, n]
 
 
 def _hf_run(hf, tokenizer, pad, workload: list[Request], batch_size: int, track: Track) -> dict:
     import torch
 
-    prompts = [r.prompt if isinstance(r.prompt, list) else tokenizer.encode(r.prompt, add_special_tokens=False)
-               for r in workload]
+    prompts = [
+        r.prompt if isinstance(r.prompt, list) else tokenizer.encode(r.prompt, add_special_tokens=False)
+        for r in workload
+    ]
     _hf_generate(hf, prompts[:1], 2, pad)  # warm up
     batches = [range(i, min(i + batch_size, len(workload))) for i in range(0, len(workload), batch_size)]
     done = output_tokens = generated = 0
@@ -283,14 +338,27 @@ def _hf_run(hf, tokenizer, pad, workload: list[Request], batch_size: int, track:
     except KeyboardInterrupt:
         interrupted = True
     duration = max(time.perf_counter() - start, 1e-9)
-    return {"batch_size": batch_size, "num_requests": done, "output_tokens": output_tokens,
-            "generated_tokens": generated, "duration_s": duration, "requests_per_s": done / duration,
-            "output_tokens_per_s": output_tokens / duration, "interrupted": interrupted,
-            "threads": torch.get_num_threads()}
+    return {
+        "batch_size": batch_size,
+        "num_requests": done,
+        "output_tokens": output_tokens,
+        "generated_tokens": generated,
+        "duration_s": duration,
+        "requests_per_s": done / duration,
+        "output_tokens_per_s": output_tokens / duration,
+        "interrupted": interrupted,
+        "threads": torch.get_num_threads(),
+    }
 
 
-def run_hf_baseline(model: str, workload: list[Request], batch_size: int = 1, dtype=None, device: str = "cpu",
-                    track: Track = no_progress) -> dict:
+def run_hf_baseline(
+    model: str,
+    workload: list[Request],
+    batch_size: int = 1,
+    dtype=None,
+    device: str = "cpu",
+    track: Track = no_progress,
+) -> dict:
     """transformers `generate` (greedy) on the workload: one request at a time
     (batch_size 1) or static left-padded batches, each running to its longest output;
     only each request's own `max_tokens` count as output. Keys: batch_size,
@@ -311,26 +379,43 @@ def compare(ours: dict, **baselines: dict) -> dict:
     return result
 
 
-def compare_hf(model: str, workload: list[Request], ours: dict, dtype=None, device: str = "cpu",
-               static_batch_size: int = 16, track: Track = no_progress) -> dict:
+def compare_hf(
+    model: str,
+    workload: list[Request],
+    ours: dict,
+    dtype=None,
+    device: str = "cpu",
+    static_batch_size: int = 16,
+    track: Track = no_progress,
+) -> dict:
     """`compare` against transformers one request at a time and in static batches:
     keys ratio_vs_hf_sequential, ratio_vs_hf_static, hf_sequential, hf_static."""
     if static_batch_size < 1:
         raise QuantkitError(f"the baseline batch size must be at least 1, got {static_batch_size}.")
     loaded = _load_hf(model, dtype, device)
-    return compare(ours, hf_sequential=_hf_run(*loaded, workload, 1, track),
-                   hf_static=_hf_run(*loaded, workload, static_batch_size, track))
+    return compare(
+        ours,
+        hf_sequential=_hf_run(*loaded, workload, 1, track),
+        hf_static=_hf_run(*loaded, workload, static_batch_size, track),
+    )
 
 
 def _http_request(url: str, model_name: str | None, request: Request, timeout: float) -> dict:
     import urllib.request
 
-    body = {"prompt": request.prompt, "max_tokens": request.max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": request.prompt,
+        "max_tokens": request.max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     if model_name:
         body["model"] = model_name
-    req = urllib.request.Request(url.rstrip("/") + "/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url.rstrip("/") + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     start, times, usage = time.perf_counter(), [], None
     with urllib.request.urlopen(req, timeout=timeout) as response:
         for line in response:
@@ -345,13 +430,26 @@ def _http_request(url: str, model_name: str | None, request: Request, timeout: f
         raise RuntimeError("the stream held no text")
     n = (usage or {}).get("completion_tokens") or len(times)
     prompt = (usage or {}).get("prompt_tokens") or (len(request.prompt) if isinstance(request.prompt, list) else 0)
-    return {"prompt_tokens": prompt, "output_tokens": n, "ttft": times[0] - start,
-            "tpot": (times[-1] - times[0]) / (n - 1) if n > 1 else None, "e2e": times[-1] - start}
+    return {
+        "prompt_tokens": prompt,
+        "output_tokens": n,
+        "ttft": times[0] - start,
+        "tpot": (times[-1] - times[0]) / (n - 1) if n > 1 else None,
+        "e2e": times[-1] - start,
+    }
 
 
-def run_http(url: str, workload: list[Request], rate: float = math.inf, concurrency: int | None = None,
-             model_name: str | None = None, track: Track = no_progress, seed: int = 0, timeout: float = 600,
-             **report) -> dict:
+def run_http(
+    url: str,
+    workload: list[Request],
+    rate: float = math.inf,
+    concurrency: int | None = None,
+    model_name: str | None = None,
+    track: Track = no_progress,
+    seed: int = 0,
+    timeout: float = 600,
+    **report,
+) -> dict:
     """The workload against an OpenAI-compatible server's streaming /v1/completions
     (token-id prompts need a server that takes them, as vLLM does): Poisson arrivals at
     `rate`, at most `concurrency` requests open. TTFT is the first text chunk; TPOT
@@ -397,12 +495,19 @@ def run_http(url: str, workload: list[Request], rate: float = math.inf, concurre
         records, failed = list(records), len(errors)
     if failed and not records:
         raise QuantkitError(f"no request to {url} succeeded ({errors[0]}); check the URL and that the server is up.")
-    return summarize(records, duration, mode="http", rate=rate, concurrency=concurrency,
-                     **{**report, "interrupted": interrupted, "failed": failed})
+    return summarize(
+        records,
+        duration,
+        mode="http",
+        rate=rate,
+        concurrency=concurrency,
+        **{**report, "interrupted": interrupted, "failed": failed},
+    )
 
 
-def sweep(llm, workload: list[Request], rates: list[float], track: Track = no_progress, seed: int = 0,
-          **report) -> list[dict]:
+def sweep(
+    llm, workload: list[Request], rates: list[float], track: Track = no_progress, seed: int = 0, **report
+) -> list[dict]:
     """One `run_online` report per rate."""
     return [run_online(llm, workload, rate, None, track, seed, **report) for rate in rates]
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from quantkit.packing import unpack
 from quantkit.kernels import cpu, reference
+from quantkit.packing import unpack
 from quantkit.primitives import dequantize, sqnr
 from quantkit.scheme import QuantArgs
 
@@ -43,8 +43,10 @@ def _device_name(device: str) -> str:
 
 def header(device: str) -> str:
     """One line: date, torch version, device name, threads."""
-    return (f"kernel benchmark, {datetime.date.today().isoformat()}, torch {torch.__version__}, "
-            f"{_device_name(device)}, {torch.get_num_threads()} torch threads")
+    return (
+        f"kernel benchmark, {datetime.date.today().isoformat()}, torch {torch.__version__}, "
+        f"{_device_name(device)}, {torch.get_num_threads()} torch threads"
+    )
 
 
 def _fmt(v) -> str:
@@ -91,8 +93,13 @@ def copy_bandwidth(mb: int = 256, reps: int = 5) -> dict:
     src = torch.ones(mb * 2**20 // 4)
     dst = torch.empty_like(src)
     ms = _median_ms({"copy": lambda: dst.copy_(src)}, reps, min_sample_s=0)["copy"]
-    return {"kernel": "memcpy", "impl": "Tensor.copy_", "weight_MB": float(mb), "ms": ms,
-            "GB/s": 2 * mb * 2**20 / ms / 1e6}
+    return {
+        "kernel": "memcpy",
+        "impl": "Tensor.copy_",
+        "weight_MB": float(mb),
+        "ms": ms,
+        "GB/s": 2 * mb * 2**20 / ms / 1e6,
+    }
 
 
 def _dense(w_packed: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
@@ -104,7 +111,7 @@ def _dense(w_packed: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Te
 def _cpu_cases(m: int, k: int, group: int) -> dict[str, tuple]:
     """name -> (fn, weight bytes per call) for one [m, k] x [k, k]ᵀ product."""
     n = k
-    w_packed = torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32)  # any word is valid
+    w_packed = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32)  # any word is valid
     scales = torch.rand(n, k // group) * 0.01 + 0.005
     w = _dense(w_packed, scales, group)  # [n, k] fp32
     w_bf16 = w.to(torch.bfloat16)
@@ -114,14 +121,21 @@ def _cpu_cases(m: int, k: int, group: int) -> dict[str, tuple]:
     return {
         "dense fp32": (lambda: x @ w.t(), w.numel() * 4),
         "dense bf16": (lambda: x_bf16 @ w_bf16.t(), w.numel() * 2),
-        "twin int4 (fp32)": (lambda: reference.int4_gemm(x, w_packed, scales, None, group),
-                             w_packed.numel() * 4 + scales.numel() * 4),
+        "twin int4 (fp32)": (
+            lambda: reference.int4_gemm(x, w_packed, scales, None, group),
+            w_packed.numel() * 4 + scales.numel() * 4,
+        ),
         "int4pack bf16": (lambda: cpu.int4_gemm_cpu(x_bf16, packed), packed.nbytes),
     }
 
 
-def run_cpu(quick: bool = False, ms: tuple[int, ...] | None = None, sizes: tuple[int, ...] | None = None,
-            reps: int | None = None, copy_mb: int | None = None) -> list[dict]:
+def run_cpu(
+    quick: bool = False,
+    ms: tuple[int, ...] | None = None,
+    sizes: tuple[int, ...] | None = None,
+    reps: int | None = None,
+    copy_mb: int | None = None,
+) -> list[dict]:
     """Rows of the CPU table: per (M, K=N) the four implementations, then one memcpy row.
 
     Group 64 where K = 576, 128 otherwise (symmetric int4). `ms` / `sizes` / `reps` / `copy_mb`
@@ -141,10 +155,21 @@ def run_cpu(quick: bool = False, ms: tuple[int, ...] | None = None, sizes: tuple
                 t = _median_ms({name: fn for name, (fn, _) in cases.items()}, reps)
                 for name, (_, nbytes) in cases.items():
                     gbps = nbytes / t[name] / 1e6
-                    rows.append({"kernel": "gemm", "impl": name, "M": m, "K=N": k, "group": group,
-                                 "ms": t[name], "weight_MB": nbytes / 2**20, "GB/s": gbps,
-                                 "%copy": 100 * gbps / copy["GB/s"],
-                                 "vs_fp32": t["dense fp32"] / t[name], "vs_bf16": t["dense bf16"] / t[name]})
+                    rows.append(
+                        {
+                            "kernel": "gemm",
+                            "impl": name,
+                            "M": m,
+                            "K=N": k,
+                            "group": group,
+                            "ms": t[name],
+                            "weight_MB": nbytes / 2**20,
+                            "GB/s": gbps,
+                            "%copy": 100 * gbps / copy["GB/s"],
+                            "vs_fp32": t["dense fp32"] / t[name],
+                            "vs_bf16": t["dense bf16"] / t[name],
+                        }
+                    )
     return rows + [copy]
 
 
@@ -228,7 +253,7 @@ def _pct_hbm(nbytes: int, ms: float) -> float:
 
 def _gpu_int4(run: _Run, s: GpuSizes, kernel) -> None:
     dev, k, g = run.device, s.k, s.group
-    w_packed = torch.randint(-2**31, 2**31 - 1, (k, k // 8), dtype=torch.int32, device=dev)
+    w_packed = torch.randint(-(2**31), 2**31 - 1, (k, k // 8), dtype=torch.int32, device=dev)
     scales = (torch.rand(k, k // g, device=dev) * 0.01 + 0.005).to(s.dtype)
     zeros = torch.randint(-8, 8, (k, k // g), dtype=torch.int8, device=dev)
     w_dense = _dense(w_packed, scales, g)  # [N, K]
@@ -238,15 +263,28 @@ def _gpu_int4(run: _Run, s: GpuSizes, kernel) -> None:
             return
         x = torch.randn(m, k, device=dev, dtype=s.dtype)
         row = {"kernel": "int4_gemm", "shape": f"M={m} K=N={k} g{g}"}
-        row |= run.check(f"int4 sym M={m}", lambda: kernel(x, w_packed, scales, None, g),
-                         reference.int4_gemm(x.float(), w_packed, scales.float(), None, g))
+        row |= run.check(
+            f"int4 sym M={m}",
+            lambda: kernel(x, w_packed, scales, None, g),
+            reference.int4_gemm(x.float(), w_packed, scales.float(), None, g),
+        )
         if m == s.int4_ms[0]:
-            run.check(f"int4 asym M={m}", lambda: kernel(x, w_packed, scales, zeros, g),
-                      reference.int4_gemm(x.float(), w_packed, scales.float(), zeros, g))
+            run.check(
+                f"int4 asym M={m}",
+                lambda: kernel(x, w_packed, scales, zeros, g),
+                reference.int4_gemm(x.float(), w_packed, scales.float(), zeros, g),
+            )
         if "sqnr_dB" in row:
             t, t_ref = run.ms(lambda: kernel(x, w_packed, scales, None, g)), run.ms(lambda: x @ w_dense.t())
-            row |= {"ms": t, "cuBLAS_ms": t_ref, "speedup": t_ref / t, **_target(t_ref / t, 3.0 if m <= 16 else None),
-                    "TFLOP/s": 2 * m * k * k / t / 1e9, "GB/s": nbytes / t / 1e6, "%HBM": _pct_hbm(nbytes, t)}
+            row |= {
+                "ms": t,
+                "cuBLAS_ms": t_ref,
+                "speedup": t_ref / t,
+                **_target(t_ref / t, 3.0 if m <= 16 else None),
+                "TFLOP/s": 2 * m * k * k / t / 1e9,
+                "GB/s": nbytes / t / 1e6,
+                "%HBM": _pct_hbm(nbytes, t),
+            }
             run.log(f"  int4 M={m}: {t:.4f} ms vs cuBLAS {t_ref:.4f} ms ({t_ref / t:.2f}x)")
         run.rows.append(row)
 
@@ -263,21 +301,31 @@ def _gpu_fp8(run: _Run, s: GpuSizes, kernel) -> None:
             return
         x = torch.randn(m, k, device=dev, dtype=s.dtype)
         row = {"kernel": "fp8_gemm", "shape": f"M={m} K=N={k} dyn/token"}
-        row |= run.check(f"fp8 dynamic M={m}", lambda: kernel(x, w_fp8, w_scale),
-                         reference.fp8_gemm(x.float(), w_fp8, w_scale))
+        row |= run.check(
+            f"fp8 dynamic M={m}", lambda: kernel(x, w_fp8, w_scale), reference.fp8_gemm(x.float(), w_fp8, w_scale)
+        )
         if m == s.fp8_ms[0]:
             x_scale = x.float().abs().amax().reshape(1) / reference.FP8_MAX
-            run.check(f"fp8 static M={m}", lambda: kernel(x, w_fp8, w_scale, x_scale),
-                      reference.fp8_gemm(x.float(), w_fp8, w_scale, x_scale))
+            run.check(
+                f"fp8 static M={m}",
+                lambda: kernel(x, w_fp8, w_scale, x_scale),
+                reference.fp8_gemm(x.float(), w_fp8, w_scale, x_scale),
+            )
         if "sqnr_dB" in row:
             t, t_ref = run.ms(lambda: kernel(x, w_fp8, w_scale)), run.ms(lambda: x @ w_dense.t())
-            row |= {"ms": t, "cuBLAS_ms": t_ref, "speedup": t_ref / t, **_target(t_ref / t, 1.5 if m >= 1024 else None),
-                    "TFLOP/s": 2 * m * k * k / t / 1e9}
+            row |= {
+                "ms": t,
+                "cuBLAS_ms": t_ref,
+                "speedup": t_ref / t,
+                **_target(t_ref / t, 1.5 if m >= 1024 else None),
+                "TFLOP/s": 2 * m * k * k / t / 1e9,
+            }
             try:  # informative: cuBLAS fp8 with rowwise scales, x already quantized (not counted)
                 xs = x.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / reference.FP8_MAX
                 xq = (x.float() / xs).to(torch.float8_e4m3fn)
-                row["cuBLAS_fp8_ms"] = run.ms(lambda: torch._scaled_mm(
-                    xq, w_fp8.t(), scale_a=xs, scale_b=scale_b, out_dtype=s.dtype))
+                row["cuBLAS_fp8_ms"] = run.ms(
+                    lambda: torch._scaled_mm(xq, w_fp8.t(), scale_a=xs, scale_b=scale_b, out_dtype=s.dtype)
+                )
             except Exception as e:  # noqa: BLE001 - optional baseline
                 run.log(f"  (no torch._scaled_mm baseline: {str(e).splitlines()[0][:120]})")
             run.log(f"  fp8 M={m}: {t:.4f} ms vs cuBLAS {t_ref:.4f} ms ({t_ref / t:.2f}x)")
@@ -293,7 +341,7 @@ def _gpu_attention(run: _Run, s: GpuSizes, kernel) -> None:
     k = torch.randn(n_blocks, bs, s.kv_heads, s.head_dim, device=dev, dtype=s.dtype)
     v = torch.randn_like(k)
     q = torch.randn(s.seqs, s.heads, s.head_dim, device=dev, dtype=s.dtype)
-    scale = s.head_dim ** -0.5
+    scale = s.head_dim**-0.5
     tokens = int(seq_lens.sum())
     # SDPA on the same K/V, contiguous and un-paged: [seqs, kv_heads, context, d]
     k_sdpa = k[block_tables.long()].reshape(s.seqs, -1, s.kv_heads, s.head_dim).transpose(1, 2).contiguous()
@@ -316,21 +364,32 @@ def _gpu_attention(run: _Run, s: GpuSizes, kernel) -> None:
             vs = (v.float().abs().amax() / reference.FP8_MAX).reshape(1)
             kc, vc = (k.float() / ks).to(torch.float8_e4m3fn), (v.float() / vs).to(torch.float8_e4m3fn)
         args = (q, kc, vc, block_tables, seq_lens, scale, ks, vs)
-        row = {"kernel": "paged_attention",
-               "shape": f"{s.seqs}x{s.context} ctx, {s.heads}/{s.kv_heads} heads, d{s.head_dim}, "
-                        f"{str(kc.dtype)[6:]} KV"}
+        row = {
+            "kernel": "paged_attention",
+            "shape": f"{s.seqs}x{s.context} ctx, {s.heads}/{s.kv_heads} heads, d{s.head_dim}, {str(kc.dtype)[6:]} KV",
+        }
         row |= run.check(f"paged attention {cache}", lambda: kernel(*args), reference.paged_attention(*args))
         if "sqnr_dB" in row:
             t = run.ms(lambda: kernel(*args))
             kv_bytes = 2 * tokens * s.kv_heads * s.head_dim * kc.element_size()
-            row |= {"ms": t, "sdpa_ms": t_sdpa, "speedup": t_sdpa / t, "GB/s": kv_bytes / t / 1e6,
-                    "%HBM": _pct_hbm(kv_bytes, t)}
+            row |= {
+                "ms": t,
+                "sdpa_ms": t_sdpa,
+                "speedup": t_sdpa / t,
+                "GB/s": kv_bytes / t / 1e6,
+                "%HBM": _pct_hbm(kv_bytes, t),
+            }
             run.log(f"  paged attention {cache}: {t:.4f} ms, {kv_bytes / t / 1e6:.0f} GB/s (SDPA {t_sdpa:.4f} ms)")
         run.rows.append(row)
 
 
-def run_gpu(quick: bool = False, sizes: GpuSizes | None = None, impls: dict | None = None,
-            device: str = "cuda", budget_s: float = 170.0) -> list[dict]:
+def run_gpu(
+    quick: bool = False,
+    sizes: GpuSizes | None = None,
+    impls: dict | None = None,
+    device: str = "cuda",
+    budget_s: float = 170.0,
+) -> list[dict]:
     """Check each Triton kernel against its twin, then time it; returns the rows.
 
     `impls` maps "int4_gemm" / "fp8_gemm" / "paged_attention" to launchers (default: import

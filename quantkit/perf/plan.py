@@ -46,8 +46,15 @@ def linear_shapes(config: dict) -> dict[str, tuple[int, int]]:
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     hd = config.get("head_dim") or h // heads
-    return {"q_proj": (heads * hd, h), "k_proj": (kv_heads * hd, h), "v_proj": (kv_heads * hd, h),
-            "o_proj": (h, heads * hd), "gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}
+    return {
+        "q_proj": (heads * hd, h),
+        "k_proj": (kv_heads * hd, h),
+        "v_proj": (kv_heads * hd, h),
+        "o_proj": (h, heads * hd),
+        "gate_proj": (inter, h),
+        "up_proj": (inter, h),
+        "down_proj": (h, inter),
+    }
 
 
 def _float_params(config: dict) -> int:
@@ -116,10 +123,19 @@ def gpu_spec(name: str) -> GPU:
         raise QuantkitError(f"unknown GPU {name!r}; use one of: {', '.join(GPUS)}.") from None
 
 
-def plan(config: dict, schemes: list[str] = ("bf16", "w4a16", "fp8-dynamic"), kv_cache: str | None = None,
-         gpu: str = "h100-80gb", context: int = 4096, cost_per_hour: float | None = None, *,
-         memory: float | None = None, bandwidth: float | None = None, memory_utilization: float = 0.9,
-         max_num_seqs: int | None = None) -> list[dict]:
+def plan(
+    config: dict,
+    schemes: list[str] = ("bf16", "w4a16", "fp8-dynamic"),
+    kv_cache: str | None = None,
+    gpu: str = "h100-80gb",
+    context: int = 4096,
+    cost_per_hour: float | None = None,
+    *,
+    memory: float | None = None,
+    bandwidth: float | None = None,
+    memory_utilization: float = 0.9,
+    max_num_seqs: int | None = None,
+) -> list[dict]:
     """One row per scheme: memory, sequences of `context` tokens that fit in
     `memory_utilization` of the GPU, and lower bounds on decode TPOT (all weights, and
     at full batch all KV too, read once per step), throughput and cost per 1K output
@@ -147,18 +163,27 @@ def plan(config: dict, schemes: list[str] = ("bf16", "w4a16", "fp8-dynamic"), kv
         flops = 2 * params * context + attention
         tpot_full = (weights + seqs * context * kv_token) / bandwidth if seqs else None
         tokens_s = seqs / tpot_full if seqs else None
-        rows.append({
-            "scheme": scheme, "gpu": gpu, "context": context, "kv_cache": kv_cache or "bf16",
-            "params": params, "weight_bytes": weights, "kv_bytes_per_token": kv_token,
-            "kv_bytes_per_seq": kv_token * context, "max_seqs": seqs, "fits": seqs > 0,
-            "weights_fit": weights <= memory * memory_utilization,
-            "tpot_ms_batch1": weights / bandwidth * 1e3,
-            "tpot_ms_full": tpot_full * 1e3 if seqs else None,
-            "tokens_per_s_full": tokens_s,
-            "prefill_ms": flops / ((spec.fp8_tflops if fp8_math else spec.bf16_tflops) * 1e12) * 1e3,
-            "cost_per_hour": price,
-            "usd_per_1k_output_tokens": price / 3600 / tokens_s * 1000 if seqs else None,
-        })
+        rows.append(
+            {
+                "scheme": scheme,
+                "gpu": gpu,
+                "context": context,
+                "kv_cache": kv_cache or "bf16",
+                "params": params,
+                "weight_bytes": weights,
+                "kv_bytes_per_token": kv_token,
+                "kv_bytes_per_seq": kv_token * context,
+                "max_seqs": seqs,
+                "fits": seqs > 0,
+                "weights_fit": weights <= memory * memory_utilization,
+                "tpot_ms_batch1": weights / bandwidth * 1e3,
+                "tpot_ms_full": tpot_full * 1e3 if seqs else None,
+                "tokens_per_s_full": tokens_s,
+                "prefill_ms": flops / ((spec.fp8_tflops if fp8_math else spec.bf16_tflops) * 1e12) * 1e3,
+                "cost_per_hour": price,
+                "usd_per_1k_output_tokens": price / 3600 / tokens_s * 1000 if seqs else None,
+            }
+        )
     return rows
 
 
@@ -168,8 +193,11 @@ def model_config(name_or_path: str) -> dict:
 
     from quantkit.models.loading import BUILTIN_MODELS, read_config, resolve_model
 
-    if name_or_path in BUILTIN_MODELS or Path(name_or_path).expanduser().exists() \
-            or str(name_or_path).startswith((".", "/", "~")):
+    if (
+        name_or_path in BUILTIN_MODELS
+        or Path(name_or_path).expanduser().exists()
+        or str(name_or_path).startswith((".", "/", "~"))
+    ):
         return read_config(resolve_model(name_or_path))
     from huggingface_hub import hf_hub_download
 
@@ -184,5 +212,7 @@ def model_config(name_or_path: str) -> dict:
             raise
         except Exception:
             continue
-    raise QuantkitError(f"could not get config.json of {name_or_path!r} (not a local folder, not cached, "
-                        "and the hub is unreachable or has no such model); check the name.")
+    raise QuantkitError(
+        f"could not get config.json of {name_or_path!r} (not a local folder, not cached, "
+        "and the hub is unreachable or has no such model); check the name."
+    )

@@ -10,17 +10,16 @@ from pathlib import Path
 
 import torch
 
-from quantkit.version import __version__
-from quantkit.calibration.datasets import calibration_samples, load_documents
+from quantkit.calibration.datasets import Calibration, calibration_samples, load_documents
 from quantkit.errors import QuantkitError
 from quantkit.formats.checkpoint import check_output, read_provenance, read_tensors, save_checkpoint
+from quantkit.models import kv_cache
 from quantkit.models.arch import arch_for
 from quantkit.models.loading import load_tokenizer, read_config, resolve_model
 from quantkit.progress import Track, no_progress
-from quantkit.calibration.datasets import Calibration
-from quantkit.models import kv_cache
 from quantkit.runtime.loader import load
 from quantkit.scheme import QuantArgs, QuantScheme, to_quantization_config
+from quantkit.version import __version__
 
 
 def kv_scale_names(config, layer: int) -> tuple[str, str]:
@@ -30,8 +29,15 @@ def kv_scale_names(config, layer: int) -> tuple[str, str]:
 
 
 @torch.no_grad()
-def add_kv_scales(model_name: str, args: QuantArgs, out: Path, calibration: Calibration = Calibration(),
-                  overwrite: bool = False, track: Track = no_progress, recipe: dict | None = None) -> dict:
+def add_kv_scales(
+    model_name: str,
+    args: QuantArgs,
+    out: Path,
+    calibration: Calibration = Calibration(),
+    overwrite: bool = False,
+    track: Track = no_progress,
+    recipe: dict | None = None,
+) -> dict:
     """Calibrate per-layer k_scale / v_scale on `calibration` and write `out`: the source's
     tensors unchanged plus the scales, and `kv_cache_scheme` in its quantization_config
     (`recipe`, the `quantkit run` recipe this call carries out, goes into the provenance)."""
@@ -46,7 +52,9 @@ def add_kv_scales(model_name: str, args: QuantArgs, out: Path, calibration: Cali
     model = load(path)
     kv_cache.enable(model)  # refuses architectures the table does not know
     c = calibration
-    samples = calibration_samples(load_tokenizer(path), load_documents(c.dataset, "calib"), c.samples, c.seq_len, c.seed)
+    samples = calibration_samples(
+        load_tokenizer(path), load_documents(c.dataset, "calib"), c.samples, c.seq_len, c.seed
+    )
     batches = samples.split(c.batch_size)
     with kv_cache.record_kv_amax(model):
         for batch in track(batches, "kv calibration", len(batches)):

@@ -50,8 +50,9 @@ def quantized_linears(model: nn.Module, spec: ArchSpec, scheme: QuantScheme) -> 
     return found
 
 
-def pack_model(model: nn.Module, scheme: QuantScheme, results: dict[str, QParams], dtype: torch.dtype,
-               release: bool = False) -> dict:
+def pack_model(
+    model: nn.Module, scheme: QuantScheme, results: dict[str, QParams], dtype: torch.dtype, release: bool = False
+) -> dict:
     """The checkpoint's tensors: packed quantized linears, everything else in `dtype`. With
     `release` the model is spent: each quantized linear's float weight is dropped as soon as
     it is packed, so packing needs little memory beyond the packed tensors themselves."""
@@ -108,35 +109,47 @@ def check_scaled_together(spec: ArchSpec, blocks: int, linears: list[str]) -> No
             names = [f"{spec.blocks}.{i}.{n}" for n in m.linears]
             left_out = [n for n in names if n not in linears]
             if left_out and len(left_out) < len(names):
-                raise QuantkitError(f"{left_out[0]} is ignored but shares the scales folded into "
-                                    f"{spec.blocks}.{i}.{m.prev} with {', '.join(m.linears)}; with awq or fp8 "
-                                    "smoothing ignore all of them or none.")
+                raise QuantkitError(
+                    f"{left_out[0]} is ignored but shares the scales folded into "
+                    f"{spec.blocks}.{i}.{m.prev} with {', '.join(m.linears)}; with awq or fp8 "
+                    "smoothing ignore all of them or none."
+                )
 
 
-def check_method(method: Method, scheme: QuantScheme, transforms: list[tuple[Method, object]] = (),
-                 path: str | None = None) -> None:
+def check_method(
+    method: Method, scheme: QuantScheme, transforms: list[tuple[Method, object]] = (), path: str | None = None
+) -> None:
     """A `QuantkitError` when the scheme (or a per-module override) does not fit the weight
     method or a transform run before it; `path` (a recipe key) names where the mistake is."""
     where = path or "scheme"
     folding = [m.name for m in (method, *(t for t, _ in transforms)) if m.folds_scales]
     if scheme.overrides and folding:
-        raise QuantkitError(f"{where}.overrides: {folding[0]} folds one scale into the op before several linears, so "
-                            "it cannot give some of them other args; use rtn, gptq or fp8 without smoothing, or "
-                            "only ignore: true overrides.")
+        raise QuantkitError(
+            f"{where}.overrides: {folding[0]} folds one scale into the op before several linears, so "
+            "it cannot give some of them other args; use rtn, gptq or fp8 without smoothing, or "
+            "only ignore: true overrides."
+        )
     for p, s in [(where, scheme)] + [(f"{where}.overrides[{i}]", o) for i, o in enumerate(scheme.overrides)]:
         if s.weights is None or s.format != method.format:
             fits = " or ".join(name for name, ps in PRESETS.items() if ps.weights and ps.format == method.format)
-            raise QuantkitError(f"{p}: the {method.name} step cannot make {s.format} weights; use {fits}." if path
-                                else f"scheme {scheme.name!r} does not fit {method.name}; use {fits}.")
+            raise QuantkitError(
+                f"{p}: the {method.name} step cannot make {s.format} weights; use {fits}."
+                if path
+                else f"scheme {scheme.name!r} does not fit {method.name}; use {fits}."
+            )
         if s.weights.actorder and not method.actorder:
-            raise QuantkitError(f"{p}.actorder: {s.weights.actorder!r} is not allowed; use null with the "
-                                f"{method.name} step (act-order is GPTQ's).")
+            raise QuantkitError(
+                f"{p}.actorder: {s.weights.actorder!r} is not allowed; use null with the "
+                f"{method.name} step (act-order is GPTQ's)."
+            )
     for t, _ in transforms:
         if method.name not in t.before:
             raise QuantkitError(f"steps: {t.name} runs before {' or '.join(t.before)}, not before {method.name}.")
         if t.needs_activations and scheme.input_activations is None:
-            raise QuantkitError(f"{where}: {t.name} balances activation against weight quantization, but "
-                                f"{scheme.name!r} keeps activations in float; use fp8-dynamic or fp8.")
+            raise QuantkitError(
+                f"{where}: {t.name} balances activation against weight quantization, but "
+                f"{scheme.name!r} keeps activations in float; use fp8-dynamic or fp8."
+            )
 
 
 def _options(method: Method, options) -> object:
@@ -146,13 +159,23 @@ def _options(method: Method, options) -> object:
     known = {f.name for f in dataclasses.fields(method.options)}
     unknown = [k for k in (options or {}) if k not in known]
     if unknown:
-        raise QuantkitError(f"{method.name} has no option {unknown[0]!r}; its options are "
-                            f"{', '.join(sorted(known)) or 'none'}.")
+        raise QuantkitError(
+            f"{method.name} has no option {unknown[0]!r}; its options are {', '.join(sorted(known)) or 'none'}."
+        )
     return method.options(**{k: str(v) if isinstance(v, os.PathLike) else v for k, v in (options or {}).items()})
 
 
-def _make_step(method: Method, options, transforms, spec: ArchSpec, scheme: QuantScheme, linears: list[str],
-               dtype, results: dict, log):
+def _make_step(
+    method: Method,
+    options,
+    transforms,
+    spec: ArchSpec,
+    scheme: QuantScheme,
+    linears: list[str],
+    dtype,
+    results: dict,
+    log,
+):
     """The runner step: each transform's step, then the method's; with per-module overrides,
     one method step per scheme, each blind to the other schemes' linears."""
     steps = [t.make_step(spec, scheme, o, results, dtype, log) for t, o in transforms]
@@ -160,9 +183,18 @@ def _make_step(method: Method, options, transforms, spec: ArchSpec, scheme: Quan
         steps.append(method.make_step(spec, scheme, options, results, dtype, log))
     else:
         parts = [(s, [n for n in linears if scheme.scheme_for(n) is s]) for s in (scheme, *scheme.overrides)]
-        steps += [method.make_step(spec, s.replace(ignore=scheme.ignore + tuple(n for n in linears if n not in names),
-                                                   overrides=()), options, results, dtype, log)
-                  for s, names in parts if names]
+        steps += [
+            method.make_step(
+                spec,
+                s.replace(ignore=scheme.ignore + tuple(n for n in linears if n not in names), overrides=()),
+                options,
+                results,
+                dtype,
+                log,
+            )
+            for s, names in parts
+            if names
+        ]
 
     def step(index, prefix, block, inputs):
         for s in steps:
@@ -249,8 +281,11 @@ def quantize(
 
 def _fit_groups(model: nn.Module, spec: ArchSpec, scheme: QuantScheme, log) -> QuantScheme:
     """Resolve an automatic group size against the input widths of the linears it covers."""
-    widths = {f"{spec.blocks}.{i}.{n}": get_module(block, n).in_features
-              for i, block in enumerate(get_module(model, spec.blocks)) for n in spec.linears}
+    widths = {
+        f"{spec.blocks}.{i}.{n}": get_module(block, n).in_features
+        for i, block in enumerate(get_module(model, spec.blocks))
+        for n in spec.linears
+    }
     scheme, notes = fit_group_size(scheme, widths)
     for note in notes:
         if log:

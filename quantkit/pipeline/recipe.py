@@ -58,20 +58,30 @@ def _optional(kind: Kind) -> Kind:
 
 def _choice(*values) -> Kind:
     words = ["null" if v is None else str(v) for v in values]
-    return (lambda v: v in values and not isinstance(v, bool),
-            words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}")
+    return (
+        lambda v: v in values and not isinstance(v, bool),
+        words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}",
+    )
 
 
 WEIGHT_ARGS: dict[str, Kind] = {
-    "num_bits": _choice(4, 8), "type": _choice("int", "float"), "symmetric": BOOL,
-    "strategy": _choice("tensor", "channel", "group"), "group_size": (lambda v: v is None or v == "auto" or POSITIVE[0](v),
-                   "a positive integer, auto (the largest power of two up to the preset's that divides every input "
-                   "width) or null"), "dynamic": BOOL,
+    "num_bits": _choice(4, 8),
+    "type": _choice("int", "float"),
+    "symmetric": BOOL,
+    "strategy": _choice("tensor", "channel", "group"),
+    "group_size": (
+        lambda v: v is None or v == "auto" or POSITIVE[0](v),
+        "a positive integer, auto (the largest power of two up to the preset's that divides every input width) or null",
+    ),
+    "dynamic": BOOL,
     "actorder": _choice(*ACTORDERS),
 }
 ACTIVATION_ARGS: dict[str, Kind] = {
-    "num_bits": _choice(8), "type": _choice("int", "float"), "symmetric": BOOL,
-    "strategy": _choice("tensor", "token"), "dynamic": BOOL,
+    "num_bits": _choice(8),
+    "type": _choice("int", "float"),
+    "symmetric": BOOL,
+    "strategy": _choice("tensor", "token"),
+    "dynamic": BOOL,
 }
 
 
@@ -95,14 +105,21 @@ def _table(options: type) -> dict[str, tuple[object, Kind]]:
 
 WEIGHT_STEPS = tuple(weight_methods())
 STEP_OPTIONS: dict[str, dict[str, tuple[object, Kind]]] = {  # name -> option -> (default, kind)
-    name: _table(m.options) for name, m in METHODS.items()}
+    name: _table(m.options) for name, m in METHODS.items()
+}
 CALIBRATION: dict[str, tuple[object, Kind]] = _table(Calibration)
 EVAL: dict[str, tuple[object, Kind]] = {  # the keyword arguments of quantkit.eval.gates.evaluate_gates
-    "ppl": ("wiki", _optional(TEXT)), "tasks": ((), (lambda v: isinstance(v, (list, tuple)) and all(
-        isinstance(t, str) for t in v), "a list of task names")),
-    "limit": (None, _optional(POSITIVE)), "seq_len": (None, _optional(POSITIVE)),
-    "num_fewshot": (None, _optional(NATURAL)), "include_path": (None, _optional(TEXT)),
-    "max_ppl_increase": (None, _optional(NUMBER)), "min_recovery": (None, _optional(FRACTION)),
+    "ppl": ("wiki", _optional(TEXT)),
+    "tasks": (
+        (),
+        (lambda v: isinstance(v, (list, tuple)) and all(isinstance(t, str) for t in v), "a list of task names"),
+    ),
+    "limit": (None, _optional(POSITIVE)),
+    "seq_len": (None, _optional(POSITIVE)),
+    "num_fewshot": (None, _optional(NATURAL)),
+    "include_path": (None, _optional(TEXT)),
+    "max_ppl_increase": (None, _optional(NUMBER)),
+    "min_recovery": (None, _optional(FRACTION)),
 }
 TOP = ("model", "scheme", "steps", "calibration", "eval", "output", "device")
 
@@ -218,8 +235,11 @@ def _override(path: str, value) -> Override:
 
 
 def _scheme(value) -> SchemeSpec:
-    d = {"preset": value} if isinstance(value, str) else _mapping(
-        "scheme", value, ("preset", *WEIGHT_ARGS, "input_activations", "ignore", "overrides"))
+    d = (
+        {"preset": value}
+        if isinstance(value, str)
+        else _mapping("scheme", value, ("preset", *WEIGHT_ARGS, "input_activations", "ignore", "overrides"))
+    )
     name = d.get("preset")
     if name is not None and (not isinstance(name, str) or name not in PRESETS):
         raise QuantkitError(f"scheme: unknown scheme {name!r}; use one of: {', '.join(PRESETS)}.")
@@ -231,10 +251,12 @@ def _scheme(value) -> SchemeSpec:
         raise _bad("scheme.overrides", overrides, "a list of {targets: 're:...', <weight args> or ignore: true}")
     acts = d.get("input_activations")
     return SchemeSpec(
-        name, _args("scheme", {k: v for k, v in d.items() if k in WEIGHT_ARGS}, WEIGHT_ARGS),
+        name,
+        _args("scheme", {k: v for k, v in d.items() if k in WEIGHT_ARGS}, WEIGHT_ARGS),
         None if acts is None else _args("scheme.input_activations", acts, ACTIVATION_ARGS),
         None if ignore is None else tuple(ignore),
-        tuple(_override(f"scheme.overrides[{i}]", o) for i, o in enumerate(overrides)))
+        tuple(_override(f"scheme.overrides[{i}]", o) for i, o in enumerate(overrides)),
+    )
 
 
 def _scheme_dict(s: SchemeSpec):
@@ -244,8 +266,9 @@ def _scheme_dict(s: SchemeSpec):
     if s.ignore is not None:
         d["ignore"] = list(s.ignore)
     if s.overrides:
-        d["overrides"] = [{"targets": list(o.targets)} | ({"ignore": True} if o.ignore else o.args)
-                          for o in s.overrides]
+        d["overrides"] = [
+            {"targets": list(o.targets)} | ({"ignore": True} if o.ignore else o.args) for o in s.overrides
+        ]
     return d["preset"] if list(d) == ["preset"] else d
 
 
@@ -264,17 +287,27 @@ def build_scheme(spec: SchemeSpec, kv: QuantArgs | None = None) -> QuantScheme:
     """The QuantScheme a recipe's scheme section means (plus the kv step's KV-cache args)."""
     base = preset(spec.preset) if spec.preset else QuantScheme("custom", QuantArgs())
     weights = _merge("scheme", base.weights, spec.weights)
-    acts = base.input_activations if spec.input_activations is None else _merge(
-        "scheme.input_activations", base.input_activations, spec.input_activations)
+    acts = (
+        base.input_activations
+        if spec.input_activations is None
+        else _merge("scheme.input_activations", base.input_activations, spec.input_activations)
+    )
     ignore = base.ignore if spec.ignore is None else spec.ignore
     auto = spec.weights.get("group_size", "auto") == "auto"  # unless a number is given
     overrides = tuple(
-        QuantScheme(f"override_{i}", _merge(f"scheme.overrides[{i}]", weights, o.args), acts, o.targets, ignore=(),
-                    auto_group_size=o.args.get("group_size", "auto" if auto else None) == "auto")
-        for i, o in enumerate(spec.overrides) if not o.ignore)
+        QuantScheme(
+            f"override_{i}",
+            _merge(f"scheme.overrides[{i}]", weights, o.args),
+            acts,
+            o.targets,
+            ignore=(),
+            auto_group_size=o.args.get("group_size", "auto" if auto else None) == "auto",
+        )
+        for i, o in enumerate(spec.overrides)
+        if not o.ignore
+    )
     ignore += tuple(t for o in spec.overrides if o.ignore for t in o.targets)
-    return QuantScheme(base.name, weights, acts, ignore=ignore, kv_cache=kv, overrides=overrides,
-                       auto_group_size=auto)
+    return QuantScheme(base.name, weights, acts, ignore=ignore, kv_cache=kv, overrides=overrides, auto_group_size=auto)
 
 
 def _step(path: str, value) -> Step:
@@ -292,8 +325,10 @@ def _steps(value) -> tuple[Step, ...]:
     steps = tuple(_step(f"steps[{i}]", s) for i, s in enumerate(value))
     roles = "".join({"transform": "t", "weights": "w", "kv": "k"}[METHODS[s.name].role] for s in steps)
     if not re.fullmatch(r"t*wk?|k", roles):
-        raise QuantkitError(f"steps: [{', '.join(s.name for s in steps)}] cannot run; a recipe has one weight step "
-                            f"({', '.join(WEIGHT_STEPS)}), optionally after smooth and before kv, or kv alone.")
+        raise QuantkitError(
+            f"steps: [{', '.join(s.name for s in steps)}] cannot run; a recipe has one weight step "
+            f"({', '.join(WEIGHT_STEPS)}), optionally after smooth and before kv, or kv alone."
+        )
     return steps
 
 
@@ -329,11 +364,14 @@ def from_dict(d) -> Recipe:
     scheme = None if d.get("scheme") is None else _scheme(d["scheme"])
     _check_fit(steps, scheme)
     return Recipe(
-        model=str(_check("model", d["model"], TEXT)), steps=steps, scheme=scheme,
+        model=str(_check("model", d["model"], TEXT)),
+        steps=steps,
+        scheme=scheme,
         calibration=Calibration(**_options("calibration", d.get("calibration"), CALIBRATION)),
         eval=None if d.get("eval") is None else _eval(d["eval"]),
         output=None if d.get("output") is None else str(_check("output", d["output"], TEXT)),
-        device=_check("device", d.get("device", "cpu"), TEXT))
+        device=_check("device", d.get("device", "cpu"), TEXT),
+    )
 
 
 def _canonical(d: dict) -> dict:
@@ -343,8 +381,14 @@ def _canonical(d: dict) -> dict:
     if isinstance(d.get("scheme"), str):
         d["scheme"] = {"preset": d["scheme"]}
     if isinstance(d.get("steps"), list):
-        d["steps"] = [{s: {}} if isinstance(s, str) else {k: v if v is not None else {} for k, v in s.items()}
-                      if isinstance(s, dict) else s for s in d["steps"]]
+        d["steps"] = [
+            {s: {}}
+            if isinstance(s, str)
+            else {k: v if v is not None else {} for k, v in s.items()}
+            if isinstance(s, dict)
+            else s
+            for s in d["steps"]
+        ]
     return d
 
 
@@ -395,8 +439,13 @@ def load_recipe(path: str | Path, sets: tuple[str, ...] | list[str] = ()) -> Rec
     return from_dict(d)
 
 
-def run_recipe(recipe: Recipe, output: str | Path | None = None, overwrite: bool = False,
-               track: Track = no_progress, log: Callable[[str], None] | None = None) -> dict:
+def run_recipe(
+    recipe: Recipe,
+    output: str | Path | None = None,
+    overwrite: bool = False,
+    track: Track = no_progress,
+    log: Callable[[str], None] | None = None,
+) -> dict:
     """Carry out `recipe`, writing the checkpoint to `output` (default: the recipe's): the
     transforms, the weight step and a following kv step in one `quantize` call, a lone kv
     step through `add_kv_scales`. Eval gates run after the checkpoint is written; their
@@ -415,12 +464,22 @@ def run_recipe(recipe: Recipe, output: str | Path | None = None, overwrite: bool
     kv = next((kv_args(s.options["dtype"], s.options["per_head"]) for s in recipe.steps if s.name == "kv"), None)
     *transforms, weights = [s for s in recipe.steps if s.name != "kv"] or [None]
     if weights is None:
-        prov = add_kv_scales(recipe.model, kv, Path(out), recipe.calibration, overwrite, track,
-                             recipe=recipe.to_dict())
+        prov = add_kv_scales(recipe.model, kv, Path(out), recipe.calibration, overwrite, track, recipe=recipe.to_dict())
     else:
-        prov = quantize(recipe.model, build_scheme(recipe.scheme, kv), Path(out), weights.name, recipe.calibration,
-                        dict(weights.options), overwrite, recipe.device, track, log, recipe=recipe.to_dict(),
-                        transforms=[(t.name, dict(t.options)) for t in transforms])
+        prov = quantize(
+            recipe.model,
+            build_scheme(recipe.scheme, kv),
+            Path(out),
+            weights.name,
+            recipe.calibration,
+            dict(weights.options),
+            overwrite,
+            recipe.device,
+            track,
+            log,
+            recipe=recipe.to_dict(),
+            transforms=[(t.name, dict(t.options)) for t in transforms],
+        )
     if recipe.eval is not None:
         from quantkit.eval.gates import evaluate_gates
 

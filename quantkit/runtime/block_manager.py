@@ -25,8 +25,10 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
         if num_blocks < 1 or block_size < 1:
-            raise QuantkitError(f"the KV cache needs at least one block of at least one token, got "
-                                f"num_blocks={num_blocks}, block_size={block_size}.")
+            raise QuantkitError(
+                f"the KV cache needs at least one block of at least one token, got "
+                f"num_blocks={num_blocks}, block_size={block_size}."
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -126,7 +128,7 @@ class BlockManager:
             return
         tokens, h = seq.token_ids, self._hash[table[start - 1]] if start else None
         for i in range(start, end):
-            block, block_tokens = table[i], tuple(tokens[i * bs:(i + 1) * bs])
+            block, block_tokens = table[i], tuple(tokens[i * bs : (i + 1) * bs])
             h = hash((h, block_tokens))
             self._hash[block], self._tokens[block] = h, block_tokens
             self._cached.setdefault(h, block)
@@ -149,7 +151,7 @@ class BlockManager:
             return []
         bs, tokens, hits, h = self.block_size, seq.token_ids, [], None
         for i in range((len(tokens) - 1) // bs):
-            block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
+            block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
             h = hash((h, block_tokens))
             block = self._cached.get(h)
             if block is None or self._tokens[block] != block_tokens:

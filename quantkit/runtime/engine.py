@@ -82,15 +82,24 @@ class LLM:
     `keep_freed_memory` (process-wide) and runs on torch's threads (`torch.set_num_threads`
     or OMP_NUM_THREADS; torch's default, one per core, suits a machine of its own)."""
 
-    def __init__(self, model: str, dtype: torch.dtype | None = None, kv_cache_memory: float = 1 << 30,
-                 block_size: int = 16, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 enable_prefix_caching: bool = True, num_blocks: int | None = None):
+    def __init__(
+        self,
+        model: str,
+        dtype: torch.dtype | None = None,
+        kv_cache_memory: float = 1 << 30,
+        block_size: int = 16,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        num_blocks: int | None = None,
+    ):
         path = resolve_model(model)
         self.model = load(path, dtype)
         check_supported(self.model)
         self.tokenizer = load_tokenizer(path)
-        num_blocks = num_blocks or num_blocks_for(self.model.config, kv_cache_memory, block_size,
-                                                  kv_cache_dtype(self.model))
+        num_blocks = num_blocks or num_blocks_for(
+            self.model.config, kv_cache_memory, block_size, kv_cache_dtype(self.model)
+        )
         self.runner = ModelRunner(self.model, num_blocks, block_size)
         if self.runner.device.type == "cpu":
             keep_freed_memory()
@@ -112,13 +121,16 @@ class LLM:
         params = params or SamplingParams()
         ids = self.encode(prompt)
         if len(ids) + params.max_tokens > self.context:
-            raise QuantkitError(f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
-                                f"model's context of {self.context} tokens; shorten one of them.")
+            raise QuantkitError(
+                f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
+                f"model's context of {self.context} tokens; shorten one of them."
+            )
         seq = Sequence(next(self._ids), ids, params)
         self.scheduler.add(seq)
         self.seqs[seq.seq_id] = seq
-        self.outputs[seq.seq_id] = RequestOutput(seq.seq_id, ids, [], "", None, [] if params.logprobs is not None
-                                                 else None, time.perf_counter())
+        self.outputs[seq.seq_id] = RequestOutput(
+            seq.seq_id, ids, [], "", None, [] if params.logprobs is not None else None, time.perf_counter()
+        )
         return seq.seq_id
 
     def abort(self, request_id: int) -> None:
@@ -138,7 +150,7 @@ class LLM:
         bs, ids, pos, slots, index = self.block_manager.block_size, [], [], [], {}
         for seq, n in out.prefill:
             start = seq.num_computed_tokens
-            ids += seq.token_ids[start:start + n]
+            ids += seq.token_ids[start : start + n]
             pos += range(start, start + n)
             slots += _slots(seq.block_table, start, start + n, bs)
             index[seq.seq_id] = len(ids) - 1
@@ -153,17 +165,27 @@ class LLM:
 
         def table(rows):
             width = max((len(r) for r in rows), default=0)
-            return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32, device=dev) \
-                if rows else torch.zeros(0, 1, dtype=torch.int32, device=dev)
+            return (
+                torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32, device=dev)
+                if rows
+                else torch.zeros(0, 1, dtype=torch.int32, device=dev)
+            )
 
         def ints(values, dtype=torch.int64):
             return torch.tensor(values, dtype=dtype, device=dev)
 
-        return Batch(ints(ids), ints(pos), ints(slots), table([s.block_table for s, _ in out.prefill]),
-                     ints([s.num_computed_tokens + n for s, n in out.prefill], torch.int32),
-                     ints([n for _, n in out.prefill], torch.int32), table([s.block_table for s in out.decode]),
-                     ints([s.num_tokens for s in out.decode], torch.int32),
-                     ints([index[s.seq_id] for s in out.sampled]), num_prefill)
+        return Batch(
+            ints(ids),
+            ints(pos),
+            ints(slots),
+            table([s.block_table for s, _ in out.prefill]),
+            ints([s.num_computed_tokens + n for s, n in out.prefill], torch.int32),
+            ints([n for _, n in out.prefill], torch.int32),
+            table([s.block_table for s in out.decode]),
+            ints([s.num_tokens for s in out.decode], torch.int32),
+            ints([index[s.seq_id] for s in out.sampled]),
+            num_prefill,
+        )
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns the outputs of the requests that got a token."""
@@ -176,7 +198,7 @@ class LLM:
         self.scheduler.postprocess(out, tokens)
         now = time.perf_counter()
         touched = []
-        for seq, token, record in zip(out.sampled, tokens, records):
+        for seq, _token, record in zip(out.sampled, tokens, records):
             o = self.outputs[seq.seq_id]
             if o.finish_reason == "abort":
                 continue
@@ -198,8 +220,12 @@ class LLM:
             touched.append(o)
         return touched
 
-    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                 track: Track = no_progress) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: list[str | list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        track: Track = no_progress,
+    ) -> list[RequestOutput]:
         """Run the prompts to completion together; outputs in prompt order."""
         params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]

@@ -17,15 +17,25 @@ from torch import nn
 from quantkit.errors import QuantkitError
 from quantkit.formats import interop
 from quantkit.formats.checkpoint import read_tensors
-from quantkit.models.loading import (assign_weights, check_causal_lm, empty_model, load_float_model,
-                                     missing_and_unexpected, resolve_model)
-from quantkit.models.arch import arch_for
 from quantkit.models import kv_cache
+from quantkit.models.arch import arch_for
+from quantkit.models.loading import (
+    assign_weights,
+    check_causal_lm,
+    empty_model,
+    load_float_model,
+    missing_and_unexpected,
+    resolve_model,
+)
 from quantkit.runtime.qlinear import Fp8Linear, PackedInt4Linear
 from quantkit.scheme import CheckpointConfig, from_quantization_config
 
-SUPPORTED = ("compressed-tensors pack-quantized (int4)", "compressed-tensors float-quantized (fp8)",
-             "AutoAWQ GEMM (int4)", "GPTQ v1 (int4)")
+SUPPORTED = (
+    "compressed-tensors pack-quantized (int4)",
+    "compressed-tensors float-quantized (fp8)",
+    "AutoAWQ GEMM (int4)",
+    "GPTQ v1 (int4)",
+)
 FORMATS = ("pack-quantized", "float-quantized", "dense")  # dense: float weights (e.g. KV-cache scales only)
 
 
@@ -41,8 +51,10 @@ def _quantized_linear(linear: nn.Linear, scheme, dtype: torch.dtype, path: Path)
         return Fp8Linear(*shape, w, acts is not None and not acts.dynamic, dtype)
     if w.num_bits == 4 and acts is None:
         return PackedInt4Linear(*shape, w, dtype)
-    raise QuantkitError(f"{path} quantizes weights to int{w.num_bits}"
-                        f"{' with quantized activations' if acts else ''}; quantkit loads {', '.join(SUPPORTED)}.")
+    raise QuantkitError(
+        f"{path} quantizes weights to int{w.num_bits}"
+        f"{' with quantized activations' if acts else ''}; quantkit loads {', '.join(SUPPORTED)}."
+    )
 
 
 def load(path: str | os.PathLike, dtype: torch.dtype | None = None) -> nn.Module:
@@ -100,7 +112,8 @@ def _quantize_kv(model: nn.Module, tensors: dict, args, path: Path) -> None:
     for i in range(len(model.get_submodule(spec.blocks))):
         names = [f"{spec.blocks}.{i}.{spec.attention}.{n}" for n in ("k_scale", "v_scale")]
         if any(n not in tensors for n in names):
-            raise QuantkitError(f"checkpoint {path} declares a KV-cache scheme but lacks {names[0]}; "
-                                "re-run quantkit kv on it.")
+            raise QuantkitError(
+                f"checkpoint {path} declares a KV-cache scheme but lacks {names[0]}; re-run quantkit kv on it."
+            )
         scales[i] = tuple(tensors[n] for n in names)
     kv_cache.quantize_kv(model, scales, args)

@@ -111,7 +111,7 @@ class ModelRunner:
         self.num_heads = c.num_attention_heads
         self.num_kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         self.dtype = model.get_input_embeddings().weight.dtype
         self.device = model.get_input_embeddings().weight.device
         attn = get_module(blocks[0], self.spec.attention)
@@ -135,10 +135,16 @@ class ModelRunner:
         scales = (attn.k_scale, attn.v_scale) if self.kv_args is not None else (None, None)
         qkv_mods, gate_up_mods = mods(qkv), mods(gate_up)
         o_proj, down_proj = get_module(block, o[0]), get_module(block, down[0])
-        return _Layer(block.input_layernorm, _prepacked(_projection(qkv_mods), qkv_mods),
-                      _prepacked(o_proj, [o_proj]), block.post_attention_layernorm,
-                      _prepacked(_projection(gate_up_mods), gate_up_mods), block.mlp.act_fn,
-                      _prepacked(down_proj, [down_proj]), *scales)
+        return _Layer(
+            block.input_layernorm,
+            _prepacked(_projection(qkv_mods), qkv_mods),
+            _prepacked(o_proj, [o_proj]),
+            block.post_attention_layernorm,
+            _prepacked(_projection(gate_up_mods), gate_up_mods),
+            block.mlp.act_fn,
+            _prepacked(down_proj, [down_proj]),
+            *scales,
+        )
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block src's K/V into block dst, every layer."""
@@ -161,8 +167,11 @@ class ModelRunner:
         kc, vc, ks, vs = self.k_cache[i], self.v_cache[i], layer.k_scale, layer.v_scale
         parts = []
         if P:
-            parts.append(ops.paged_prefill(q[:P], kc, vc, b.prefill_tables, b.prefill_seq_lens, b.prefill_query_lens,
-                                           self.scale, ks, vs))
+            parts.append(
+                ops.paged_prefill(
+                    q[:P], kc, vc, b.prefill_tables, b.prefill_seq_lens, b.prefill_query_lens, self.scale, ks, vs
+                )
+            )
         if P < T:
             parts.append(ops.paged_attention(q[P:], kc, vc, b.decode_tables, b.decode_seq_lens, self.scale, ks, vs))
         return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-
 from quantkit import ops, packing
 from quantkit.formats import float_quantized, pack_quantized
 from quantkit.scheme import QuantArgs
@@ -41,8 +40,10 @@ class PackedInt4Linear(nn.Module):
         group = self.args.group_size if self.args.strategy == "group" else None
         if x.device.type == "cpu" and x.dtype == torch.bfloat16:  # torch's fast CPU path needs bf16
             if self._cpu_weight is None:
-                self._cpu_weight = ops.int4_cpu_weight(self.weight_packed, self.weight_scale, self.zeros(), group,
-                                                       self.weight_g_idx) or False
+                self._cpu_weight = (
+                    ops.int4_cpu_weight(self.weight_packed, self.weight_scale, self.zeros(), group, self.weight_g_idx)
+                    or False
+                )
             if self._cpu_weight:
                 y = ops.int4_gemm_cpu(x, self._cpu_weight)
                 return y if self.bias is None else y + self.bias.to(y.dtype)
@@ -51,15 +52,18 @@ class PackedInt4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         a = self.args
-        return f"in={self.in_features}, out={self.out_features}, int4 {a.strategy} {a.group_size or ''} sym={a.symmetric}"
+        return (
+            f"in={self.in_features}, out={self.out_features}, int4 {a.strategy} {a.group_size or ''} sym={a.symmetric}"
+        )
 
 
 class Fp8Linear(nn.Module):
     """A linear with compressed-tensors `float-quantized` fp8 weights; activations are
     quantized to fp8 per token at run time (dynamic) or with the stored `input_scale`."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, args: QuantArgs, static_input: bool,
-                 dtype: torch.dtype):
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, args: QuantArgs, static_input: bool, dtype: torch.dtype
+    ):
         super().__init__()
         self.in_features, self.out_features, self.args = in_features, out_features, args
         for name, (shape, dt) in float_quantized.param_info(out_features, in_features, args, static_input).items():
@@ -115,8 +119,13 @@ def fuse_linears(linears: list[nn.Module]) -> nn.Module | None:
     if kinds == {nn.Linear}:
         return _fuse_float(linears, bias)
     if kinds == {PackedInt4Linear} and _same_int4_layout(linears):
-        fused = PackedInt4Linear(first.in_features, sum(m.out_features for m in linears), bias is not None,
-                                 first.args, first.weight_scale.dtype)
+        fused = PackedInt4Linear(
+            first.in_features,
+            sum(m.out_features for m in linears),
+            bias is not None,
+            first.args,
+            first.weight_scale.dtype,
+        )
         for name in ("weight_packed", "weight_scale"):
             setattr(fused, name, _concat_and_share(linears, name))
         fused.weight_shape = torch.tensor([fused.out_features, fused.in_features])
@@ -127,8 +136,14 @@ def fuse_linears(linears: list[nn.Module]) -> nn.Module | None:
         fused.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         return fused
     if kinds == {Fp8Linear} and all(m.input_scale is None and m.args.strategy == "channel" for m in linears):
-        fused = Fp8Linear(first.in_features, sum(m.out_features for m in linears), bias is not None, first.args,
-                          False, torch.float32 if bias is None else bias.dtype)
+        fused = Fp8Linear(
+            first.in_features,
+            sum(m.out_features for m in linears),
+            bias is not None,
+            first.args,
+            False,
+            torch.float32 if bias is None else bias.dtype,
+        )
         fused.weight = _concat_and_share(linears, "weight")
         fused.weight_scale = _concat_and_share(linears, "weight_scale")
         fused.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
@@ -154,9 +169,13 @@ def _fuse_float(linears: list[nn.Linear], bias: torch.Tensor | None) -> nn.Linea
 def _same_int4_layout(linears: list[PackedInt4Linear]) -> bool:
     first = linears[0]
     g = first.weight_g_idx
-    return all(m.args == first.args and m.weight_scale.dtype == first.weight_scale.dtype
-               and (g is None) == (m.weight_g_idx is None) and (g is None or torch.equal(g, m.weight_g_idx))
-               for m in linears)
+    return all(
+        m.args == first.args
+        and m.weight_scale.dtype == first.weight_scale.dtype
+        and (g is None) == (m.weight_g_idx is None)
+        and (g is None or torch.equal(g, m.weight_g_idx))
+        for m in linears
+    )
 
 
 @torch.no_grad()
@@ -166,7 +185,7 @@ def _concat_and_share(linears: list[nn.Module], name: str) -> torch.Tensor:
     start = 0
     for m in linears:
         n = getattr(m, name).shape[0]
-        part = fused[start:start + n]
+        part = fused[start : start + n]
         setattr(m, name, nn.Parameter(part, requires_grad=False) if name in m._parameters else part)
         start += n
     return fused

@@ -43,10 +43,19 @@ class Scheduler:
     token budget does). `eos_token_id` (one id or several) ends a sequence unless its
     params say ignore_eos; stop strings are the engine's job (it calls `finish`)."""
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 chunk_size: int | None = None, eos_token_id: int | Iterable[int] | None = None):
-        for name, value in [("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("chunk_size", 1 if chunk_size is None else chunk_size)]:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        chunk_size: int | None = None,
+        eos_token_id: int | Iterable[int] | None = None,
+    ):
+        for name, value in [
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("chunk_size", 1 if chunk_size is None else chunk_size),
+        ]:
             if value < 1:
                 raise QuantkitError(f"{name} must be at least 1, got {value}.")
         self.block_manager = block_manager
@@ -67,8 +76,10 @@ class Scheduler:
         bs, total = self.block_manager.block_size, self.block_manager.num_blocks
         need = -(-(seq.num_prompt_tokens + seq.params.max_tokens - 1) // bs)
         if need > total:
-            raise QuantkitError(f"request {seq.seq_id!r} needs {need} KV blocks for its prompt plus max_tokens but the "
-                                f"cache holds {total}; lower max_tokens or give the KV cache more memory.")
+            raise QuantkitError(
+                f"request {seq.seq_id!r} needs {need} KV blocks for its prompt plus max_tokens but the "
+                f"cache holds {total}; lower max_tokens or give the KV cache more memory."
+            )
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=_key)
 
@@ -76,8 +87,9 @@ class Scheduler:
         """Start a sibling of a running sequence (parallel sampling): same tokens, shared blocks."""
         if parent.status is not SequenceStatus.RUNNING or parent.num_tokens - parent.num_computed_tokens != 1:
             raise ValueError(f"sequence {parent.seq_id} can be forked only while decoding (prompt fully computed)")
-        child = Sequence(seq_id, parent.prompt_token_ids, parent.params, list(parent.output_token_ids),
-                         status=SequenceStatus.RUNNING)
+        child = Sequence(
+            seq_id, parent.prompt_token_ids, parent.params, list(parent.output_token_ids), status=SequenceStatus.RUNNING
+        )
         self.block_manager.fork(parent, child)
         self.running.append(child)
         return child

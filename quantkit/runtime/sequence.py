@@ -45,23 +45,34 @@ class SamplingParams:
     priority: int = 0
 
     def __post_init__(self):
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
-               f"max_tokens must be at least 1, got {self.max_tokens!r}.")
-        _check(_is_number(self.temperature) and self.temperature >= 0,
-               f"temperature must be a number >= 0 (0 means greedy), got {self.temperature!r}.")
-        _check(_is_int(self.top_k) and self.top_k >= 0,
-               f"top_k must be an integer >= 0 (0 turns it off), got {self.top_k!r}.")
+        _check(
+            _is_int(self.max_tokens) and self.max_tokens >= 1,
+            f"max_tokens must be at least 1, got {self.max_tokens!r}.",
+        )
+        _check(
+            _is_number(self.temperature) and self.temperature >= 0,
+            f"temperature must be a number >= 0 (0 means greedy), got {self.temperature!r}.",
+        )
+        _check(
+            _is_int(self.top_k) and self.top_k >= 0,
+            f"top_k must be an integer >= 0 (0 turns it off), got {self.top_k!r}.",
+        )
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}.")
         _check(self.seed is None or _is_int(self.seed), f"seed must be an integer or None, got {self.seed!r}.")
-        _check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
-               f"logprobs must be None or an integer >= 0, got {self.logprobs!r}.")
+        _check(
+            self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
+            f"logprobs must be None or an integer >= 0, got {self.logprobs!r}.",
+        )
         _check(_is_int(self.priority), f"priority must be an integer, got {self.priority!r}.")
         self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        _check(all(isinstance(s, str) and s for s in self.stop),
-               f"stop must hold non-empty strings, got {self.stop!r}.")
+        _check(
+            all(isinstance(s, str) and s for s in self.stop), f"stop must hold non-empty strings, got {self.stop!r}."
+        )
         self.stop_token_ids = tuple(self.stop_token_ids)
-        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-               f"stop_token_ids must hold token ids (integers >= 0), got {self.stop_token_ids!r}.")
+        _check(
+            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+            f"stop_token_ids must hold token ids (integers >= 0), got {self.stop_token_ids!r}.",
+        )
 
 
 class SequenceStatus(enum.Enum):
@@ -90,8 +101,9 @@ class Sequence:
 
     def __post_init__(self):
         self.prompt_token_ids = list(self.prompt_token_ids)
-        _check(len(self.prompt_token_ids) > 0,
-               f"request {self.seq_id!r} has an empty prompt; give it at least one token.")
+        _check(
+            len(self.prompt_token_ids) > 0, f"request {self.seq_id!r} has an empty prompt; give it at least one token."
+        )
 
     @property
     def token_ids(self) -> list[int]:

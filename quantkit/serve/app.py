@@ -29,8 +29,9 @@ POLL_S = 0.25  # how often a handler checks that its client is still connected
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, code: str, kind: str = "invalid_request_error",
-                 headers: dict | None = None):
+    def __init__(
+        self, status: int, message: str, code: str, kind: str = "invalid_request_error", headers: dict | None = None
+    ):
         super().__init__(message)
         self.status, self.message, self.code, self.kind, self.headers = status, message, code, kind, headers
 
@@ -44,8 +45,13 @@ def _check_key(request: Request, api_key: str | None) -> None:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-        raise APIError(401, "missing or wrong API key; send it as the header 'Authorization: Bearer <key>'.",
-                       "invalid_api_key", "authentication_error", {"WWW-Authenticate": "Bearer"})
+        raise APIError(
+            401,
+            "missing or wrong API key; send it as the header 'Authorization: Bearer <key>'.",
+            "invalid_api_key",
+            "authentication_error",
+            {"WWW-Authenticate": "Bearer"},
+        )
 
 
 async def _read_json(request: Request, limit: int) -> dict:
@@ -97,8 +103,9 @@ def _messages(messages) -> list[dict]:
     for m in messages:
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, list):  # content parts: only text ones
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+            ):
                 raise _bad("message content parts must be of type text; this server reads text only.")
             content = "".join(p["text"] for p in content)
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str | None):
@@ -131,10 +138,19 @@ def _sampling(body: dict, chat: bool, context: int) -> tuple[list[SamplingParams
         raise _bad("stop must be a string or a list of strings.")
     seed = body.get("seed")
     try:
-        return [SamplingParams(max_tokens=context if fit else max_tokens, temperature=temperature,
-                               top_p=_get(body, "top_p", 1.0), top_k=_get(body, "top_k", 0),
-                               seed=seed + i if _is_int(seed) else seed, stop=stop, logprobs=logprobs,
-                               ignore_eos=_get(body, "ignore_eos", False) is True) for i in range(n)], fit
+        return [
+            SamplingParams(
+                max_tokens=context if fit else max_tokens,
+                temperature=temperature,
+                top_p=_get(body, "top_p", 1.0),
+                top_k=_get(body, "top_k", 0),
+                seed=seed + i if _is_int(seed) else seed,
+                stop=stop,
+                logprobs=logprobs,
+                ignore_eos=_get(body, "ignore_eos", False) is True,
+            )
+            for i in range(n)
+        ], fit
     except QuantkitError as e:
         raise _bad(str(e)) from None
 
@@ -146,17 +162,23 @@ def _finite(v: float) -> float:
 def _logprobs(entries: list, chat: bool, offset: int = 0) -> dict:
     """OpenAI's logprobs object for (id, text, logprob, top) entries; `offset`: text before them."""
     if chat:
+
         def item(text, lp):
             return {"token": text, "logprob": _finite(lp), "bytes": list(text.encode())}
 
-        return {"content": [item(t, lp) | {"top_logprobs": [item(tt, v) for _, tt, v in top]}
-                            for _, t, lp, top in entries]}
+        return {
+            "content": [item(t, lp) | {"top_logprobs": [item(tt, v) for _, tt, v in top]} for _, t, lp, top in entries]
+        }
     offsets = []
     for _, t, _, _ in entries:
         offsets.append(offset)
         offset += len(t)
-    return {"tokens": [t for _, t, _, _ in entries], "token_logprobs": [_finite(lp) for _, _, lp, _ in entries],
-            "top_logprobs": [{tt: _finite(v) for _, tt, v in top} for *_, top in entries], "text_offset": offsets}
+    return {
+        "tokens": [t for _, t, _, _ in entries],
+        "token_logprobs": [_finite(lp) for _, _, lp, _ in entries],
+        "top_logprobs": [{tt: _finite(v) for _, tt, v in top} for *_, top in entries],
+        "text_offset": offsets,
+    }
 
 
 async def _merged(request: Request, streams: list[RequestStream]):
@@ -187,8 +209,11 @@ async def _merged(request: Request, streams: list[RequestStream]):
 
 def _usage(streams: list[RequestStream], n: int, completion_tokens: int) -> dict:
     prompt_tokens = sum(len(s.prompt_token_ids) for s in streams[::n])  # each prompt counted once
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 async def _start(engine: AsyncEngine, prompts: list, params: list[SamplingParams], fit: bool) -> list[RequestStream]:
@@ -213,8 +238,9 @@ async def _start(engine: AsyncEngine, prompts: list, params: list[SamplingParams
         raise
 
 
-async def _collect(request: Request, streams: list[RequestStream], n: int, chat: bool, head: dict,
-                   logprobs: bool) -> dict:
+async def _collect(
+    request: Request, streams: list[RequestStream], n: int, chat: bool, head: dict, logprobs: bool
+) -> dict:
     texts, reasons, counts = [""] * len(streams), [None] * len(streams), [0] * len(streams)
     entries = [[] for _ in streams]
     async for i, d in _merged(request, streams):
@@ -224,13 +250,13 @@ async def _collect(request: Request, streams: list[RequestStream], n: int, chat:
     choices = []
     for i, (text, reason, e) in enumerate(zip(texts, reasons, entries)):
         answer = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
-        choices.append({"index": i, **answer, "logprobs": _logprobs(e, chat) if logprobs else None,
-                        "finish_reason": reason})
+        choices.append(
+            {"index": i, **answer, "logprobs": _logprobs(e, chat) if logprobs else None, "finish_reason": reason}
+        )
     return head | {"choices": choices, "usage": _usage(streams, n, sum(counts))}
 
 
-async def _sse(request: Request, streams: list[RequestStream], n: int, chat: bool, head: dict, usage: bool,
-               metrics):
+async def _sse(request: Request, streams: list[RequestStream], n: int, chat: bool, head: dict, usage: bool, metrics):
     """Server-sent events in OpenAI's chunk format, then `data: [DONE]`."""
     head = head | {"object": "chat.completion.chunk"} if chat else head
     extra = {"usage": None} if usage else {}
@@ -242,18 +268,32 @@ async def _sse(request: Request, streams: list[RequestStream], n: int, chat: boo
     try:
         if chat:
             for i in range(len(streams)):
-                yield event(head | {"choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                 "logprobs": None, "finish_reason": None}]} | extra)
+                yield event(
+                    head
+                    | {
+                        "choices": [
+                            {
+                                "index": i,
+                                "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ]
+                    }
+                    | extra
+                )
         async for i, d in _merged(request, streams):
             produced[i] = d.num_output_tokens
             if not (d.text or d.finish_reason or d.logprobs):
                 continue
             lp = _logprobs(d.logprobs, chat, offsets[i]) if d.logprobs is not None else None
             offsets[i] += sum(len(t) for _, t, _, _ in d.logprobs or [])
-            answer = {"delta": {"content": d.text} if d.text or not d.finish_reason else {}} if chat \
-                else {"text": d.text}
-            yield event(head | {"choices": [{"index": i, **answer, "logprobs": lp,
-                                             "finish_reason": d.finish_reason}]} | extra)
+            answer = (
+                {"delta": {"content": d.text} if d.text or not d.finish_reason else {}} if chat else {"text": d.text}
+            )
+            yield event(
+                head | {"choices": [{"index": i, **answer, "logprobs": lp, "finish_reason": d.finish_reason}]} | extra
+            )
         if usage:
             yield event(head | {"choices": [], "usage": _usage(streams, n, sum(produced))})
     except Exception as e:  # the engine failed mid-stream: say so in the stream
@@ -262,8 +302,9 @@ async def _sse(request: Request, streams: list[RequestStream], n: int, chat: boo
     yield "data: [DONE]\n\n"
 
 
-def create_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
-               max_body_bytes: int = 1 << 20) -> FastAPI:
+def create_app(
+    engine: AsyncEngine, served_model_name: str, api_key: str | None = None, max_body_bytes: int = 1 << 20
+) -> FastAPI:
     """The FastAPI app serving `engine` as model `served_model_name`. With `api_key`, every
     /v1 route wants `Authorization: Bearer <api_key>`; /health and /metrics stay open.
     Shutting the app down stops the engine."""
@@ -278,8 +319,7 @@ def create_app(engine: AsyncEngine, served_model_name: str, api_key: str | None 
 
     def error(status: int, message: str, code: str, kind: str, headers: dict | None = None) -> JSONResponse:
         metrics.errors.labels(code).inc()
-        return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status,
-                            headers)
+        return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status, headers)
 
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
@@ -287,8 +327,13 @@ def create_app(engine: AsyncEngine, served_model_name: str, api_key: str | None 
 
     @app.exception_handler(HTTPException)
     async def http_error(request, e: HTTPException):
-        return error(e.status_code, str(e.detail), "not_found" if e.status_code == 404 else "http_error",
-                     "invalid_request_error", getattr(e, "headers", None))
+        return error(
+            e.status_code,
+            str(e.detail),
+            "not_found" if e.status_code == 404 else "http_error",
+            "invalid_request_error",
+            getattr(e, "headers", None),
+        )
 
     @app.exception_handler(Exception)
     async def internal_error(request, e: Exception):
@@ -299,8 +344,9 @@ def create_app(engine: AsyncEngine, served_model_name: str, api_key: str | None 
         body = await _read_json(request, max_body_bytes)
         model = body.get("model", served_model_name)
         if model != served_model_name:
-            raise APIError(404, f"model {model!r} does not exist; this server serves {served_model_name!r}.",
-                           "model_not_found")
+            raise APIError(
+                404, f"model {model!r} does not exist; this server serves {served_model_name!r}.", "model_not_found"
+            )
         return body
 
     async def respond(request: Request, body: dict, prompts: list, chat: bool):
@@ -309,12 +355,16 @@ def create_app(engine: AsyncEngine, served_model_name: str, api_key: str | None 
         if not isinstance(stream_options, dict):
             raise _bad("stream_options must be an object.")
         streams = await _start(engine, prompts, params, fit)
-        rid, kind = (f"chatcmpl-{uuid.uuid4().hex}", "chat.completion") if chat else (f"cmpl-{uuid.uuid4().hex}",
-                                                                                      "text_completion")
+        rid, kind = (
+            (f"chatcmpl-{uuid.uuid4().hex}", "chat.completion")
+            if chat
+            else (f"cmpl-{uuid.uuid4().hex}", "text_completion")
+        )
         head = {"id": rid, "object": kind, "created": int(time.time()), "model": served_model_name}
         if _get(body, "stream", False):
-            events = _sse(request, streams, len(params), chat, head, stream_options.get("include_usage") is True,
-                          metrics)
+            events = _sse(
+                request, streams, len(params), chat, head, stream_options.get("include_usage") is True, metrics
+            )
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await _collect(request, streams, len(params), chat, head, params[0].logprobs is not None)
 
@@ -329,8 +379,18 @@ def create_app(engine: AsyncEngine, served_model_name: str, api_key: str | None 
     @app.get("/v1/models")
     async def models(request: Request):
         _check_key(request, api_key)
-        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": created,
-                                            "owned_by": "quantkit", "max_model_len": engine.context}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": served_model_name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "quantkit",
+                    "max_model_len": engine.context,
+                }
+            ],
+        }
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -127,9 +127,8 @@ def _push(loop: asyncio.AbstractEventLoop, q: asyncio.Queue, item) -> None:
 def _hold_back(text: str, stops: tuple[str, ...]) -> str:
     # Not sent yet: an unfinished multibyte character, and a tail that may begin a stop string.
     text = text.rstrip("\ufffd")
-    cut = max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])),
-              default=0)
-    return text[:len(text) - cut]
+    cut = max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])), default=0)
+    return text[: len(text) - cut]
 
 
 class AsyncEngine:
@@ -299,30 +298,31 @@ class AsyncEngine:
         # Decode a short window that starts a few tokens back, so the cost per token stays flat
         # and pieces that need their neighbours (split characters, leading spaces) come out right.
         decode = functools.partial(self.llm.tokenizer.decode, skip_special_tokens=True)
-        before, window = decode(ids[req.prefix:req.read]), decode(ids[req.prefix:])
+        before, window = decode(ids[req.prefix : req.read]), decode(ids[req.prefix :])
         if len(window) <= len(before) or (window.endswith("\ufffd") and not flush):
             return ""
         req.prefix, req.read = req.read, len(ids)
-        return window[len(before):]
+        return window[len(before) :]
 
     def _publish(self, req: _Request, o) -> None:
-        new = o.token_ids[req.num_tokens:]
+        new = o.token_ids[req.num_tokens :]
         req.num_tokens = len(o.token_ids)
         self.metrics.generation_tokens.inc(len(new))
         done = o.finish_reason is not None
         if req.params.stop:  # the engine decodes the whole text to look for them; reuse it
             text = o.text if done else _hold_back(o.text, req.params.stop)
-            delta_text = text[len(req.sent):]
+            delta_text = text[len(req.sent) :]
         else:
             delta_text = self._detokenize(req, o.token_ids, flush=done)
         req.sent += delta_text
         tok = self.llm.tokenizer
         logprobs = None
         if o.logprobs is not None:
-            records, req.num_logprobs = o.logprobs[req.num_logprobs:], len(o.logprobs)
-            logprobs = [(t, tok.decode([t]), lp, [(i, tok.decode([i]), v) for i, v in top])
-                        for t, (lp, top) in zip(new, records)]
+            records, req.num_logprobs = o.logprobs[req.num_logprobs :], len(o.logprobs)
+            logprobs = [
+                (t, tok.decode([t]), lp, [(i, tok.decode([i]), v) for i, v in top])
+                for t, (lp, top) in zip(new, records)
+            ]
         if done:
             self._end(req, o, o.finish_reason)
-        req.push(Delta(req.key, new, delta_text, o.finish_reason, logprobs, len(o.prompt_token_ids),
-                       len(o.token_ids)))
+        req.push(Delta(req.key, new, delta_text, o.finish_reason, logprobs, len(o.prompt_token_ids), len(o.token_ids)))

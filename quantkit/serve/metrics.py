@@ -6,8 +6,27 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0,
-                   40.0, 80.0, 160.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
 
 
 class Metrics:
@@ -15,27 +34,39 @@ class Metrics:
 
     def __init__(self):
         self.registry = r = CollectorRegistry()
-        self.ttft = Histogram("quantkit_time_to_first_token_seconds", "Time to first token.", registry=r,
-                              buckets=LATENCY_BUCKETS)
-        self.itl = Histogram("quantkit_inter_token_latency_seconds", "Time between two tokens of a request (TPOT).",
-                             registry=r, buckets=LATENCY_BUCKETS)
-        self.e2e = Histogram("quantkit_e2e_request_latency_seconds", "Request latency, accepted to finished.",
-                             registry=r, buckets=LATENCY_BUCKETS)
-        self.queue_time = Histogram("quantkit_queue_time_seconds", "Time from accepted to first scheduled.",
-                                    registry=r, buckets=LATENCY_BUCKETS)
+        self.ttft = Histogram(
+            "quantkit_time_to_first_token_seconds", "Time to first token.", registry=r, buckets=LATENCY_BUCKETS
+        )
+        self.itl = Histogram(
+            "quantkit_inter_token_latency_seconds",
+            "Time between two tokens of a request (TPOT).",
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.e2e = Histogram(
+            "quantkit_e2e_request_latency_seconds",
+            "Request latency, accepted to finished.",
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.queue_time = Histogram(
+            "quantkit_queue_time_seconds", "Time from accepted to first scheduled.", registry=r, buckets=LATENCY_BUCKETS
+        )
         self.running = Gauge("quantkit_num_requests_running", "Sequences holding KV blocks.", registry=r)
         self.waiting = Gauge("quantkit_num_requests_waiting", "Sequences waiting to be scheduled.", registry=r)
         self.kv_usage = Gauge("quantkit_kv_cache_usage_ratio", "Fraction of KV blocks in use.", registry=r)
         self.prompt_tokens = Counter("quantkit_prompt_tokens", "Prompt tokens of accepted requests.", registry=r)
         self.generation_tokens = Counter("quantkit_generation_tokens", "Generated tokens.", registry=r)
-        self.prefix_cache_hits = Counter("quantkit_prefix_cache_hits", "Prompt tokens served from the prefix cache.",
-                                         registry=r)
-        self.preemptions = Counter("quantkit_num_preemptions", "Sequences preempted for lack of KV blocks.",
-                                   registry=r)
-        self.requests = Counter("quantkit_requests", "Finished requests by finish reason.", ["finish_reason"],
-                                registry=r)
-        self.errors = Counter("quantkit_request_errors", "Requests answered with an error, by kind.", ["kind"],
-                              registry=r)
+        self.prefix_cache_hits = Counter(
+            "quantkit_prefix_cache_hits", "Prompt tokens served from the prefix cache.", registry=r
+        )
+        self.preemptions = Counter("quantkit_num_preemptions", "Sequences preempted for lack of KV blocks.", registry=r)
+        self.requests = Counter(
+            "quantkit_requests", "Finished requests by finish reason.", ["finish_reason"], registry=r
+        )
+        self.errors = Counter(
+            "quantkit_request_errors", "Requests answered with an error, by kind.", ["kind"], registry=r
+        )
         self._seen = {"hits": 0, "preemptions": 0}
 
     def engine_state(self, llm, waiting_outside: int = 0) -> None:
@@ -44,8 +75,10 @@ class Metrics:
         self.running.set(len(sched.running))
         self.waiting.set(len(sched.waiting) + waiting_outside)
         self.kv_usage.set(bm.usage)
-        for key, counter, value in [("hits", self.prefix_cache_hits, bm.prefix_cache_hits),
-                                    ("preemptions", self.preemptions, sched.num_preemptions)]:
+        for key, counter, value in [
+            ("hits", self.prefix_cache_hits, bm.prefix_cache_hits),
+            ("preemptions", self.preemptions, sched.num_preemptions),
+        ]:
             if value > self._seen[key]:
                 counter.inc(value - self._seen[key])
             self._seen[key] = value

@@ -14,10 +14,20 @@ from quantkit.serve.app import create_app
 from quantkit.serve.async_engine import AsyncEngine
 
 
-def serve(model: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, max_num_seqs: int = 64,
-          max_queue: int = 256, kv_cache_memory: float = 1 << 30, served_model_name: str | None = None,
-          dtype: torch.dtype | str | None = None, max_body_bytes: int = 1 << 20, drain_timeout: float = 30.0,
-          log_level: str = "info") -> None:
+def serve(
+    model: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    max_num_seqs: int = 64,
+    max_queue: int = 256,
+    kv_cache_memory: float = 1 << 30,
+    served_model_name: str | None = None,
+    dtype: torch.dtype | str | None = None,
+    max_body_bytes: int = 1 << 20,
+    drain_timeout: float = 30.0,
+    log_level: str = "info",
+) -> None:
     """Serve `model` (built-in name, folder, hub id or quantkit checkpoint) on an OpenAI-compatible
     API until SIGINT/SIGTERM; then take no new connections, let the requests in flight finish for
     up to `drain_timeout` seconds, abort the rest, stop the engine and return (exit code 0).

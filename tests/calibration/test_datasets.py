@@ -12,8 +12,10 @@ import quantkit.hub
 from quantkit.calibration.datasets import calibration_samples, eval_tokens, load_documents
 from quantkit.errors import QuantkitError
 
-DOCS = [f"Document number {i} talks about {w} and nothing else." for i, w in
-        enumerate(["apples", "rivers", "engines", "music", "stones", "clouds", "bridges", "owls"])]
+DOCS = [
+    f"Document number {i} talks about {w} and nothing else."
+    for i, w in enumerate(["apples", "rivers", "engines", "music", "stones", "clouds", "bridges", "owls"])
+]
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +23,12 @@ def tokenizer():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<eos>"], show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<eos>"],
+        show_progress=False,
+    )
     tok.train_from_iterator(DOCS * 4, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", model_max_length=16)
 
@@ -45,9 +51,11 @@ def test_wiki_documents():
     text = "\n".join(docs)
     for markup in ("{{", "}}", "[[", "]]", "<ref", "'''", "{|", "==", "&nbsp;", "<!--", "\n\n\n"):
         assert markup not in text, markup
-    assert docs[0].startswith("Anarchism is a political philosophy that advocates self-governed "
-                              "societies based on voluntary institutions. These are often described "
-                              "as stateless societies, although")
+    assert docs[0].startswith(
+        "Anarchism is a political philosophy that advocates self-governed "
+        "societies based on voluntary institutions. These are often described "
+        "as stateless societies, although"
+    )
     assert all(line == line.strip() for d in docs for line in d.split("\n"))
     assert load_documents("wiki", "eval") == docs
 

@@ -9,9 +9,12 @@ from quantkit.scheme import QuantArgs
 
 def block_inputs_of_full_forward(model, spec, ids):
     seen = []
-    hooks = [b.register_forward_pre_hook(lambda m, a, kw: seen.append((a[0] if a else kw["hidden_states"]).clone()),
-                                         with_kwargs=True)
-             for b in get_module(model, spec.blocks)]
+    hooks = [
+        b.register_forward_pre_hook(
+            lambda m, a, kw: seen.append((a[0] if a else kw["hidden_states"]).clone()), with_kwargs=True
+        )
+        for b in get_module(model, spec.blocks)
+    ]
     with torch.no_grad():
         model(ids)
     for h in hooks:

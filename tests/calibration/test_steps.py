@@ -12,7 +12,7 @@ from quantkit.calibration import hooks, rtn
 from quantkit.calibration.registry import METHODS
 from quantkit.calibration.runner import run_blocks
 from quantkit.errors import QuantkitError
-from quantkit.models.arch import arch_for, get_module
+from quantkit.models.arch import arch_for
 from quantkit.pipeline.quantize import Calibration, pack_model, quantize
 from quantkit.scheme import preset
 
@@ -50,8 +50,9 @@ def test_awq_folding_keeps_the_float_function(tiny_llama, monkeypatch):
     assert len(results) == 14
 
 
-@pytest.mark.parametrize("algorithm,options,bound", [("gptq", {}, 0.85), ("awq", {}, 0.95),
-                                                      ("awq", {"module_loss": True}, 0.95)])
+@pytest.mark.parametrize(
+    "algorithm,options,bound", [("gptq", {}, 0.85), ("awq", {}, 0.95), ("awq", {"module_loss": True}, 0.95)]
+)
 @pytest.mark.parametrize("name", ["w4a16", "w4a16-asym"])
 def test_beats_rtn_on_calibration_data(tiny_llama, algorithm, options, bound, name):
     scheme = preset(name).with_group_size(32)
@@ -101,7 +102,9 @@ def test_awq_saved_search_reproduces_the_checkpoint(tiny_llama, tiny_corpus, tmp
     search = load_file(tmp_path / "s.safetensors")
     clip = search["model.layers.0.self_attn.q_proj.awq_clip"]  # q and k are clipped too
     assert clip.shape == (64, 2, 2) and (clip[..., 0] <= 0).all() and (clip[..., 1] >= 0).all()  # [lo, hi] per group
-    search["model.layers.0.self_attn.q_proj.awq_clip"] = clip[..., 1].contiguous()  # an older quantkit saved clip maxima
+    search["model.layers.0.self_attn.q_proj.awq_clip"] = clip[
+        ..., 1
+    ].contiguous()  # an older quantkit saved clip maxima
     save_file(search, tmp_path / "old.safetensors")
     with pytest.raises(QuantkitError, match="clip maxima for model.layers.0.self_attn.q_proj from an older quantkit"):
         quantize(str(tiny_llama), scheme, tmp_path / "c", "awq", calib, {"load_search": tmp_path / "old.safetensors"})
@@ -109,10 +112,8 @@ def test_awq_saved_search_reproduces_the_checkpoint(tiny_llama, tiny_corpus, tmp
 
 def test_gptq_and_awq_record_calibration(tiny_llama, tiny_corpus, tmp_path):
     calib = Calibration(str(tiny_corpus), 4, 32, seed=1)
-    prov = quantize(str(tiny_llama), preset("w4a16").with_group_size(32), tmp_path / "g", "gptq", calib,
-                    {"damp": 0.02})
-    assert prov["calibration"] == {"dataset": str(tiny_corpus), "samples": 4, "seq_len": 32, "seed": 1,
-                                   "batch_size": 8}
+    prov = quantize(str(tiny_llama), preset("w4a16").with_group_size(32), tmp_path / "g", "gptq", calib, {"damp": 0.02})
+    assert prov["calibration"] == {"dataset": str(tiny_corpus), "samples": 4, "seq_len": 32, "seed": 1, "batch_size": 8}
     assert prov["options"] == {"damp": 0.02, "block_size": 128}  # every option, defaults included
 
 

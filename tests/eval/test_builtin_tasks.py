@@ -20,8 +20,11 @@ DOCS = [
 
 def test_sentences_and_cloze_pairs():
     found = tasks.sentences(DOCS)
-    assert found[:3] == ["Heading line", "The river runs past the old mill and then turns toward the town.",
-                         "It rained."]
+    assert found[:3] == [
+        "Heading line",
+        "The river runs past the old mill and then turns toward the town.",
+        "It rained.",
+    ]
     assert tasks.cloze_pair(found[1]) == ("The river runs past the old mill and then turns toward the", "town")
     assert [tasks.cloze_pair(s) for s in ("Heading line", "It rained.", "Was it safe?")] == [None] * 3
     assert tasks.cloze_pair("It was built in the year 1850 by the local council of Lyon.") is None  # capitalised
@@ -43,8 +46,7 @@ def test_cloze_items_well_formed_and_seeded():
 
 def test_distractors_come_from_the_same_document():
     words = [["apple", "pear", "plum", "grape", "melon"], ["hammer", "nail", "screw", "drill", "saw"]]
-    docs = [" ".join(f"In the morning the people of the valley went out to find the {w}." for w in ws)
-            for ws in words]
+    docs = [" ".join(f"In the morning the people of the valley went out to find the {w}." for w in ws) for ws in words]
     items = tasks.cloze_items(docs, n=10, seed=3)
     assert len(items) == 10
     for item in items:

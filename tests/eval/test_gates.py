@@ -35,7 +35,13 @@ def test_recovery_and_thresholds():
     assert row["passed"] is None and row["recovery"] == pytest.approx(1 / 1.1)  # not a perplexity, no bound
     assert compare_metric("x/acc", 0.2, 0.0, True, min_recovery=0.9)[0]["passed"] is True  # baseline 0
     assert compare_metric("x/acc", 0.2, None, True)[0] == {
-        "metric": "x/acc", "baseline": None, "candidate": 0.2, "delta": None, "recovery": None, "passed": None}
+        "metric": "x/acc",
+        "baseline": None,
+        "candidate": 0.2,
+        "delta": None,
+        "recovery": None,
+        "passed": None,
+    }
 
 
 def test_argument_errors(tiny_llama):
@@ -57,9 +63,31 @@ def quantized(tiny_llama, tmp_path_factory):
 
 def test_gate_passes_against_itself_with_tasks(tiny_llama, tiny_corpus, tmp_path):
     report_path = tmp_path / "gate.json"
-    r = runner.invoke(app, ["eval", str(tiny_llama), "--baseline", str(tiny_llama), "--ppl", str(tiny_corpus),
-                            "--seq-len", "64", "--limit", "4", "--tasks", "wiki_cloze", "--max-ppl-increase", "0%",
-                            "--min-recovery", "1", "--batch-size", "4", "--json", str(report_path)])
+    r = runner.invoke(
+        app,
+        [
+            "eval",
+            str(tiny_llama),
+            "--baseline",
+            str(tiny_llama),
+            "--ppl",
+            str(tiny_corpus),
+            "--seq-len",
+            "64",
+            "--limit",
+            "4",
+            "--tasks",
+            "wiki_cloze",
+            "--max-ppl-increase",
+            "0%",
+            "--min-recovery",
+            "1",
+            "--batch-size",
+            "4",
+            "--json",
+            str(report_path),
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert "wiki_cloze/acc_norm" in r.stdout and "recovery" in r.stdout and "FAIL" not in r.stdout
     report = json.loads(report_path.read_text())

@@ -13,8 +13,15 @@ SEQ_LEN = 32
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=128, vocab_size=256, max_position_embeddings=128)
+    config = LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=256,
+        max_position_embeddings=128,
+    )
     return LlamaForCausalLM(config).float().eval()
 
 
@@ -25,8 +32,9 @@ def tokens():
 
 def reference_ppl(model, tokens, n_windows):
     with torch.no_grad():
-        losses = [model(w[None], labels=w[None]).loss.item()
-                  for w in tokens[: n_windows * SEQ_LEN].view(n_windows, SEQ_LEN)]
+        losses = [
+            model(w[None], labels=w[None]).loss.item() for w in tokens[: n_windows * SEQ_LEN].view(n_windows, SEQ_LEN)
+        ]
     return math.exp(sum(losses) / len(losses))
 
 

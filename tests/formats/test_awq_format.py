@@ -71,8 +71,10 @@ def test_exporter_matches_the_layout_description():
     assert torch.equal(spec_unpack_awq(t["qzeros"]), zero.t().to(torch.int64) + 8)
     assert torch.equal(t["scales"], scale.t())
     w = (spec_unpack_awq(t["qweight"]) - spec_unpack_awq(t["qzeros"]).repeat_interleave(32, 0)).float()
-    assert torch.equal(w * t["scales"].float().repeat_interleave(32, 0), ((q - zero.repeat_interleave(32, 1)).float()
-                                                                          * scale.float().repeat_interleave(32, 1)).t())
+    assert torch.equal(
+        w * t["scales"].float().repeat_interleave(32, 0),
+        ((q - zero.repeat_interleave(32, 1)).float() * scale.float().repeat_interleave(32, 1)).t(),
+    )
 
 
 def test_importer_reads_tensors_packed_from_the_description():
@@ -116,12 +118,24 @@ def test_gptq_nibble_15_is_refused():
         gptq.decode(t, "layer")
 
 
-@pytest.mark.parametrize("tensors,message", [
-    ({"qweight": torch.zeros(64, 2, dtype=torch.int32), "scales": torch.ones(2, 8)}, "do not fit the AutoAWQ GEMM"),
-    ({"qweight": torch.zeros(64, 2, dtype=torch.int32), "scales": torch.ones(3, 16)}, "do not fit the AutoAWQ GEMM"),
-    ({"qweight": torch.zeros(64, 2, dtype=torch.int32), "scales": torch.ones(2, 16),
-      "qzeros": torch.zeros(2, 3, dtype=torch.int32)}, "do not fit the AutoAWQ GEMM"),
-])
+@pytest.mark.parametrize(
+    "tensors,message",
+    [
+        ({"qweight": torch.zeros(64, 2, dtype=torch.int32), "scales": torch.ones(2, 8)}, "do not fit the AutoAWQ GEMM"),
+        (
+            {"qweight": torch.zeros(64, 2, dtype=torch.int32), "scales": torch.ones(3, 16)},
+            "do not fit the AutoAWQ GEMM",
+        ),
+        (
+            {
+                "qweight": torch.zeros(64, 2, dtype=torch.int32),
+                "scales": torch.ones(2, 16),
+                "qzeros": torch.zeros(2, 3, dtype=torch.int32),
+            },
+            "do not fit the AutoAWQ GEMM",
+        ),
+    ],
+)
 def test_damaged_awq_tensors_are_refused(tensors, message):
     with pytest.raises(QuantkitError, match=message):
         awq.decode(tensors, "layer")

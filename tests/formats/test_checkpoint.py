@@ -74,14 +74,26 @@ def test_truncated_file_is_reported(tmp_path):
 def test_our_reader_equals_safetensors_for_every_dtype(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    t = {f"x.{dt}": (torch.randn(3, 5) * 100).to(dt) for dt in
-         (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn, torch.int8, torch.int32,
-          torch.int64, torch.uint8)}
+    t = {
+        f"x.{dt}": (torch.randn(3, 5) * 100).to(dt)
+        for dt in (
+            torch.float32,
+            torch.float16,
+            torch.bfloat16,
+            torch.float64,
+            torch.float8_e4m3fn,
+            torch.int8,
+            torch.int32,
+            torch.int64,
+            torch.uint8,
+        )
+    }
     t.update({"scalar": torch.tensor(1.5), "empty": torch.zeros(0, 4), "flag": torch.tensor([True, False])})
     (tmp_path / "c").mkdir()
     save_file(t, tmp_path / "c" / "model.safetensors", metadata={"format": "pt"})
     ours, theirs = ckpt.read_tensors(tmp_path / "c"), load_file(tmp_path / "c" / "model.safetensors")
     assert set(ours) == set(theirs)
     for k in theirs:
-        assert ours[k].dtype == theirs[k].dtype and torch.equal(ours[k].view(-1).view(torch.uint8),
-                                                                 theirs[k].view(-1).view(torch.uint8)), k
+        assert ours[k].dtype == theirs[k].dtype and torch.equal(
+            ours[k].view(-1).view(torch.uint8), theirs[k].view(-1).view(torch.uint8)
+        ), k

@@ -15,5 +15,7 @@ def test_compress_shapes_and_exact_values(name):
     static = name == "fp8"
     tensors = compress(fq, scale, args, torch.tensor(0.5) if static else None)
     info = param_info(24, 40, args, static)
-    assert {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()} == {k: (tuple(s), d) for k, (s, d) in info.items()}
+    assert {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()} == {
+        k: (tuple(s), d) for k, (s, d) in info.items()
+    }
     assert torch.equal(dequantize(tensors["weight"], tensors["weight_scale"], None, args), fq)

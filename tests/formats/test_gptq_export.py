@@ -8,8 +8,8 @@ from quantkit.formats.checkpoint import read_tensors
 from quantkit.formats.gptq import to_gptq
 from quantkit.formats.interop import export
 from quantkit.formats.pack_quantized import decompress_ints
-from quantkit.primitives import dequantize
 from quantkit.pipeline.quantize import Calibration, quantize
+from quantkit.primitives import dequantize
 from quantkit.scheme import from_quantization_config, preset
 
 
@@ -38,11 +38,16 @@ def test_export_matches_the_layout_description(tiny_llama, tiny_corpus, tmp_path
     assert qc["quant_method"] == "gptq" and qc["checkpoint_format"] == "gptq" and qc["bits"] == 4
     assert qc["group_size"] == 32 and qc["sym"] == scheme.weights.symmetric and qc["desc_act"] == (actorder == "group")
     ct, gq = read_tensors(tmp_path / "ct"), read_tensors(tmp_path / "gptq")
-    args = from_quantization_config(json.loads((tmp_path / "ct" / "config.json").read_text())
-                                    ["quantization_config"]).schemes[0].weights
+    args = (
+        from_quantization_config(json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"])
+        .schemes[0]
+        .weights
+    )
     m = "model.layers.1.mlp.down_proj"
     assert gq[f"{m}.qweight"].shape == (128 // 8, 64) and gq[f"{m}.scales"].dtype == torch.float16
-    q, scale, zero, g_idx = decompress_ints({k.rsplit(".", 1)[1]: v for k, v in ct.items() if k.startswith(m + ".")}, args)
+    q, scale, zero, g_idx = decompress_ints(
+        {k.rsplit(".", 1)[1]: v for k, v in ct.items() if k.startswith(m + ".")}, args
+    )
     ours = dequantize(q, scale.half().float(), zero, args, g_idx)
     theirs = spec_dequantize(gq[f"{m}.qweight"], gq[f"{m}.qzeros"], gq[f"{m}.scales"], gq[f"{m}.g_idx"])
     assert torch.equal(ours, theirs)

@@ -4,17 +4,17 @@ import shutil
 
 import pytest
 import torch
+from conftest import make_tiny_model
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 import quantkit
-from conftest import make_tiny_model
 from quantkit.cli import app
 from quantkit.errors import QuantkitError
 from quantkit.formats.checkpoint import read_tensors
 from quantkit.formats.interop import export, read_int4
-from quantkit.primitives import dequantize
 from quantkit.pipeline.quantize import Calibration, quantize
+from quantkit.primitives import dequantize
 from quantkit.scheme import preset
 
 KINDS = ("sym", "asym", "channel", "actorder")
@@ -71,7 +71,11 @@ def test_round_trips_between_every_pair_are_bit_exact(ckpts, tmp_path, kind):
     for fmt in others:
         args = read_int4(tmp_path / fmt).args
         assert (args.symmetric, args.strategy, args.group_size, args.actorder) == (
-            ct_args.symmetric, ct_args.strategy, ct_args.group_size, ct_args.actorder)
+            ct_args.symmetric,
+            ct_args.strategy,
+            ct_args.group_size,
+            ct_args.actorder,
+        )
 
 
 def spec_dequantize_awq(qweight, qzeros, scales, group_size):
@@ -95,8 +99,13 @@ def test_awq_export_matches_the_layout_description(ckpts, tmp_path, kind):
     export(ckpts[kind], tmp_path / "awq", "awq")
     config = json.loads((tmp_path / "awq" / "config.json").read_text())
     assert config["quantization_config"] == {
-        "quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm",
-        "modules_to_not_convert": ["lm_head", "model.embed_tokens"]}
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": 32,
+        "zero_point": True,
+        "version": "gemm",
+        "modules_to_not_convert": ["lm_head", "model.embed_tokens"],
+    }
     theirs, ours = read_tensors(tmp_path / "awq"), linears(ckpts[kind])
     args = read_int4(ckpts[kind]).args
     for name, (q, scale, zero, g_idx) in ours.items():
@@ -126,8 +135,11 @@ def test_load_reads_the_older_sidecar_config_files(ckpts, tmp_path):
     config = json.loads((tmp_path / "awq" / "config.json").read_text())
     del config["quantization_config"]
     (tmp_path / "awq" / "config.json").write_text(json.dumps(config))
-    (tmp_path / "awq" / "quant_config.json").write_text(json.dumps(  # what AutoAWQ writes
-        {"zero_point": True, "q_group_size": 32, "w_bit": 4, "version": "GEMM"}))
+    (tmp_path / "awq" / "quant_config.json").write_text(
+        json.dumps(  # what AutoAWQ writes
+            {"zero_point": True, "q_group_size": 32, "w_bit": 4, "version": "GEMM"}
+        )
+    )
     assert torch.equal(logits(tmp_path / "awq"), logits(ckpts["asym"]))
 
 
@@ -162,19 +174,24 @@ def with_quantization_config(src, dst, qc):
     return dst
 
 
-LOADS = ("quantkit loads compressed-tensors pack-quantized (int4), compressed-tensors float-quantized (fp8), "
-         "AutoAWQ GEMM (int4), GPTQ v1 (int4).")
+LOADS = (
+    "quantkit loads compressed-tensors pack-quantized (int4), compressed-tensors float-quantized (fp8), "
+    "AutoAWQ GEMM (int4), GPTQ v1 (int4)."
+)
 
 
-@pytest.mark.parametrize("qc,reason", [
-    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "is a 'bitsandbytes' checkpoint"),
-    ({"quant_method": "exl2", "bits": 4.0}, "is a 'exl2' checkpoint from another tool"),
-    ({"quant_method": "gptq", "bits": 4, "group_size": 32, "checkpoint_format": "gptq_v2"}, "format 'gptq_v2'"),
-    ({"quant_method": "gptq", "bits": 4, "group_size": 32, "checkpoint_format": "marlin"}, "format 'marlin'"),
-    ({"quant_method": "gptq", "bits": 8, "group_size": 32}, "with 8-bit weights"),
-    ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}, "'gemv' layout"),
-    ({"quant_method": "compressed-tensors", "format": "int-quantized"}, "in format 'int-quantized'"),
-])
+@pytest.mark.parametrize(
+    "qc,reason",
+    [
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "is a 'bitsandbytes' checkpoint"),
+        ({"quant_method": "exl2", "bits": 4.0}, "is a 'exl2' checkpoint from another tool"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 32, "checkpoint_format": "gptq_v2"}, "format 'gptq_v2'"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 32, "checkpoint_format": "marlin"}, "format 'marlin'"),
+        ({"quant_method": "gptq", "bits": 8, "group_size": 32}, "with 8-bit weights"),
+        ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}, "'gemv' layout"),
+        ({"quant_method": "compressed-tensors", "format": "int-quantized"}, "in format 'int-quantized'"),
+    ],
+)
 def test_load_refuses_other_formats_in_one_sentence(ckpts, tmp_path, qc, reason):
     path = with_quantization_config(ckpts["sym"], tmp_path / "x", qc)
     with pytest.raises(QuantkitError) as e:
@@ -214,8 +231,12 @@ def test_a_group_size_that_disagrees_with_the_tensors_is_refused(ckpts, tmp_path
 
 def test_export_command_for_each_format(ckpts, tmp_path):
     runner = CliRunner()
-    steps = [(ckpts["asym"], "awq", "awq"), (ckpts["asym"], "gptq", "gptq"),
-             (tmp_path / "awq", "compressed-tensors", "from-awq"), (tmp_path / "gptq", "awq", "gptq-awq")]
+    steps = [
+        (ckpts["asym"], "awq", "awq"),
+        (ckpts["asym"], "gptq", "gptq"),
+        (tmp_path / "awq", "compressed-tensors", "from-awq"),
+        (tmp_path / "gptq", "awq", "gptq-awq"),
+    ]
     for src, fmt, out in steps:
         r = runner.invoke(app, ["export", str(src), "--format", fmt, "-o", str(tmp_path / out)])
         assert r.exit_code == 0, r.output

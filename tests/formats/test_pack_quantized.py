@@ -50,9 +50,12 @@ def test_compress_decompress_is_bit_exact(sym, strategy, group):
     fq = fake_quantize(w, args, scale, zero)
     tensors = compress(fq, scale, zero, args)
     info = param_info(24, 64, args, torch.float16)
-    assert {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()} == {k: (tuple(s), d) for k, (s, d) in info.items()}
+    assert {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()} == {
+        k: (tuple(s), d) for k, (s, d) in info.items()
+    }
     q, s, z, g_idx = decompress_ints(tensors, args)
     from quantkit.primitives import quantize
+
     assert torch.equal(q, quantize(fq, scale, zero, args))
     assert torch.equal(s, scale) and g_idx is None
     assert (z is None) == sym and (sym or torch.equal(z, zero))

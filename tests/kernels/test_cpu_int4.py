@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.packing import pack
 from quantkit.kernels import reference
 from quantkit.kernels.cpu import (
     int4_gemm_cpu,
@@ -24,6 +23,7 @@ from quantkit.kernels.cpu import (
     supports,
     supports_int8,
 )
+from quantkit.packing import pack
 from quantkit.primitives import compute_qparams, quantize
 from quantkit.primitives import sqnr as sqnr_db
 from quantkit.scheme import QuantArgs
@@ -35,8 +35,9 @@ BF16_LOOSE = dict(rtol=1.6e-2, rms_atol=1.6e-2, sqnr=45.0)
 def _quantized(n, k, group_size, symmetric, scale_dtype=torch.bfloat16, g_idx=None, seed=0):
     """Packed int4 tensors of a random [n, k] weight, as the packer writes them."""
     torch.manual_seed(seed)
-    args = QuantArgs(num_bits=4, symmetric=symmetric, strategy="group" if group_size else "channel",
-                     group_size=group_size)
+    args = QuantArgs(
+        num_bits=4, symmetric=symmetric, strategy="group" if group_size else "channel", group_size=group_size
+    )
     w = torch.randn(n, k)
     scale, zero = compute_qparams(w, args, scale_dtype)
     return pack(quantize(w, scale, zero, args, g_idx)), scale, zero
@@ -80,8 +81,7 @@ def test_int4_per_channel_runs_as_groups(symmetric):
     x = torch.randn(7, 576, dtype=torch.bfloat16)
     weight = repack_int4_cpu(w_packed, scale, zero, None)
     assert weight.group_size == 64 and weight.scales_and_zeros.shape == (9, 64, 2)
-    _check(int4_gemm_cpu(x, weight), reference.int4_gemm(x.float(), w_packed, scale.float(), zero, None),
-           **BF16_TIGHT)
+    _check(int4_gemm_cpu(x, weight), reference.int4_gemm(x.float(), w_packed, scale.float(), zero, None), **BF16_TIGHT)
 
 
 def test_int4_fp32_scales_and_fp32_activations():
@@ -107,18 +107,28 @@ def test_int4_act_order(symmetric):
     assert supports(64, k, g, g_idx)
     weight = repack_int4_cpu(w_packed, scale, zero, g, g_idx)
     x = torch.randn(5, k, dtype=torch.bfloat16)
-    _check(int4_gemm_cpu(x, weight), reference.int4_gemm(x.float(), w_packed, scale.float(), zero, g, g_idx),
-           **BF16_TIGHT)
+    _check(
+        int4_gemm_cpu(x, weight), reference.int4_gemm(x.float(), w_packed, scale.float(), zero, g, g_idx), **BF16_TIGHT
+    )
 
 
-@pytest.mark.parametrize("n, k, group_size, ok", [
-    (64, 256, 32, True), (64, 256, 256, True), (48, 256, 64, True), (16, 32, 32, True),
-    (64, 576, 64, True), (64, 576, None, True),   # per channel: groups of 64
-    (40, 256, 64, False),                          # out % 16 != 0
-    (64, 576, 128, False), (64, 128, 256, False),  # group does not divide in
-    (64, 256, 16, False), (64, 512, 512, False),   # group not in 32/64/128/256
-    (64, 200, None, False),                        # per channel, no group divides 200
-])
+@pytest.mark.parametrize(
+    "n, k, group_size, ok",
+    [
+        (64, 256, 32, True),
+        (64, 256, 256, True),
+        (48, 256, 64, True),
+        (16, 32, 32, True),
+        (64, 576, 64, True),
+        (64, 576, None, True),  # per channel: groups of 64
+        (40, 256, 64, False),  # out % 16 != 0
+        (64, 576, 128, False),
+        (64, 128, 256, False),  # group does not divide in
+        (64, 256, 16, False),
+        (64, 512, 512, False),  # group not in 32/64/128/256
+        (64, 200, None, False),  # per channel, no group divides 200
+    ],
+)
 def test_supports(n, k, group_size, ok):
     assert supports(n, k, group_size) is ok
 

@@ -130,8 +130,7 @@ def _bad_args():
     return [
         ("x-width", dict(x=make_x((2, 64))), "x must be [..., 96]"),
         ("x-dtype", dict(x=make_x((2, K)).to(torch.int32)), "x must be float16"),
-        ("w-dtype", dict(w_fp8=torch.zeros(N, K, dtype=torch.float16, device=DEVICE)),
-         "w_fp8 must be float8_e4m3fn"),
+        ("w-dtype", dict(w_fp8=torch.zeros(N, K, dtype=torch.float16, device=DEVICE)), "w_fp8 must be float8_e4m3fn"),
         ("w_scale-shape", dict(w_scale=torch.ones(N, 2, device=DEVICE)), "w_scale must be float [40, 1]"),
         ("x_scale-shape", dict(x_scale=torch.ones(2, 1, device=DEVICE)), "x_scale must be a float [1]"),
         ("w-shape", dict(w_fp8=torch.zeros(N, K, device=DEVICE).to(f8)[None]), "w_fp8 must be float8_e4m3fn [out, in]"),

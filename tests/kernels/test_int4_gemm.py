@@ -24,10 +24,10 @@ pytest.importorskip("triton")
 
 import torch  # noqa: E402
 
-from quantkit.packing import pack  # noqa: E402
 from quantkit.kernels import int4_gemm as kmod  # noqa: E402
 from quantkit.kernels import reference  # noqa: E402
 from quantkit.kernels.int4_gemm import int4_gemm  # noqa: E402
+from quantkit.packing import pack  # noqa: E402
 from quantkit.primitives import compute_qparams, quantize  # noqa: E402
 from quantkit.scheme import QuantArgs  # noqa: E402
 
@@ -53,8 +53,9 @@ def make_weight(n, k, group_size, symmetric, act_order, scale_dtype, seed=0):
     """(w_packed, scales, zeros, g_idx) of a random [n, k] weight, as a checkpoint holds them."""
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=gen) * (1 + 3 * torch.rand(n, 1, generator=gen))
-    args = QuantArgs(num_bits=4, symmetric=symmetric, strategy="group" if group_size else "channel",
-                     group_size=group_size)
+    args = QuantArgs(
+        num_bits=4, symmetric=symmetric, strategy="group" if group_size else "channel", group_size=group_size
+    )
     g_idx = None
     cols = torch.arange(k)
     if act_order:  # every group holds group_size columns, scattered over the row
@@ -82,13 +83,15 @@ def test_int4_gemm_matches_the_twin(m, weight, dtype):
     torch.testing.assert_close(y, reference.int4_gemm(x, w_packed, scales, zeros, group_size, g_idx), **TOL[dtype])
 
 
-@pytest.mark.parametrize("x_dtype, scale_dtype", [(torch.float32, torch.float16), (torch.float16, torch.float32)],
-                         ids=["x32-s16", "x16-s32"])
+@pytest.mark.parametrize(
+    "x_dtype, scale_dtype", [(torch.float32, torch.float16), (torch.float16, torch.float32)], ids=["x32-s16", "x16-s32"]
+)
 def test_scales_in_another_dtype_than_x(x_dtype, scale_dtype):
     w_packed, scales, zeros, _ = make_weight(40, 96, 32, False, False, scale_dtype)
     x = make_x((5, 96), x_dtype)
-    torch.testing.assert_close(int4_gemm(x, w_packed, scales, zeros, 32),
-                               reference.int4_gemm(x, w_packed, scales, zeros, 32), **TOL[x_dtype])
+    torch.testing.assert_close(
+        int4_gemm(x, w_packed, scales, zeros, 32), reference.int4_gemm(x, w_packed, scales, zeros, 32), **TOL[x_dtype]
+    )
 
 
 def test_leading_dimensions_and_a_non_contiguous_x():
@@ -118,10 +121,12 @@ def _bad_args():
         ("x-dtype", dict(x=make_x((2, 96), torch.float16).to(torch.int32)), "x must be float16"),
         ("w-dtype", dict(w_packed=torch.zeros(40, 12, dtype=torch.int64, device=DEVICE)), "w_packed must be int32"),
         ("group-size", dict(group_size=40), "group_size 40 does not divide the input width 96"),
-        ("scales-shape", dict(scales=torch.ones(40, 2, dtype=torch.float16, device=DEVICE)),
-         "scales must be float [40, 3]"),
-        ("zeros-dtype", dict(zeros=torch.zeros(40, 3, dtype=torch.int32, device=DEVICE)),
-         "zeros must be int8 [40, 3]"),
+        (
+            "scales-shape",
+            dict(scales=torch.ones(40, 2, dtype=torch.float16, device=DEVICE)),
+            "scales must be float [40, 3]",
+        ),
+        ("zeros-dtype", dict(zeros=torch.zeros(40, 3, dtype=torch.int32, device=DEVICE)), "zeros must be int8 [40, 3]"),
         ("g_idx-shape", dict(g_idx=torch.zeros(95, dtype=torch.int32, device=DEVICE)), "g_idx must be int32 [96]"),
     ]
 
@@ -130,8 +135,10 @@ def _bad_args():
 def test_bad_arguments_name_what_is_wrong(case):
     _, changes, words = case
     w_packed, scales, zeros, _ = make_weight(40, 96, 32, False, False, torch.float16)
-    args = dict(x=make_x((2, 96), torch.float16), w_packed=w_packed, scales=scales, zeros=zeros, group_size=32,
-                g_idx=None) | changes
+    args = (
+        dict(x=make_x((2, 96), torch.float16), w_packed=w_packed, scales=scales, zeros=zeros, group_size=32, g_idx=None)
+        | changes
+    )
     with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("]", r"\]")):
         int4_gemm(**args)
 

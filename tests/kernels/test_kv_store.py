@@ -110,8 +110,29 @@ def test_skipped_slots_leave_the_cache_untouched():
 
 def test_fp8_rounding_matches_torch_bit_for_bit():
     """Ties go to even, subnormals survive, values past ±448 saturate, -0.0 keeps its sign."""
-    edge = [100.0, 104.0, 108.0, -100.0, 2**-10, 3 * 2**-10, 5 * 2**-10, 0.0013, -1e-4, -0.0, 0.0,
-            448.0, 464.0, 470.0, 1e4, -1e4, 1e-30, 0.5 + 2**-5, 0.5 + 2**-4 + 2**-5, 240.0, 3.0 * 2**-7]
+    edge = [
+        100.0,
+        104.0,
+        108.0,
+        -100.0,
+        2**-10,
+        3 * 2**-10,
+        5 * 2**-10,
+        0.0013,
+        -1e-4,
+        -0.0,
+        0.0,
+        448.0,
+        464.0,
+        470.0,
+        1e4,
+        -1e4,
+        1e-30,
+        0.5 + 2**-5,
+        0.5 + 2**-4 + 2**-5,
+        240.0,
+        3.0 * 2**-7,
+    ]
     exponents = torch.randint(-12, 10, (16 * HEAD_DIM - len(edge),), generator=torch.Generator().manual_seed(2))
     x = torch.cat([torch.tensor(edge), torch.randn(len(exponents)) * 2.0**exponents]).reshape(16, 1, HEAD_DIM)
     x = x.to(DEVICE)
@@ -138,8 +159,15 @@ def test_int8_rounds_half_to_even_and_clamps():
 def _good(dtype=torch.float8_e4m3fn, kv_heads=2):
     k = torch.randn(3, kv_heads, HEAD_DIM, device=DEVICE)
     scale = torch.ones(1, device=DEVICE) if dtype.itemsize == 1 else None
-    return dict(k=k, v=k.clone(), k_cache=stale_cache(dtype, kv_heads), v_cache=stale_cache(dtype, kv_heads),
-                slot_mapping=torch.arange(3, device=DEVICE), k_scale=scale, v_scale=scale)
+    return dict(
+        k=k,
+        v=k.clone(),
+        k_cache=stale_cache(dtype, kv_heads),
+        v_cache=stale_cache(dtype, kv_heads),
+        slot_mapping=torch.arange(3, device=DEVICE),
+        k_scale=scale,
+        v_scale=scale,
+    )
 
 
 BAD = {
@@ -148,16 +176,24 @@ BAD = {
     "fp16 scale": (dict(k_scale=torch.ones(1, dtype=torch.float16)), r"k_scale must be float32"),
     "k of wrong head_dim": (dict(k=torch.randn(3, 2, 8)), r"k and v must both be \[num_tokens, 2, 16\]"),
     "v shaped unlike k": (dict(v=torch.randn(4, 2, HEAD_DIM)), r"k and v must both be"),
-    "int k": (dict(k=torch.ones(3, 2, HEAD_DIM, dtype=torch.int32), v=torch.ones(3, 2, HEAD_DIM, dtype=torch.int32)),
-              r"k and v must be float16, bfloat16 or float32"),
+    "int k": (
+        dict(k=torch.ones(3, 2, HEAD_DIM, dtype=torch.int32), v=torch.ones(3, 2, HEAD_DIM, dtype=torch.int32)),
+        r"k and v must be float16, bfloat16 or float32",
+    ),
     "slot_mapping too short": (dict(slot_mapping=torch.arange(2)), r"slot_mapping must be int64 of shape \[3\]"),
     "float slot_mapping": (dict(slot_mapping=torch.zeros(3)), r"slot_mapping must be int64"),
-    "3-d cache": (dict(k_cache=torch.zeros(4, 16, 2)),
-                  r"k_cache must be \[num_blocks, block_size, num_kv_heads, head_dim\]"),
+    "3-d cache": (
+        dict(k_cache=torch.zeros(4, 16, 2)),
+        r"k_cache must be \[num_blocks, block_size, num_kv_heads, head_dim\]",
+    ),
     "caches differ": (dict(v_cache=torch.zeros(4, 16, 2, HEAD_DIM, dtype=torch.int8)), r"v_cache must match k_cache"),
-    "unsupported cache dtype": (dict(k_cache=torch.zeros(4, 16, 2, HEAD_DIM, dtype=torch.float64),
-                                     v_cache=torch.zeros(4, 16, 2, HEAD_DIM, dtype=torch.float64)),
-                                r"cache dtype torch.float64 is not supported"),
+    "unsupported cache dtype": (
+        dict(
+            k_cache=torch.zeros(4, 16, 2, HEAD_DIM, dtype=torch.float64),
+            v_cache=torch.zeros(4, 16, 2, HEAD_DIM, dtype=torch.float64),
+        ),
+        r"cache dtype torch.float64 is not supported",
+    ),
 }
 
 

@@ -17,9 +17,10 @@ import dataclasses
 import pytest
 import torch
 
-from quantkit.calibration.kv import fake_quantize_kv, kv_scales
 from quantkit import ops
-from quantkit.kernels import cpu_attention, reference as ref
+from quantkit.calibration.kv import fake_quantize_kv, kv_scales
+from quantkit.kernels import cpu_attention
+from quantkit.kernels import reference as ref
 from quantkit.kernels.paged_attention import paged_attention, paged_prefill
 from quantkit.scheme import preset
 
@@ -92,8 +93,12 @@ def make_case(cache: str, heads: int, kv_heads: int, seq_lens=SEQ_LENS, head_dim
     if strategy is not None:
         args = kv_args(dtype, strategy)
         k_scale, v_scale = (kv_scales(x.float().abs().amax(dim=(0, 2)), args) for x in (k_all, v_all))
-    slots = torch.cat([tables[i, torch.arange(n) // BLOCK_SIZE].long() * BLOCK_SIZE + torch.arange(n) % BLOCK_SIZE
-                       for i, n in enumerate(seq_lens)])
+    slots = torch.cat(
+        [
+            tables[i, torch.arange(n) // BLOCK_SIZE].long() * BLOCK_SIZE + torch.arange(n) % BLOCK_SIZE
+            for i, n in enumerate(seq_lens)
+        ]
+    )
     ref.kv_store(k_all, v_all, k_cache, v_cache, slots, k_scale, v_scale)
     q = torch.randn(q_tokens or len(seq_lens), heads, head_dim, generator=g).to(q_dtype)
     to = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
@@ -106,8 +111,10 @@ def dense_kv(case: Case, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     k, v = (x[i].float().transpose(0, 1).to(DEVICE) for x in (case.keys, case.values))
     if case.args is None:
         return k, v
-    return (fake_quantize_kv(k[None], case.k_scale, case.args)[0],
-            fake_quantize_kv(v[None], case.v_scale, case.args)[0])
+    return (
+        fake_quantize_kv(k[None], case.k_scale, case.args)[0],
+        fake_quantize_kv(v[None], case.v_scale, case.args)[0],
+    )
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -186,11 +193,20 @@ def test_prefill_matches_dense(cache, gqa):
     for i, (start, n) in enumerate(zip(starts, PREFILL_QUERY_LENS)):
         if n:
             want = dense_attention(case.q[start : start + n].transpose(0, 1), *dense_kv(case, i), 0.25)
-            torch.testing.assert_close(out[start : start + n], want.transpose(0, 1).to(case.q.dtype),
-                                       **TOLERANCES[case.q.dtype])
+            torch.testing.assert_close(
+                out[start : start + n], want.transpose(0, 1).to(case.q.dtype), **TOLERANCES[case.q.dtype]
+            )
     # a one-token prefill is a decode step
-    decode = ref.paged_attention(case.q[29:30], case.k_cache, case.v_cache, case.block_tables[2:3], case.seq_lens[2:3],
-                                 0.25, case.k_scale, case.v_scale)
+    decode = ref.paged_attention(
+        case.q[29:30],
+        case.k_cache,
+        case.v_cache,
+        case.block_tables[2:3],
+        case.seq_lens[2:3],
+        0.25,
+        case.k_scale,
+        case.v_scale,
+    )
     torch.testing.assert_close(out[29:30], decode, **TOLERANCES[case.q.dtype])
 
 
@@ -206,23 +222,36 @@ def test_prefill_errors():
 
 def _good() -> dict:
     case = make_case("int8-head", 4, 2, seq_lens=[5, 17])
-    return dict(q=case.q, k_cache=case.k_cache, v_cache=case.v_cache, block_tables=case.block_tables,
-                seq_lens=case.seq_lens, scale=0.25, k_scale=case.k_scale, v_scale=case.v_scale)
+    return dict(
+        q=case.q,
+        k_cache=case.k_cache,
+        v_cache=case.v_cache,
+        block_tables=case.block_tables,
+        seq_lens=case.seq_lens,
+        scale=0.25,
+        k_scale=case.k_scale,
+        v_scale=case.v_scale,
+    )
 
 
 BAD = {
-    "heads not a multiple of kv heads": (dict(q=torch.randn(2, 3, 16, dtype=torch.float16)),
-                                         r"num_heads a multiple of the cache's 2 KV heads"),
+    "heads not a multiple of kv heads": (
+        dict(q=torch.randn(2, 3, 16, dtype=torch.float16)),
+        r"num_heads a multiple of the cache's 2 KV heads",
+    ),
     "q head_dim": (dict(q=torch.randn(2, 4, 8, dtype=torch.float16)), r"q must be \[tokens, num_heads, 16\]"),
     "int q": (dict(q=torch.ones(2, 4, 16, dtype=torch.int32)), r"q must be float16, bfloat16 or float32"),
-    "int64 block table": (dict(block_tables=torch.zeros(2, 3, dtype=torch.int64)),
-                          r"block_tables must be int32 \[2, max_blocks_per_seq\]"),
+    "int64 block table": (
+        dict(block_tables=torch.zeros(2, 3, dtype=torch.int64)),
+        r"block_tables must be int32 \[2, max_blocks_per_seq\]",
+    ),
     "block table rows": (dict(block_tables=torch.zeros(3, 3, dtype=torch.int32)), r"block_tables must be int32 \[2,"),
     "seq_lens length": (dict(seq_lens=torch.ones(3, dtype=torch.int32)), r"seq_lens must be int32 \[2\]"),
     "missing v_scale": (dict(v_scale=None), r"needs v_scale"),
-    "block size 8": (dict(k_cache=torch.zeros(4, 8, 2, 16, dtype=torch.int8),
-                          v_cache=torch.zeros(4, 8, 2, 16, dtype=torch.int8)),
-                     r"block_size that is a power of two >= 16; got 8"),
+    "block size 8": (
+        dict(k_cache=torch.zeros(4, 8, 2, 16, dtype=torch.int8), v_cache=torch.zeros(4, 8, 2, 16, dtype=torch.int8)),
+        r"block_size that is a power of two >= 16; got 8",
+    ),
 }
 
 
@@ -249,8 +278,11 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch):
 
 # --- the batched CPU path against the twins -------------------------------------------------
 
-CPU_CACHES = {**CACHES, "bf16": (torch.bfloat16, torch.bfloat16, None),
-              "fp8-head-bf16": (torch.float8_e4m3fn, torch.bfloat16, "attn_head")}
+CPU_CACHES = {
+    **CACHES,
+    "bf16": (torch.bfloat16, torch.bfloat16, None),
+    "fp8-head-bf16": (torch.float8_e4m3fn, torch.bfloat16, "attn_head"),
+}
 # mid-block, full blocks, one token, the whole table, empty, a repeated length, short
 CPU_SEQ_LENS = [21, 32, 1, 48, 0, 32, 5]
 
@@ -258,8 +290,14 @@ CPU_SEQ_LENS = [21, 32, 1, 48, 0, 32, 5]
 def cpu_case(cache, gqa, **kwargs) -> Case:
     case = make_case(CPU_CACHES[cache], *GQA[gqa], **kwargs)
     to_cpu = lambda t: None if t is None else t.cpu()  # noqa: E731
-    return dataclasses.replace(case, **{f.name: to_cpu(getattr(case, f.name)) for f in dataclasses.fields(case)
-                                        if isinstance(getattr(case, f.name), torch.Tensor)})
+    return dataclasses.replace(
+        case,
+        **{
+            f.name: to_cpu(getattr(case, f.name))
+            for f in dataclasses.fields(case)
+            if isinstance(getattr(case, f.name), torch.Tensor)
+        },
+    )
 
 
 # CHUNK_BYTES 1: every sequence its own SDPA call (no mask); the default: all in one padded, masked call
@@ -288,8 +326,7 @@ def test_cpu_paged_prefill_matches_twin(cache, gqa):
     case = cpu_case(cache, gqa, seq_lens=PREFILL_SEQ_LENS, q_tokens=sum(PREFILL_QUERY_LENS))
     query_lens = torch.tensor(PREFILL_QUERY_LENS, dtype=torch.int32)
     args = (case.q, *case.cache_args(), query_lens, 0.25, case.k_scale, case.v_scale)
-    torch.testing.assert_close(cpu_attention.paged_prefill(*args), ref.paged_prefill(*args),
-                               **TOLERANCES[case.q.dtype])
+    torch.testing.assert_close(cpu_attention.paged_prefill(*args), ref.paged_prefill(*args), **TOLERANCES[case.q.dtype])
 
 
 @pytest.mark.parametrize("cache", ["bf16", "fp32", "fp8-tensor", "int8-head"])
@@ -298,8 +335,13 @@ def test_cpu_kv_store_writes_what_the_twin_writes(cache):
     g = torch.Generator().manual_seed(1)
     k, v = (torch.randn(6, 2, 16, generator=g).to(q_dtype) for _ in range(2))
     slots = torch.tensor([17, 3, -1, 40, 0, 41])  # one token skipped
-    scales = (torch.tensor([0.01]), torch.tensor([0.02])) if strategy == "tensor" else \
-        (torch.tensor([0.01, 0.03]), torch.tensor([0.02, 0.05])) if strategy else (None, None)
+    scales = (
+        (torch.tensor([0.01]), torch.tensor([0.02]))
+        if strategy == "tensor"
+        else (torch.tensor([0.01, 0.03]), torch.tensor([0.02, 0.05]))
+        if strategy
+        else (None, None)
+    )
     caches = [[torch.zeros(4, 16, 2, 16, dtype=dtype) for _ in range(2)] for _ in range(2)]
     cpu_attention.kv_store(k, v, *caches[0], slots, *scales)
     ref.kv_store(k, v, *caches[1], slots, *scales)
@@ -319,11 +361,14 @@ def test_cpu_paged_attention_replans_when_the_tables_change_in_place():
     in-place change of seq_lens or block_tables must not reuse it."""
     case = cpu_case("fp32", "gqa3", seq_lens=[21, 32, 48])
     args = lambda: (case.q, *case.cache_args(), 0.3)  # noqa: E731
-    torch.testing.assert_close(cpu_attention.paged_attention(*args()), ref.paged_attention(*args()),
-                               **TOLERANCES[torch.float32])
+    torch.testing.assert_close(
+        cpu_attention.paged_attention(*args()), ref.paged_attention(*args()), **TOLERANCES[torch.float32]
+    )
     case.seq_lens[1] = 7
-    torch.testing.assert_close(cpu_attention.paged_attention(*args()), ref.paged_attention(*args()),
-                               **TOLERANCES[torch.float32])
+    torch.testing.assert_close(
+        cpu_attention.paged_attention(*args()), ref.paged_attention(*args()), **TOLERANCES[torch.float32]
+    )
     case.block_tables[2] = case.block_tables[2].roll(1)  # the same blocks in another order: other values
-    torch.testing.assert_close(cpu_attention.paged_attention(*args()), ref.paged_attention(*args()),
-                               **TOLERANCES[torch.float32])
+    torch.testing.assert_close(
+        cpu_attention.paged_attention(*args()), ref.paged_attention(*args()), **TOLERANCES[torch.float32]
+    )

@@ -9,16 +9,36 @@ import pytest
 import torch
 
 from quantkit.errors import QuantkitError
+from quantkit.models.loading import load_tokenizer
 from quantkit.perf import bench
 from quantkit.perf.bench import Request
-from quantkit.models.loading import load_tokenizer
 from quantkit.runtime.engine import LLM
 
 torch.set_num_threads(1)
-KEYS = {"num_requests", "duration_s", "input_tokens", "output_tokens", "requests_per_s", "output_tokens_per_s",
-        "total_tokens_per_s", "ttft_ms", "tpot_ms", "e2e_ms", "slo_ttft_ms", "slo_tpot_ms", "goodput_requests_per_s",
-        "cost_per_hour", "cost_per_1m_output_tokens", "interrupted", "failed", "kv_usage_peak", "preemptions", "mode",
-        "rate", "concurrency"}
+KEYS = {
+    "num_requests",
+    "duration_s",
+    "input_tokens",
+    "output_tokens",
+    "requests_per_s",
+    "output_tokens_per_s",
+    "total_tokens_per_s",
+    "ttft_ms",
+    "tpot_ms",
+    "e2e_ms",
+    "slo_ttft_ms",
+    "slo_tpot_ms",
+    "goodput_requests_per_s",
+    "cost_per_hour",
+    "cost_per_1m_output_tokens",
+    "interrupted",
+    "failed",
+    "kv_usage_peak",
+    "preemptions",
+    "mode",
+    "rate",
+    "concurrency",
+}
 SLO = {"slo_ttft_ms": 1e9, "slo_tpot_ms": 1e9, "cost_per_hour": 2.0}
 
 
@@ -187,9 +207,10 @@ def test_workload_must_fit_the_context(llm):
 
 
 def test_summarize_by_hand():
-    records = [{"prompt_tokens": 10, "output_tokens": 5, "ttft": t / 1e3, "tpot": 0.02, "e2e": 0.1 + t / 1e3}
-               for t in (10, 20, 30, 40, 50)] + [{"prompt_tokens": 4, "output_tokens": 1, "ttft": 0.5,
-                                                  "tpot": None, "e2e": 0.5}]
+    records = [
+        {"prompt_tokens": 10, "output_tokens": 5, "ttft": t / 1e3, "tpot": 0.02, "e2e": 0.1 + t / 1e3}
+        for t in (10, 20, 30, 40, 50)
+    ] + [{"prompt_tokens": 4, "output_tokens": 1, "ttft": 0.5, "tpot": None, "e2e": 0.5}]
     r = bench.summarize(records, 2.0, slo_ttft_ms=35, slo_tpot_ms=30, cost_per_hour=3.6)
     assert r["output_tokens"] == 26 and r["input_tokens"] == 54 and r["requests_per_s"] == 3.0
     assert r["output_tokens_per_s"] == 13.0 and r["total_tokens_per_s"] == 40.0

@@ -27,10 +27,23 @@ def test_run_cpu_quick_rows():
 
 def test_run_gpu_code_path_on_cpu_with_the_twins():
     """The GPU run cannot be debugged on the H200: run its code on the CPU, twins as kernels."""
-    sizes = bench.GpuSizes(k=256, group=64, int4_ms=(1, 16), fp8_ms=(16,), seqs=2, heads=4, kv_heads=2,
-                           head_dim=32, context=40, block_size=16)
-    impls = {"int4_gemm": reference.int4_gemm, "fp8_gemm": reference.fp8_gemm,
-             "paged_attention": reference.paged_attention}
+    sizes = bench.GpuSizes(
+        k=256,
+        group=64,
+        int4_ms=(1, 16),
+        fp8_ms=(16,),
+        seqs=2,
+        heads=4,
+        kv_heads=2,
+        head_dim=32,
+        context=40,
+        block_size=16,
+    )
+    impls = {
+        "int4_gemm": reference.int4_gemm,
+        "fp8_gemm": reference.fp8_gemm,
+        "paged_attention": reference.paged_attention,
+    }
     rows = bench.run_gpu(sizes=sizes, impls=impls, device="cpu")
     assert [r["kernel"] for r in rows] == ["int4_gemm"] * 2 + ["fp8_gemm"] + ["paged_attention"] * 2
     for r in rows:

@@ -7,18 +7,46 @@ import pytest
 from quantkit.errors import QuantkitError
 from quantkit.perf.plan import GPUS, kv_bytes_per_token, model_config, param_count, plan, weight_bytes
 
-LLAMA2_7B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
-             "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
-             "tie_word_embeddings": False}
-LLAMA2_70B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 8192, "intermediate_size": 28672,
-              "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
-              "tie_word_embeddings": False}
-SMOLLM2_135M = {"model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
-                "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-                "tie_word_embeddings": True}
+LLAMA2_7B = {
+    "model_type": "llama",
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "tie_word_embeddings": False,
+}
+LLAMA2_70B = {
+    "model_type": "llama",
+    "vocab_size": 32000,
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "tie_word_embeddings": False,
+}
+SMOLLM2_135M = {
+    "model_type": "llama",
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "tie_word_embeddings": True,
+}
 # widths divisible by 128: q 256x256, k/v 128x256, o 256x256, gate/up 512x256, down 256x512
-SMALL = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,
-         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+SMALL = {
+    "model_type": "llama",
+    "vocab_size": 1000,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 SMALL_LINEAR = 256 * 256 + 2 * 128 * 256 + 256 * 256 + 3 * 512 * 256  # 589,824 weights per block
 SMALL_FLOAT = 2 * 2 * 256 + 256 + 2 * 1000 * 256  # norms, final norm, embed + lm_head
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import quantkit
+from quantkit.calibration.kv import kv_args
 from quantkit.errors import QuantkitError
 from quantkit.formats.checkpoint import read_tensors
-from quantkit.calibration.kv import kv_args
 from quantkit.pipeline.kv import add_kv_scales
 from quantkit.pipeline.quantize import Calibration, quantize
 from quantkit.scheme import preset
@@ -24,13 +24,16 @@ def int4(tiny_llama, tmp_path_factory):
 
 
 @pytest.mark.parametrize("dtype,per_head", [("fp8", False), ("int8", True)])
-def test_pipeline_scales_equal_the_kv_command_on_the_same_checkpoint(tiny_llama, tiny_corpus, int4, tmp_path,
-                                                                     dtype, per_head):
+def test_pipeline_scales_equal_the_kv_command_on_the_same_checkpoint(
+    tiny_llama, tiny_corpus, int4, tmp_path, dtype, per_head
+):
     """The runner records K/V on its pass over each quantized block; the kv command runs the
     finished checkpoint end to end. Both see the same keys and values."""
     calib = Calibration(str(tiny_corpus), 4, 32)
     args = kv_args(dtype, per_head)
-    quantize(str(tiny_llama), preset("w4a16").with_group_size(32).replace(kv_cache=args), tmp_path / "a", calibration=calib)
+    quantize(
+        str(tiny_llama), preset("w4a16").with_group_size(32).replace(kv_cache=args), tmp_path / "a", calibration=calib
+    )
     add_kv_scales(str(int4), args, tmp_path / "b", calib)
     a, b = read_tensors(tmp_path / "a"), read_tensors(tmp_path / "b")
     assert set(a) == set(b)
@@ -47,14 +50,16 @@ def test_pipeline_scales_equal_the_kv_command_on_the_same_checkpoint(tiny_llama,
 def test_kv_command_leaves_weights_identical(int4, tiny_corpus, tmp_path):
     add_kv_scales(str(int4), kv_args("fp8"), tmp_path / "kv", Calibration(str(tiny_corpus), 4, 32))
     before, after = read_tensors(int4), read_tensors(tmp_path / "kv")
-    assert sorted(set(after) - set(before)) == [f"model.layers.{i}.self_attn.{n}" for i in range(2)
-                                                 for n in ("k_scale", "v_scale")]
+    assert sorted(set(after) - set(before)) == [
+        f"model.layers.{i}.self_attn.{n}" for i in range(2) for n in ("k_scale", "v_scale")
+    ]
     for key, t in before.items():
         assert after[key].dtype == t.dtype and after[key].view(torch.uint8).equal(t.view(torch.uint8)), key
     cfg_before = json.loads((int4 / "config.json").read_text())["quantization_config"]
     cfg_after = json.loads((tmp_path / "kv" / "config.json").read_text())["quantization_config"]
-    assert {k: v for k, v in cfg_after.items() if k != "kv_cache_scheme"} == \
-           {k: v for k, v in cfg_before.items() if k != "kv_cache_scheme"}
+    assert {k: v for k, v in cfg_after.items() if k != "kv_cache_scheme"} == {
+        k: v for k, v in cfg_before.items() if k != "kv_cache_scheme"
+    }
 
 
 def test_loaded_checkpoint_quantizes_kv(int4, tiny_corpus, tmp_path):

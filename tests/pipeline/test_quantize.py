@@ -7,8 +7,8 @@ from transformers import AutoModelForCausalLM
 import quantkit
 from quantkit.errors import QuantkitError
 from quantkit.models.arch import arch_for, get_module
-from quantkit.primitives import fake_quantize
 from quantkit.pipeline.quantize import quantize
+from quantkit.primitives import fake_quantize
 from quantkit.scheme import preset
 
 IDS = torch.randint(0, 320, (2, 20), generator=torch.Generator().manual_seed(0))
@@ -46,16 +46,24 @@ def test_rtn_checkpoint_loads_to_the_fake_quantized_model(tiny_llama, tmp_path, 
 def test_transformers_loads_symmetric_checkpoint_unchanged(tiny_llama, tiny_corpus, tmp_path, algorithm):
     from quantkit.pipeline.quantize import Calibration
 
-    quantize(str(tiny_llama), preset("w4a16").with_group_size(32), tmp_path / "q", algorithm,
-             Calibration(str(tiny_corpus), 4, 32))
+    quantize(
+        str(tiny_llama),
+        preset("w4a16").with_group_size(32),
+        tmp_path / "q",
+        algorithm,
+        Calibration(str(tiny_corpus), 4, 32),
+    )
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "q").eval()
     ours = quantkit.load(tmp_path / "q")
     with torch.no_grad():
         torch.testing.assert_close(ours(IDS).logits, theirs(IDS).logits, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason="compressed-tensors 0.20.1 builds unpacked zero points on load "
-                   "(llm-compressor#1618); vLLM reads the packed layout")
+@pytest.mark.xfail(
+    strict=True,
+    reason="compressed-tensors 0.20.1 builds unpacked zero points on load "
+    "(llm-compressor#1618); vLLM reads the packed layout",
+)
 def test_transformers_loads_asymmetric_checkpoint(tiny_llama, tmp_path):
     quantize(str(tiny_llama), preset("w4a16-asym").with_group_size(32), tmp_path / "q")
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "q").eval()
@@ -73,8 +81,9 @@ def test_tied_embeddings_and_bias(tmp_path):
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert model.model.layers[0].self_attn.q_proj.bias is not None
     with torch.no_grad():
-        torch.testing.assert_close(model(IDS).logits, fake_quantized_reference(path, scheme)(IDS).logits,
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            model(IDS).logits, fake_quantized_reference(path, scheme)(IDS).logits, rtol=1e-5, atol=1e-5
+        )
 
 
 def test_bf16_model_keeps_its_dtype(tmp_path):
@@ -109,8 +118,9 @@ def test_bad_inputs_write_nothing(tiny_llama, tmp_path):
 def test_not_a_causal_lm(tmp_path):
     from transformers import BertConfig, BertModel
 
-    BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-                         vocab_size=100)).save_pretrained(tmp_path / "bert")
+    BertModel(
+        BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=100)
+    ).save_pretrained(tmp_path / "bert")
     with pytest.raises(QuantkitError, match="'bert' model, which is not a causal language model"):
         quantize(str(tmp_path / "bert"), preset("w4a16"), tmp_path / "q")
 
@@ -120,6 +130,7 @@ def test_unsupported_architecture_is_named(tmp_path):
 
     GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=100)).save_pretrained(tmp_path / "g")
     from conftest import make_tokenizer
+
     make_tokenizer().save_pretrained(tmp_path / "g")
     with pytest.raises(QuantkitError, match="'gpt2' is not supported yet; quantkit supports llama, mistral, qwen2"):
         quantize(str(tmp_path / "g"), preset("w4a16"), tmp_path / "q")

@@ -34,20 +34,23 @@ def test_sequence_properties():
         Sequence(2, [])
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"max_tokens": 0}, "max_tokens must be at least 1, got 0."),
-    ({"max_tokens": 2.5}, "max_tokens must be at least 1"),
-    ({"temperature": -0.1}, "temperature must be a number >= 0"),
-    ({"temperature": float("nan")}, "temperature must be a number >= 0"),
-    ({"top_k": -1}, "top_k must be an integer >= 0"),
-    ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
-    ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
-    ({"seed": "x"}, "seed must be an integer or None"),
-    ({"logprobs": -1}, "logprobs must be None or an integer >= 0"),
-    ({"priority": 1.5}, "priority must be an integer"),
-    ({"stop": ("ok", "")}, "stop must hold non-empty strings"),
-    ({"stop_token_ids": (3, -1)}, "stop_token_ids must hold token ids"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_tokens": 0}, "max_tokens must be at least 1, got 0."),
+        ({"max_tokens": 2.5}, "max_tokens must be at least 1"),
+        ({"temperature": -0.1}, "temperature must be a number >= 0"),
+        ({"temperature": float("nan")}, "temperature must be a number >= 0"),
+        ({"top_k": -1}, "top_k must be an integer >= 0"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+        ({"seed": "x"}, "seed must be an integer or None"),
+        ({"logprobs": -1}, "logprobs must be None or an integer >= 0"),
+        ({"priority": 1.5}, "priority must be an integer"),
+        ({"stop": ("ok", "")}, "stop must hold non-empty strings"),
+        ({"stop_token_ids": (3, -1)}, "stop_token_ids must hold token ids"),
+    ],
+)
 def test_sampling_params_validation(kwargs, message):
     with pytest.raises(QuantkitError, match=message):
         SamplingParams(**kwargs)
@@ -67,7 +70,11 @@ def test_allocate_slots_and_free_without_leaks():
     seq = allocated(bm, 0, list(range(10)))  # 3 blocks
     assert len(seq.block_table) == 3 and bm.num_free_blocks == 5 and bm.usage == pytest.approx(3 / 8)
     assert [bm.slot(seq, p) for p in (0, 3, 4, 9)] == [
-        seq.block_table[0] * 4, seq.block_table[0] * 4 + 3, seq.block_table[1] * 4, seq.block_table[2] * 4 + 1]
+        seq.block_table[0] * 4,
+        seq.block_table[0] * 4 + 3,
+        seq.block_table[1] * 4,
+        seq.block_table[2] * 4 + 1,
+    ]
     assert not bm.can_allocate(Sequence(1, list(range(100, 124))))  # 6 blocks > 5 free
     with pytest.raises(RuntimeError, match="not enough free KV blocks"):
         bm.allocate(Sequence(1, list(range(100, 124))))

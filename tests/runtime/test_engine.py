@@ -16,9 +16,8 @@ PROMPTS = [[5, 17, 33, 2, 9], list(range(40, 80)), [7] * 23, [100, 101], list(ra
 
 
 def hf_greedy(model, prompt, n=10):
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                         pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,9 @@ from transformers import AutoModelForCausalLM
 
 import quantkit
 from quantkit.kernels.reference import fp8_gemm
-from quantkit.primitives import compute_qparams, fake_quantize, quantize as q
 from quantkit.pipeline.quantize import Calibration, quantize
+from quantkit.primitives import compute_qparams, fake_quantize
+from quantkit.primitives import quantize as q
 from quantkit.scheme import QuantArgs, preset
 
 IDS = torch.randint(0, 320, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -72,8 +73,9 @@ def test_fp8_refuses_int_schemes(tiny_llama, tmp_path):
 
 def test_smoothed_fp8_checkpoint(tiny_llama, tiny_corpus, tmp_path):
     calib = Calibration(str(tiny_corpus), 4, 32)
-    prov = quantize(str(tiny_llama), preset("fp8-dynamic"), tmp_path / "q", "fp8", calib,
-                    transforms=[("smooth", {"grid": 10})])
+    prov = quantize(
+        str(tiny_llama), preset("fp8-dynamic"), tmp_path / "q", "fp8", calib, transforms=[("smooth", {"grid": 10})]
+    )
     assert prov["calibration"] is not None and prov["transforms"] == {"smooth": {"grid": 10}}
     ours = quantkit.load(tmp_path / "q")
     float_model = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()

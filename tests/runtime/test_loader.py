@@ -39,8 +39,9 @@ def test_truncated_checkpoint(checkpoint, tmp_path):
 
 
 def test_missing_tensors(checkpoint, tmp_path):
-    from safetensors.torch import load_file, save_file
     import shutil
+
+    from safetensors.torch import load_file, save_file
 
     bad = tmp_path / "bad"
     shutil.copytree(checkpoint, bad)
@@ -59,7 +60,9 @@ def test_other_formats_are_refused_by_name(checkpoint, tmp_path):
     config = json.loads((other / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (other / "config.json").write_text(json.dumps(config))
-    with pytest.raises(QuantkitError, match="'bitsandbytes' checkpoint .* quantkit loads compressed-tensors pack-quantized"):
+    with pytest.raises(
+        QuantkitError, match="'bitsandbytes' checkpoint .* quantkit loads compressed-tensors pack-quantized"
+    ):
         quantkit.load(other)
 
 

@@ -70,8 +70,9 @@ def runner_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
     n, bs = len(prompt), llm.runner.block_size
     none, table = torch.zeros(0, 1, dtype=torch.int32), torch.arange(-(-n // bs), dtype=torch.int32)[None]
     lens = torch.tensor([n], dtype=torch.int32)
-    batch = Batch(torch.tensor(prompt), torch.arange(n), torch.arange(n), table, lens, lens, none, none[:, 0],
-                  torch.arange(n), n)
+    batch = Batch(
+        torch.tensor(prompt), torch.arange(n), torch.arange(n), table, lens, lens, none, none[:, 0], torch.arange(n), n
+    )
     return llm.runner.forward(batch).float()
 
 
@@ -94,8 +95,12 @@ def test_quantized_logits_and_greedy_tokens_match_the_reference_model(checkpoint
         assert error <= tolerance * want.pow(2).mean().sqrt()
     greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     with torch.inference_mode():
-        want = [reference.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False, eos_token_id=None,
-                                   pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+        want = [
+            reference.generate(
+                torch.tensor([p]), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0
+            )[0, len(p) :].tolist()
+            for p in PROMPTS
+        ]
     alone = [llm.generate([p], greedy)[0].token_ids for p in PROMPTS]
     assert sum(a == w for a, w in zip(alone, want)) >= (5 if dtype == torch.float32 else 4)
     if dtype == torch.float32:

@@ -63,8 +63,13 @@ def run(sched: Scheduler, runner: FakeRunner | None = None, max_steps: int = 10_
 def workload(seed: int, n: int, block_size: int) -> list[tuple[list[int], SamplingParams]]:
     rng = random.Random(seed)
     shared = [rng.randrange(1, MOD) for _ in range(2 * block_size + 3)]
-    return [((shared if i % 3 == 0 else []) + [rng.randrange(1, MOD) for _ in range(rng.randint(3, 12))],
-             SamplingParams(max_tokens=rng.randint(5, 20))) for i in range(n)]
+    return [
+        (
+            (shared if i % 3 == 0 else []) + [rng.randrange(1, MOD) for _ in range(rng.randint(3, 12))],
+            SamplingParams(max_tokens=rng.randint(5, 20)),
+        )
+        for i in range(n)
+    ]
 
 
 def assert_all_free(bm: BlockManager):
@@ -203,10 +208,12 @@ def test_fork_copies_the_shared_last_block_on_write():
 def test_stop_conditions_and_finish():
     bm = BlockManager(num_blocks=64, block_size=4)
     sched = Scheduler(bm, eos_token_id=[EOS, 96])
-    seqs = [Sequence(0, [1, 2], SamplingParams(max_tokens=5)),
-            Sequence(1, [3], SamplingParams(max_tokens=5, stop_token_ids=(42,))),
-            Sequence(2, [4], SamplingParams(max_tokens=5, ignore_eos=True)),
-            Sequence(3, [5], SamplingParams(max_tokens=5))]
+    seqs = [
+        Sequence(0, [1, 2], SamplingParams(max_tokens=5)),
+        Sequence(1, [3], SamplingParams(max_tokens=5, stop_token_ids=(42,))),
+        Sequence(2, [4], SamplingParams(max_tokens=5, ignore_eos=True)),
+        Sequence(3, [5], SamplingParams(max_tokens=5)),
+    ]
     for seq in seqs:
         sched.add(seq)
     out = sched.schedule()
@@ -256,8 +263,13 @@ def test_scheduler_rejects_what_can_never_fit():
 def test_random_add_step_abort_finish_keeps_invariants(seed):
     rng = random.Random(seed)
     bm = BlockManager(rng.choice([12, 20, 48]), block_size=4, enable_prefix_caching=seed % 4 != 3)
-    sched = Scheduler(bm, max_num_seqs=rng.choice([2, 4, 8]), max_num_batched_tokens=rng.choice([8, 16, 64]),
-                      chunk_size=rng.choice([None, 5]), eos_token_id=EOS)
+    sched = Scheduler(
+        bm,
+        max_num_seqs=rng.choice([2, 4, 8]),
+        max_num_batched_tokens=rng.choice([8, 16, 64]),
+        chunk_size=rng.choice([None, 5]),
+        eos_token_id=EOS,
+    )
     runner, prefixes = FakeRunner(bm), [[rng.randrange(1, MOD) for _ in range(rng.randint(4, 10))] for _ in range(3)]
     seqs, cut_short, next_id = [], set(), 0
     for step in range(1500):
@@ -294,7 +306,7 @@ def test_random_add_step_abort_finish_keeps_invariants(seed):
     for seq in seqs:
         expected = reference(seq.prompt_token_ids, seq.params)
         if seq.seq_id in cut_short:
-            assert seq.output_token_ids == expected[:len(seq.output_token_ids)]
+            assert seq.output_token_ids == expected[: len(seq.output_token_ids)]
         else:
             assert seq.output_token_ids == expected
 
@@ -317,8 +329,10 @@ def test_kv_memory_waste_under_4_percent(num_blocks, capsys):
         sched.postprocess(out, [7] * len(out.sampled))
     waste = sum(ratios) / len(ratios)
     with capsys.disabled():
-        print(f"\nKV waste, {num_blocks} blocks: mean over {len(ratios)} steps {waste:.2%}, "
-              f"slot-weighted {1 - tokens_total / slots_total:.2%}, max {max(ratios):.2%}, "
-              f"preemptions {sched.num_preemptions}")
+        print(
+            f"\nKV waste, {num_blocks} blocks: mean over {len(ratios)} steps {waste:.2%}, "
+            f"slot-weighted {1 - tokens_total / slots_total:.2%}, max {max(ratios):.2%}, "
+            f"preemptions {sched.num_preemptions}"
+        )
     assert waste < 0.04
     assert_all_free(bm)

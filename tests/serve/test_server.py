@@ -31,8 +31,10 @@ torch.set_num_threads(1)
 KEY = "test-key"
 NAME = "tiny"
 BLOCKS = 64
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 PROMPTS = [f"The quick brown fox {i}" if i % 2 else f"Quantization maps weights {i} times" for i in range(64)]
 
 
@@ -59,8 +61,9 @@ class GatedLLM(LLM):
 @contextlib.contextmanager
 def running(engine: AsyncEngine, api_key=KEY, max_body_bytes=1 << 20):
     """Serve `engine` with uvicorn in a thread on a free loopback port; yields the base URL."""
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, NAME, api_key, max_body_bytes), host="127.0.0.1",
-                                           port=0, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(engine, NAME, api_key, max_body_bytes), host="127.0.0.1", port=0, log_level="warning")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -90,8 +93,11 @@ def idle(engine: AsyncEngine) -> bool:
 
 def counters(url: str) -> dict:
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 @pytest.fixture(scope="module")
@@ -126,35 +132,52 @@ def test_completions_match_the_offline_engine(server, client, offline):
     assert [m.id for m in client.models.list().data] == [NAME]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     want = offline.generate([PROMPTS[0]], params)[0]
-    got = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=8, temperature=0,
-                                    extra_body={"ignore_eos": True})
+    got = client.completions.create(
+        model=NAME, prompt=PROMPTS[0], max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert got.choices[0].text == want.text and got.choices[0].finish_reason == "length"
     assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(want.prompt_token_ids), 8)
-    chunks = list(client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=8, temperature=0, stream=True,
-                                            extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.completions.create(
+            model=NAME, prompt=PROMPTS[0], max_tokens=8, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == want.text
     assert chunks[-1].choices[0].finish_reason == "length"
 
     # stop strings end the text before them, streaming or not
     stop = want.text[3:5]
-    cut = want.text[:want.text.index(stop)]
-    got = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=8, temperature=0, stop=[stop],
-                                    extra_body={"ignore_eos": True})
+    cut = want.text[: want.text.index(stop)]
+    got = client.completions.create(
+        model=NAME, prompt=PROMPTS[0], max_tokens=8, temperature=0, stop=[stop], extra_body={"ignore_eos": True}
+    )
     assert (got.choices[0].text, got.choices[0].finish_reason) == (cut, "stop")
-    chunks = list(client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=8, temperature=0, stop=stop,
-                                            stream=True, extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.completions.create(
+            model=NAME,
+            prompt=PROMPTS[0],
+            max_tokens=8,
+            temperature=0,
+            stop=stop,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == cut
 
     # logprobs, n samples with seeds, token-id prompts
-    got = client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=4, temperature=0, logprobs=2,
-                                    extra_body={"ignore_eos": True})
+    got = client.completions.create(
+        model=NAME, prompt=PROMPTS[1], max_tokens=4, temperature=0, logprobs=2, extra_body={"ignore_eos": True}
+    )
     lp = got.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == 4 and all(len(t) == 2 for t in lp.top_logprobs)
     assert "".join(lp.tokens) == got.choices[0].text
-    sampled = client.completions.create(model=NAME, prompt=[5, 6, 7], max_tokens=6, temperature=1, seed=3, n=2,
-                                        extra_body={"ignore_eos": True})
-    again = client.completions.create(model=NAME, prompt=[5, 6, 7], max_tokens=6, temperature=1, seed=3, n=2,
-                                      extra_body={"ignore_eos": True})
+    sampled = client.completions.create(
+        model=NAME, prompt=[5, 6, 7], max_tokens=6, temperature=1, seed=3, n=2, extra_body={"ignore_eos": True}
+    )
+    again = client.completions.create(
+        model=NAME, prompt=[5, 6, 7], max_tokens=6, temperature=1, seed=3, n=2, extra_body={"ignore_eos": True}
+    )
     assert [c.text for c in sampled.choices] == [c.text for c in again.choices]
     assert sampled.usage.completion_tokens == 12 and sampled.usage.prompt_tokens == 3
     wait_until(lambda: idle(engine))
@@ -165,14 +188,29 @@ def test_chat_streaming_and_not(server, client, offline):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The lazy dog"}]
     prompt = offline.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     want = offline.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
-    got = client.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0, logprobs=True,
-                                         top_logprobs=2, extra_body={"ignore_eos": True})
+    got = client.chat.completions.create(
+        model=NAME,
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     assert got.choices[0].message.content == want.text and got.choices[0].message.role == "assistant"
     assert len(got.choices[0].logprobs.content) == 6 and len(got.choices[0].logprobs.content[0].top_logprobs) == 2
     assert got.usage.prompt_tokens == len(want.prompt_token_ids)
-    chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True},
-                                                 extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=NAME,
+            messages=messages,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
@@ -184,8 +222,9 @@ def test_bad_requests_get_openai_errors(server):
     auth = {"Authorization": f"Bearer {KEY}"}
 
     def post(body, path="/v1/completions", headers=auth, raw=None):
-        r = httpx.post(f"{url}{path}", headers=headers, timeout=30,
-                       **({"content": raw} if raw is not None else {"json": body}))
+        r = httpx.post(
+            f"{url}{path}", headers=headers, timeout=30, **({"content": raw} if raw is not None else {"json": body})
+        )
         if r.status_code != 200:
             assert set(r.json()["error"]) >= {"message", "type", "code"}, r.text
         return r
@@ -195,15 +234,31 @@ def test_bad_requests_get_openai_errors(server):
     assert post(None, raw=b"{not json").status_code == 400
     assert post(None, raw=b"[1, 2]").status_code == 400
     assert post(None, raw=b"[" * 100_000).status_code == 400
-    for bad in [{"max_tokens": -1}, {"temperature": 5}, {"temperature": "hot"}, {"top_p": 0}, {"n": 0},
-                {"logprobs": 100}, {"stop": 3}, {"prompt": ""}, {"prompt": [[]]}, {"prompt": {"a": 1}},
-                {"prompt": [1, 2, 10**6]}, {"prompt": list(range(1, 300))}, {"prompt": "fox " * 400},
-                {"max_tokens": 10**9}]:
+    for bad in [
+        {"max_tokens": -1},
+        {"temperature": 5},
+        {"temperature": "hot"},
+        {"top_p": 0},
+        {"n": 0},
+        {"logprobs": 100},
+        {"stop": 3},
+        {"prompt": ""},
+        {"prompt": [[]]},
+        {"prompt": {"a": 1}},
+        {"prompt": [1, 2, 10**6]},
+        {"prompt": list(range(1, 300))},
+        {"prompt": "fox " * 400},
+        {"max_tokens": 10**9},
+    ]:
         r = post(ok | bad)
         assert r.status_code == 400, (bad, r.text)
     assert post({"model": NAME, "messages": "hello"}, "/v1/chat/completions").status_code == 400
-    assert post({"model": NAME, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-                "/v1/chat/completions").status_code == 400
+    assert (
+        post(
+            {"model": NAME, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "/v1/chat/completions"
+        ).status_code
+        == 400
+    )
     assert post(ok | {"model": "gpt-9"}).status_code == 404
     assert post(ok, headers={}).status_code == 401
     assert post(ok, headers={"Authorization": "Bearer nope"}).status_code == 401
@@ -223,14 +278,19 @@ def test_clients_that_leave_free_their_blocks(server):
     engine.llm.delay = 0.02  # 200 tokens take 4 s at least: the client leaves long before
     try:
         body = {"model": NAME, "prompt": "The quick brown fox", "max_tokens": 200, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
-                          timeout=30) as r:
+        with httpx.stream(
+            "POST", f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=30
+        ) as r:
             lines = r.iter_lines()
             assert [next(lines) for _ in range(4)][0].startswith("data: ")
         wait_until(lambda: idle(engine))
         with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
-            httpx.post(f"{url}/v1/completions", json=body | {"stream": False},
-                       headers={"Authorization": f"Bearer {KEY}"}, timeout=0.5)
+            httpx.post(
+                f"{url}/v1/completions",
+                json=body | {"stream": False},
+                headers={"Authorization": f"Bearer {KEY}"},
+                timeout=0.5,
+            )
         wait_until(lambda: idle(engine))
     finally:
         engine.llm.delay = 0.0
@@ -244,8 +304,15 @@ def test_64_concurrent_streams_match_offline_and_metrics_add_up(server, offline)
 
     async def one(client, i):
         text, finish, usage = "", None, None
-        stream = await client.completions.create(model=NAME, prompt=PROMPTS[i], max_tokens=8, temperature=0, seed=i,
-                                                 stream=True, stream_options={"include_usage": True})
+        stream = await client.completions.create(
+            model=NAME,
+            prompt=PROMPTS[i],
+            max_tokens=8,
+            temperature=0,
+            seed=i,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         async for chunk in stream:
             if chunk.choices:
                 text += chunk.choices[0].text
@@ -287,8 +354,11 @@ def test_full_queue_answers_429_and_no_template_400(tiny_llama):
             llm.gate.set()
             lines = [line for line in first.iter_lines() if line]
         assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["choices"][0]["finish_reason"]
-        r = httpx.post(f"{url}/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user",
-                                                                                         "content": "hi"}]}, timeout=30)
+        r = httpx.post(
+            f"{url}/v1/chat/completions",
+            json={"model": NAME, "messages": [{"role": "user", "content": "hi"}]},
+            timeout=30,
+        )
         assert r.status_code == 400 and r.json()["error"]["code"] == "no_chat_template"
         llm.fail = True  # a failing step fails its requests, frees their blocks, and the server goes on
         r = httpx.post(f"{url}/v1/completions", json=body | {"stream": False}, timeout=30)
@@ -308,8 +378,13 @@ def test_sigterm_lets_the_request_in_flight_finish_and_exits_0(chat_model):
             assert time.monotonic() < deadline and proc.poll() is None, "the server did not start"
             found = re.search(r"running on (http://127\.0\.0\.1:\d+)", proc.stderr.readline())
             url = found and found.group(1)
-        body = {"model": str(chat_model), "prompt": "The quick brown fox", "max_tokens": 40, "ignore_eos": True,
-                "stream": True}
+        body = {
+            "model": str(chat_model),
+            "prompt": "The quick brown fox",
+            "max_tokens": 40,
+            "ignore_eos": True,
+            "stream": True,
+        }
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
             lines = (line for line in r.iter_lines() if line)
             first = next(lines)

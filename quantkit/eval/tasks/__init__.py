@@ -60,8 +60,10 @@ def cloze_items(documents: list[str], n: int = CLOZE_ITEMS, seed: int = CLOZE_SE
         by_doc.setdefault(d, set()).add(word)
     every = sorted({word for _, _, word in pairs})
     if len(pairs) < n or len(every) <= DISTRACTORS:
-        raise QuantkitError(f"the text gives {len(pairs)} usable sentences and {len(every)} distinct last words, "
-                            f"too few for {n} cloze items; use more text or fewer items.")
+        raise QuantkitError(
+            f"the text gives {len(pairs)} usable sentences and {len(every)} distinct last words, "
+            f"too few for {n} cloze items; use more text or fewer items."
+        )
     pools = {d: sorted(words) if len(words) > DISTRACTORS else every for d, words in by_doc.items()}
     rng = random.Random(seed)
     items = []
