@@ -95,13 +95,19 @@ def search_scales(
 
 @torch.no_grad()
 def fold_scales(
-    prev_weight: torch.Tensor, prev_bias: torch.Tensor | None, linear_weights: list[torch.Tensor], scales: torch.Tensor
+    prev_weight: torch.Tensor,
+    prev_bias: torch.Tensor | None,
+    linear_weights: list[torch.Tensor],
+    scales: torch.Tensor,
+    offset: float = 0.0,
 ) -> None:
     """In place: divide the previous op's output channels by s and multiply the linears' input columns by s.
 
     prev is a norm (weight [ci], bias [ci] or None) or a linear (weight [ci, c_prev]: its rows,
-    bias [ci]). The float function is unchanged; the linears now hold W·diag(s), the weights
-    `search_scales` evaluated. Work is done in fp32 and written back in each tensor's dtype.
+    bias [ci]). A norm that scales by (offset + weight), as Gemma's do with offset 1, gets
+    weight (offset + weight) / s - offset. The float function is unchanged; the linears now
+    hold W·diag(s), the weights `search_scales` evaluated. Work is done in fp32 and written
+    back in each tensor's dtype.
     """
     s = scales.detach().float().flatten().to(prev_weight.device)  # s [ci]
     outs = [prev_weight.shape[0]] + ([] if prev_bias is None else [prev_bias.shape[0]])
@@ -112,7 +118,7 @@ def fold_scales(
             "they must all match (a grouped-query v_proj -> o_proj pair cannot be balanced)."
         )
     shape = (-1, 1) if prev_weight.dim() == 2 else (-1,)
-    prev_weight.copy_(prev_weight.float() / s.reshape(shape))
+    prev_weight.copy_((prev_weight.float() + offset) / s.reshape(shape) - offset)
     if prev_bias is not None:
         prev_bias.copy_(prev_bias.float() / s)
     for w in linear_weights:
@@ -319,7 +325,8 @@ def awq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_
         feats = group_inputs(spec, block, names, inputs, SEARCH_TOKENS) if loaded is None else {}
         inspected = {m.inspect: get_module(block, m.inspect) for m in spec.awq if m.inspect and o.module_loss}
         calls = capture_calls(block, inspected, inputs, MODULE_TOKENS) if loaded is None and inspected else {}
-        for m, prev, linears in mappings(spec, block, names):
+        for b in mappings(spec, block, names):
+            m, linears = b.mapping, b.linears
             key = f"{prefix}.{m.prev}.awq_scales"
             if loaded is not None:
                 if key not in loaded:
@@ -344,7 +351,7 @@ def awq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_
                     name=f"{prefix}.{m.prev}",
                 ).scales
                 feats[owner(spec, m.linears[0])] = x / scales
-            fold_scales(prev.weight.data, getattr(prev, "bias", None), [lin.weight.data for lin in linears], scales)
+            fold_scales(b.prev_weight, b.prev_bias, [lin.weight.data for lin in linears], scales, b.offset)
             if record is not None:
                 record[key] = scales
         summed = {}  # per input: what the clip search scores with

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from quantkit.calibration.runner import BlockInputs
 from quantkit.errors import QuantkitError
-from quantkit.models.arch import ArchSpec, get_module
+from quantkit.models.arch import ArchSpec, Mapping, get_module
 from quantkit.scheme import QuantScheme
 
 
@@ -31,15 +32,43 @@ def owner(spec: ArchSpec, name: str) -> str:
     return next(g[0] for g in spec.sequential if name in g)
 
 
+@dataclass
+class Balance:
+    """One AWQ/SmoothQuant mapping as it applies to a block: the rows of the previous op
+    that feed the linears (views, so folding writes into the model) and its norm offset."""
+
+    mapping: Mapping
+    prev_weight: torch.Tensor  # norm [ci] or linear rows [ci, c_prev]
+    prev_bias: torch.Tensor | None
+    linears: list[nn.Linear]
+    offset: float = 0.0  # the norm scales by (offset + weight)
+
+
 def mappings(spec: ArchSpec, block: nn.Module, names: list[str]):
-    """(mapping, previous op, targeted linears) for each AWQ/SmoothQuant mapping of the
-    table that targets some of `names` and whose shapes allow it (not v → o under
-    grouped-query attention)."""
+    """A `Balance` for each AWQ/SmoothQuant mapping of the table that targets some of
+    `names` and whose shapes allow it (not v → o under grouped-query attention)."""
     for m in spec.awq:
         linears = [get_module(block, n) for n in m.linears if n in names]
+        if not linears:
+            continue
         prev = get_module(block, m.prev)
-        if linears and not (isinstance(prev, nn.Linear) and prev.out_features != linears[0].in_features):
-            yield m, prev, linears
+        weight, bias = prev.weight.data, getattr(prev, "bias", None)
+        if m.prev_rows is not None:  # a fused projection: only some of its outputs feed the linears
+            rows = _rows(spec, block, prev, m.prev_rows)
+            weight, bias = weight[rows], None if bias is None else bias.data[rows]
+        if weight.shape[0] != linears[0].in_features:
+            continue
+        yield Balance(m, weight, bias, linears, 0.0 if isinstance(prev, nn.Linear) else spec.norm_offset)
+
+
+def _rows(spec: ArchSpec, block: nn.Module, prev: nn.Linear, which: str) -> slice:
+    """The output rows of a fused q/k/v ("v") or gate/up ("up") projection."""
+    out = prev.out_features
+    if which == "up":
+        return slice(out // 2, out)
+    attention = get_module(block, spec.attention)
+    values = attention.config.num_key_value_heads * attention.head_dim
+    return slice(out - values, out)
 
 
 class Replay:

@@ -1,6 +1,7 @@
 """The layer-by-layer calibration runner shared by every algorithm.
 
-It captures the inputs of decoder block 0 on the calibration samples, then for each
+It captures the inputs of decoder block 0 (and every block's keyword arguments: masks,
+rotary tables) on the calibration samples, then for each
 block in turn: moves it to the compute device, calls the algorithm's step (which
 quantizes the block's linears in place, to their fake-quantized values), runs the
 now-quantized block on its inputs and hands the outputs to the next block, so
@@ -50,21 +51,31 @@ class _Captured(Exception):
 @torch.no_grad()
 def capture_block_inputs(
     model: nn.Module, spec: ArchSpec, samples: torch.Tensor, batch_size: int, device: torch.device
-) -> BlockInputs:
-    """Run the model up to block 0 on `samples` [n, seq] and keep what block 0 receives."""
+) -> tuple[list[torch.Tensor], list[list[dict]]]:
+    """Run the model on `samples` [n, seq] with every block stubbed out, and keep block 0's
+    hidden states per batch and each block's keyword arguments per batch: the mask and
+    rotary tables can differ by block (sliding-window layers, Gemma 3's two RoPE bases)."""
     blocks = get_module(model, spec.blocks)
     base = get_module(model, spec.blocks.rsplit(".", 1)[0])
     others = [m for m in base.children() if m is not blocks]
-    captured = BlockInputs([], [])
+    hidden, kwargs = [], [[] for _ in blocks]
 
-    def hook(module, args, kwargs):
-        captured.hidden.append(args[0] if args else kwargs.pop("hidden_states"))
-        captured.kwargs.append({k: v for k, v in kwargs.items() if k != "hidden_states"})
-        raise _Captured
+    def stub(i: int):
+        def forward(*args, **kw):
+            h = args[0] if args else kw.pop("hidden_states")
+            if i == 0:
+                hidden.append(h)
+            kwargs[i].append(kw)
+            if i == len(blocks) - 1:
+                raise _Captured
+            return h  # the block is not run: its successors only need their own arguments
+
+        return forward
 
     for m in others:
         m.to(device)
-    handle = blocks[0].register_forward_pre_hook(hook, with_kwargs=True)
+    for i, block in enumerate(blocks):
+        block.forward = stub(i)
     try:
         for batch in samples.split(batch_size):
             try:
@@ -72,10 +83,11 @@ def capture_block_inputs(
             except _Captured:
                 pass
     finally:
-        handle.remove()
+        for block in blocks:
+            del block.forward
         for m in others:
             m.to("cpu")
-    return captured
+    return hidden, kwargs
 
 
 @torch.no_grad()
@@ -92,11 +104,14 @@ def run_blocks(
     quantized outputs. With `samples` None, steps get no inputs (e.g. RTN)."""
     device = torch.device(device)
     blocks = get_module(model, spec.blocks)
-    inputs = capture_block_inputs(model, spec, samples, batch_size, device) if samples is not None else None
+    hidden, kwargs = (
+        capture_block_inputs(model, spec, samples, batch_size, device) if samples is not None else (None, None)
+    )
     for i in track(range(len(blocks)), "blocks", len(blocks)):
         block = blocks[i].to(device)
+        inputs = None if hidden is None else BlockInputs(hidden, kwargs[i])
         step(i, f"{spec.blocks}.{i}", block, inputs)
         if inputs is not None:  # the last block too: KV-cache calibration observes this pass
-            inputs = BlockInputs(inputs.run(block), inputs.kwargs)
+            hidden = inputs.run(block)
         blocks[i].to("cpu")
         trim_freed_memory()  # the block's temporaries (see quantkit.malloc)

@@ -74,7 +74,8 @@ def smooth_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, sca
     def step(index: int, prefix: str, block: nn.Module, inputs) -> None:
         names = targets(scheme, prefix, spec.linears)
         feats = group_inputs(spec, block, names, inputs, SEARCH_TOKENS)
-        for m, prev, linears in mappings(spec, block, names):
+        for b in mappings(spec, block, names):
+            m, linears = b.mapping, b.linears
             x = feats[owner(spec, m.linears[0])]
             r = search_smooth_scales(
                 x,
@@ -84,7 +85,7 @@ def smooth_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, sca
                 options.grid,
                 name=f"{prefix}.{m.prev}",
             )
-            fold_scales(prev.weight.data, getattr(prev, "bias", None), [lin.weight.data for lin in linears], r.scales)
+            fold_scales(b.prev_weight, b.prev_bias, [lin.weight.data for lin in linears], r.scales, b.offset)
             feats[owner(spec, m.linears[0])] = x / r.scales
 
     return step

@@ -18,6 +18,13 @@ decode step.
 
 Prefill runs one SDPA per sequence (causal, grouped-query heads natively) on its gathered
 blocks; kv_store is one `index_copy_` per cache.
+
+A sliding window narrows what is gathered: decode reads each sequence's blocks from the one
+holding its first visible token (`_window_plan`, chunked by those spans, the mask hiding
+the tokens before the window), prefill from the block of its first query's first visible
+token, with a window mask. Soft-capping cannot go through SDPA: with a softcap the same
+attention runs as explicit fp32 matmuls and softmax (`_capped`). Without either, the code
+path is the one above.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from quantkit.kernels.reference import _quantize_kv
+from quantkit.kernels.reference import _quantize_kv, cap, visible
 
 CHUNK_BYTES = 2 << 20  # K+V gathered per SDPA call: about the size of one core's L2
 
@@ -115,23 +122,81 @@ def _plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, r
     return plan
 
 
-_last_plan: tuple = ()  # (block_tables, seq_lens, (their versions, block_size, row_bytes), plan)
-
-
-def _plan_for(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, row_bytes: int) -> list[_Chunk]:
-    """`_plan`, made once for the layers of a step: the runner passes the same two tensors to
-    every layer. The last plan is kept with its tensors (so their ids cannot be reused) and
-    their version counters (so an in-place change makes a new plan)."""
-    global _last_plan
-    try:
-        versions = (block_tables._version, seq_lens._version, block_size, row_bytes)
-    except RuntimeError:  # inference-mode tensors keep no version counter: plan every call
-        return _plan(block_tables, seq_lens, block_size, row_bytes)
-    if _last_plan and _last_plan[0] is block_tables and _last_plan[1] is seq_lens and _last_plan[2] == versions:
-        return _last_plan[3]
-    plan = _plan(block_tables, seq_lens, block_size, row_bytes)
-    _last_plan = (block_tables, seq_lens, versions, plan)
+def _window_plan(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, row_bytes: int, window: int
+) -> list[_Chunk]:
+    """`_plan` for a sliding window: sequence i reads its blocks from the one holding position
+    seq_len - window (its decode query's first visible token) on; `mask` hides the tokens before
+    that position and past seq_len."""
+    lens = seq_lens.tolist()
+    firsts = [max(n - window, 0) // block_size for n in lens]  # the first block each sequence reads
+    spans = [n - f * block_size if n else 0 for n, f in zip(lens, firsts)]  # tokens from there to the end
+    width, device, plan = block_tables.shape[1], block_tables.device, []
+    for chunk in _chunks(spans, row_bytes):
+        n, nb = len(chunk), -(-spans[chunk[0]] // block_size)
+        rows = None if n == len(lens) else torch.tensor(chunk, device=device)
+        order = range(n) if rows is None else chunk
+        first = torch.tensor([firsts[i] for i in order], device=device)[:, None]  # [n, 1]
+        tables, chunk_lens = (
+            (block_tables, seq_lens)
+            if rows is None
+            else (block_tables.index_select(0, rows), seq_lens.index_select(0, rows))
+        )
+        cols = (first + torch.arange(nb, device=device)).clamp_max(width - 1)  # [n, nb]; past the table: masked
+        blocks = tables.gather(1, cols).reshape(-1).long().clamp_min(0)
+        pos = first * block_size + torch.arange(nb * block_size, device=device)  # [n, nb * bs] absolute positions
+        valid = (pos < chunk_lens[:, None]) & (pos >= chunk_lens[:, None] - window)
+        padding = (~valid).view(-1).nonzero().squeeze(1)
+        if padding.numel() == 0:
+            plan.append(_Chunk(rows, blocks, n, nb * block_size, None, None))
+        else:
+            plan.append(_Chunk(rows, blocks, n, nb * block_size, valid[:, None, None, :], padding))
     return plan
+
+
+_last_plan: tuple = ()  # (block_tables, seq_lens, their versions, {(block_size, row_bytes, window): plan})
+
+
+def _plan_for(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, row_bytes: int, window: int | None = None
+) -> list[_Chunk]:
+    """`_plan` (or `_window_plan`), made once for the layers of a step: the runner passes the
+    same two tensors to every layer. The plans of the last tensors are kept with them (so their
+    ids cannot be reused), one per window (layers may alternate), with their version counters
+    (so an in-place change makes new plans)."""
+    global _last_plan
+
+    def make() -> list[_Chunk]:
+        if window is None:
+            return _plan(block_tables, seq_lens, block_size, row_bytes)
+        return _window_plan(block_tables, seq_lens, block_size, row_bytes, window)
+
+    try:
+        versions = (block_tables._version, seq_lens._version)
+    except RuntimeError:  # inference-mode tensors keep no version counter: plan every call
+        return make()
+    if not (_last_plan and _last_plan[0] is block_tables and _last_plan[1] is seq_lens and _last_plan[2] == versions):
+        _last_plan = (block_tables, seq_lens, versions, {})
+    plans, key = _last_plan[3], (block_size, row_bytes, window)
+    if key not in plans:
+        plans[key] = make()
+    return plans[key]
+
+
+def _capped(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """SDPA with soft-capped scores, in fp32: q [..., m, D], k, v [..., L, D], mask bool
+    broadcastable to [..., m, L] (True: attend) or None -> [..., m, D] fp32."""
+    scores = cap(q.float() @ k.float().transpose(-1, -2) * scale, softcap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(dim=-1) @ v.float()
 
 
 def paged_attention(
@@ -143,17 +208,21 @@ def paged_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Decode attention, as `reference.paged_attention`: q [num_seqs, num_heads, head_dim],
     one new token per sequence, over the first seq_lens[i] cached tokens of sequence i
-    (block_tables int32 [num_seqs, max_blocks]); returns q's shape and dtype, zeros for a
-    sequence of length 0."""
+    (block_tables int32 [num_seqs, max_blocks]), the last `window` of them with a window,
+    scores soft-capped with a softcap; returns q's shape and dtype, zeros for a sequence of
+    length 0."""
     num_seqs, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads
     dtype = _compute_dtype(q, k_cache)
     out = None
-    for c in _plan_for(block_tables, seq_lens, k_cache.shape[1], 2 * kv_heads * head_dim * dtype.itemsize):
+    row_bytes = 2 * kv_heads * head_dim * dtype.itemsize
+    for c in _plan_for(block_tables, seq_lens, k_cache.shape[1], row_bytes, window):
         k = _gather(k_cache, c.blocks, c.n, k_scale, dtype)[:, : c.length]  # [n, length, kv_heads, D]
         v = _gather(v_cache, c.blocks, c.n, v_scale, dtype)[:, : c.length]
         if c.padding is not None:  # stale slots may hold anything, even NaN: zero what the mask hides
@@ -161,9 +230,12 @@ def paged_attention(
                 x.view(-1, kv_heads, head_dim).index_fill_(0, c.padding, 0)
         qc = q if c.rows is None else q.index_select(0, c.rows)
         qc = qc.to(dtype).view(c.n, kv_heads, group, head_dim)  # a KV head's query heads become its queries
-        o = F.scaled_dot_product_attention(
-            qc, k.transpose(1, 2), v.transpose(1, 2), attn_mask=c.mask, scale=scale
-        )  # [n, kv_heads, group, D]
+        if softcap is None:
+            o = F.scaled_dot_product_attention(
+                qc, k.transpose(1, 2), v.transpose(1, 2), attn_mask=c.mask, scale=scale
+            )  # [n, kv_heads, group, D]
+        else:
+            o = _capped(qc, k.transpose(1, 2), v.transpose(1, 2), c.mask, scale, softcap)
         o = o.reshape(c.n, heads, head_dim).to(q.dtype)
         if c.rows is None:
             return o
@@ -182,22 +254,33 @@ def paged_prefill(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of the new tokens of several sequences, as `reference.paged_prefill`
     (q [total_query_tokens, num_heads, head_dim], sequence i's last query_lens[i] of its
     seq_lens[i] tokens back to back): one SDPA per sequence with grouped-query heads,
-    in q's dtype for float caches; returns q's shape and dtype."""
+    in q's dtype for float caches; with a window only the blocks from the first query's
+    first visible token on are read, with a softcap the scores go through `_capped`.
+    Returns q's shape and dtype."""
     out = torch.empty_like(q)
     dtype = _compute_dtype(q, k_cache)
     bs, start = k_cache.shape[1], 0
     for i, (seq_len, q_len) in enumerate(zip(seq_lens.tolist(), query_lens.tolist())):
         if q_len == 0:
             continue
-        blocks = block_tables[i, : -(-seq_len // bs)].long()
-        k = _gather(k_cache, blocks, 1, k_scale, dtype)[:, :seq_len].transpose(1, 2)  # [1, kv_heads, L, D]
-        v = _gather(v_cache, blocks, 1, v_scale, dtype)[:, :seq_len].transpose(1, 2)
+        first = 0 if window is None else max(seq_len - q_len - window + 1, 0) // bs  # the first block read
+        blocks = block_tables[i, first : -(-seq_len // bs)].long()
+        k = _gather(k_cache, blocks, 1, k_scale, dtype)[:, : seq_len - first * bs].transpose(
+            1, 2
+        )  # [1, kv_heads, L, D]
+        v = _gather(v_cache, blocks, 1, v_scale, dtype)[:, : seq_len - first * bs].transpose(1, 2)
         qi = q[None, start : start + q_len].to(dtype).transpose(1, 2)  # [1, heads, q_len, D] (4-D: SDPA's fast path)
-        if q_len == seq_len:
+        if window is not None or softcap is not None:
+            pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+            mask = visible(pos, torch.arange(first * bs, seq_len, device=q.device), window)  # [q_len, L]
+            o = _prefill_options(qi, k, v, mask, scale, softcap)
+        elif q_len == seq_len:
             o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:  # the queries are the last q_len positions: bottom-right causal mask
             pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
@@ -206,3 +289,17 @@ def paged_prefill(
         out[start : start + q_len] = o[0].transpose(0, 1).to(q.dtype)
         start += q_len
     return out
+
+
+def _prefill_options(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float | None
+) -> torch.Tensor:
+    """One sequence's prefill with a window mask and/or a softcap: q [1, heads, q_len, D], k, v
+    [1, kv_heads, L, D], mask bool [q_len, L] -> [1, heads, q_len, D]."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    _, heads, q_len, head_dim = q.shape
+    kv_heads = k.shape[1]
+    qg = q.view(1, kv_heads, heads // kv_heads, q_len, head_dim)  # a KV head's query heads side by side
+    o = _capped(qg, k[:, :, None], v[:, :, None], mask, scale, softcap)  # [1, kv_heads, group, q_len, D]
+    return o.view(1, heads, q_len, head_dim)

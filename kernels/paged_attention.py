@@ -17,6 +17,11 @@ Paged KV cache layout (shared with `kv_store` and the engine):
 
 Query head h reads KV head h // (num_heads // num_kv_heads) (grouped-query attention).
 
+Options, as transformers: `window` (sliding window) lets the query at position t attend to
+positions t - window < s <= t only; the decode kernel starts at the block holding position
+seq_len - window and masks the tokens before it. `softcap` (Gemma 2's attn_logit_softcapping)
+turns the scaled scores s into softcap · tanh(s / softcap) before masking and softmax.
+
 Under the Triton interpreter (TRITON_INTERPRET=1, CPU, triton 3.9): float8_e4m3fn loads
 decode exactly, so fp8 caches are read as fp8 (no uint8 detour; `kv_store` rounds fp8
 itself because the interpreter's downcast does not); bf16 `tl.dot` is wrong and fp32 ->
@@ -52,6 +57,8 @@ def _decode_kernel(
     v_scale_ptr,
     out_ptr,
     qk_scale,  # softmax scale * log2(e)
+    window,  # sliding window in tokens (WINDOW only)
+    softcap,  # attention-logit soft cap (SOFTCAP only)
     s_qs,
     s_qh,
     s_qd,
@@ -76,6 +83,8 @@ def _decode_kernel(
     DIM: tl.constexpr,
     QUANT: tl.constexpr,
     PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     # one program per (sequence, KV head): the group's query heads share each K/V tile
     seq = tl.program_id(0)
@@ -90,17 +99,24 @@ def _decode_kernel(
     if QUANT:  # scores = (q . k_stored) * k_scale, out = (p . v_stored) * v_scale: exact dequantisation
         qk_scale = qk_scale * tl.load(k_scale_ptr + kvh * k_scale_stride)
     seq_len = tl.load(seq_lens_ptr + seq)
+    first = seq_len * 0  # the first position the query (at seq_len - 1) attends to
+    if WINDOW:
+        first = tl.maximum(seq_len - window, 0)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max (log2 units)
     l_i = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros([GROUP_PAD, DIM], tl.float32)
-    for j in range(0, (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE):
+    for j in range(first // BLOCK_SIZE, (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE):  # blocks before the window: skipped
         block = tl.load(block_tables_ptr + seq * s_bt + j).to(tl.int64)
         valid = j * BLOCK_SIZE + t < seq_len  # the tail of the last block is masked
+        if WINDOW:
+            valid = valid & (j * BLOCK_SIZE + t >= first)  # and the head of the first, before the window
         kv_mask = valid[:, None] & (d[None, :] < head_dim)
         k = tl.load(
             k_cache_ptr + block * s_kb + t[:, None] * s_kt + kvh * s_kh + d[None, :] * s_kd, mask=kv_mask, other=0.0
         )  # [BLOCK_SIZE, DIM], fp8/int8 -> q's dtype is exact
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_SIZE]
+        if SOFTCAP:  # c · tanh(s / c) with c = softcap · log2(e) (s is in log2 units); tanh x = 1 - 2 / (e^2x + 1)
+            s = (softcap * 1.4426950408889634) * (1.0 - 2.0 / (tl.exp2(s * (2.0 / softcap)) + 1.0))
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -124,7 +140,9 @@ def _decode_kernel(
 _decode = (
     _decode_kernel
     if interpreting()
-    else triton.autotune(_configs(), key=["GROUP_PAD", "BLOCK_SIZE", "DIM", "QUANT"])(_decode_kernel)
+    else triton.autotune(_configs(), key=["GROUP_PAD", "BLOCK_SIZE", "DIM", "QUANT", "WINDOW", "SOFTCAP"])(
+        _decode_kernel
+    )
 )
 
 
@@ -162,16 +180,20 @@ def paged_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Decode attention for one new token per sequence, over the paged cache (layout above).
 
     q [num_seqs, num_heads, head_dim] fp16/bf16/fp32 (the cache's dtype for an unquantized
     cache); block_tables int32 [num_seqs, max_blocks]; seq_lens int32 [num_seqs] (must fit in
     the table: not checked, it would need a device sync); scale: the softmax scale, usually
-    head_dim ** -0.5; k_scale / v_scale fp32 [1] or [num_kv_heads] for fp8/int8 caches.
-    Online softmax in fp32; returns [num_seqs, num_heads, head_dim] in q's dtype (zeros for
-    a sequence of length 0).
+    head_dim ** -0.5; k_scale / v_scale fp32 [1] or [num_kv_heads] for fp8/int8 caches;
+    window: attend to the last `window` tokens only (None: all); softcap: cap the scaled
+    scores at ±softcap with tanh (None: no cap). Online softmax in fp32; returns [num_seqs,
+    num_heads, head_dim] in q's dtype (zeros for a sequence of length 0).
     """
+    reference.check_window_softcap("paged_attention", window, softcap)
     kind = check_cache("paged_attention", k_cache, v_cache, k_scale, v_scale)
     _check_query("paged_attention", q, k_cache, kind)
     _check_tables("paged_attention", q.shape[0], block_tables, seq_lens)
@@ -198,6 +220,8 @@ def paged_attention(
         v_cache if v_scale is None else v_scale,  # unread when None
         out,
         scale * LOG2E,
+        window or 0,
+        float(softcap or 1.0),
         *q.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
@@ -212,6 +236,8 @@ def paged_attention(
         DIM=max(16, triton.next_power_of_2(head_dim)),
         QUANT=kind != "float",
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 q: no tf32 rounding on the GPU
+        WINDOW=window is not None,
+        SOFTCAP=softcap is not None,
     )
     return out
 
@@ -226,6 +252,8 @@ def paged_prefill(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention for the new tokens of several sequences, in torch (no Triton).
 
@@ -234,9 +262,11 @@ def paged_prefill(
     seq_lens[i] tokens, all already in the cache (kv_store first). A whole prompt has
     query_len == seq_len, a chunk after cached tokens query_len < seq_len. Each sequence's
     blocks are gathered and dequantised to fp32 (`reference.gather_kv`) and fed to
-    `F.scaled_dot_product_attention` with a bottom-right causal mask; returns q's shape and dtype.
-    This validates its arguments and runs `reference.paged_prefill`.
+    `F.scaled_dot_product_attention` with a bottom-right causal mask (narrowed to the last
+    `window` positions of each query with a window; explicit fp32 matmuls with a softcap);
+    returns q's shape and dtype. This validates its arguments and runs `reference.paged_prefill`.
     """
+    reference.check_window_softcap("paged_prefill", window, softcap)
     kind = check_cache("paged_prefill", k_cache, v_cache, k_scale, v_scale)
     _check_query("paged_prefill", q, k_cache, kind)
     _check_tables("paged_prefill", seq_lens.numel(), block_tables, seq_lens)
@@ -255,4 +285,6 @@ def paged_prefill(
                 f"paged_prefill: sequence {i} needs 0 <= query_len <= seq_len <= {capacity} (the block table's "
                 f"capacity); got query_len {q_len}, seq_len {seq_len}."
             )
-    return reference.paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, scale, k_scale, v_scale)
+    return reference.paged_prefill(
+        q, k_cache, v_cache, block_tables, seq_lens, query_lens, scale, k_scale, v_scale, window, softcap
+    )

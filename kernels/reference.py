@@ -3,8 +3,11 @@ Triton kernels are tested against and the CPU path."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from quantkit.errors import QuantkitError
 from quantkit.packing import unpack
 from quantkit.primitives import dequantize
 from quantkit.scheme import QuantArgs
@@ -101,6 +104,35 @@ def gather_kv(
     return x if scale is None else x * scale.float().reshape(-1, 1)
 
 
+def check_window_softcap(name: str, window: int | None, softcap: float | None) -> None:
+    """Raise a QuantkitError unless window is a positive int or None and softcap a positive
+    finite number or None (the options of `paged_attention` and `paged_prefill`)."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise QuantkitError(
+            f"{name}: window must be a positive int (the sliding window in tokens) or None; got {window!r}."
+        )
+    if softcap is not None and (
+        isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 < softcap < math.inf
+    ):
+        raise QuantkitError(
+            f"{name}: softcap must be a finite positive number (the attention-logit soft cap) or None; got {softcap!r}."
+        )
+
+
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """bool [n, L]: True where the query at absolute position q_pos[i] attends to the key at
+    k_pos[j]: k <= q (causal) and, with a window, q - window < k (transformers' sliding window)."""
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        mask &= k_pos[None, :] > q_pos[:, None] - window
+    return mask
+
+
+def cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """softcap · tanh(scores / softcap), Gemma 2's attn_logit_softcapping; scores as they are for None."""
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -110,11 +142,15 @@ def paged_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Decode attention: q [num_seqs, num_heads, head_dim], one new token per sequence, over
-    the first seq_lens[i] cached tokens of sequence i (block_tables [num_seqs, max_blocks]).
-    Query head h reads KV head h // (num_heads / kv_heads). fp32 softmax; returns q's dtype
-    (zeros for a sequence of length 0)."""
+    """Decode attention: q [num_seqs, num_heads, head_dim], one new token per sequence (at
+    position seq_lens[i] - 1), over the first seq_lens[i] cached tokens of sequence i
+    (block_tables [num_seqs, max_blocks]); with a window, over its last `window` tokens only.
+    Scores are q·k · scale, then softcap · tanh(· / softcap) when softcap is set. Query head
+    h reads KV head h // (num_heads / kv_heads). fp32 softmax; returns q's dtype (zeros for
+    a sequence of length 0)."""
     out = torch.zeros_like(q)
     group = q.shape[1] // k_cache.shape[2]
     for i, seq_len in enumerate(seq_lens.tolist()):
@@ -122,7 +158,9 @@ def paged_attention(
             continue
         k = gather_kv(k_cache, block_tables[i], seq_len, k_scale).repeat_interleave(group, dim=1)  # [L, H, D]
         v = gather_kv(v_cache, block_tables[i], seq_len, v_scale).repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,lhd->hl", q[i].float(), k) * scale  # [H, L]
+        scores = cap(torch.einsum("hd,lhd->hl", q[i].float(), k) * scale, softcap)  # [H, L]
+        if window is not None:
+            scores[:, : max(seq_len - window, 0)] = float("-inf")
         out[i] = torch.einsum("hl,lhd->hd", scores.softmax(dim=-1), v).to(q.dtype)
     return out
 
@@ -137,16 +175,21 @@ def paged_prefill(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention for the new tokens of several sequences: q [total_query_tokens,
     num_heads, head_dim] holds sequence i's last query_lens[i] of its seq_lens[i] cached
-    tokens, back to back. Each sequence's blocks are gathered, dequantised to fp32 and fed
-    to SDPA with a bottom-right causal mask; returns q's shape and dtype."""
+    tokens, back to back (query j at position seq_len - query_len + j). Each sequence's
+    blocks are gathered, dequantised to fp32 and fed to SDPA with a bottom-right causal mask
+    (`visible`, narrowed to the window when one is given); with a softcap, which SDPA cannot
+    apply, the same in explicit fp32 matmuls. Returns q's shape and dtype."""
     import torch.nn.functional as F
 
     out = torch.empty_like(q)
     start = 0
     lens, qlens = seq_lens.tolist(), query_lens.tolist()
+    group = q.shape[1] // k_cache.shape[2]
     for i, (seq_len, q_len) in enumerate(zip(lens, qlens)):
         if q_len == 0:
             continue
@@ -154,8 +197,13 @@ def paged_prefill(
         v = gather_kv(v_cache, block_tables[i], seq_len, v_scale).transpose(0, 1)
         qi = q[start : start + q_len].float().transpose(0, 1)  # [heads, q_len, D]
         pos = torch.arange(seq_len - q_len, seq_len, device=q.device)  # absolute positions of the queries
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= pos[:, None]  # [q_len, L]
-        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        mask = visible(pos, torch.arange(seq_len, device=q.device), window)  # [q_len, L]
+        if softcap is None:
+            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        else:
+            k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)  # [heads, L, D]
+            scores = cap(qi @ k.transpose(1, 2) * scale, softcap).masked_fill(~mask, float("-inf"))
+            o = scores.softmax(dim=-1) @ v  # [heads, q_len, D]
         out[start : start + q_len] = o.transpose(0, 1).to(q.dtype)
         start += q_len
     return out

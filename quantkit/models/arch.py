@@ -1,8 +1,19 @@
-"""Model knowledge as data: where the decoder blocks, linears and norms of each
-supported architecture live. Adding an architecture means adding an entry here."""
+"""Model knowledge as data: one description per family of where its decoder blocks,
+linears and norms live, how AWQ balances them, and which block features it has. The
+calibration runner and methods, the KV-cache hooks, the engine's forward and `plan` all
+read it. A family shaped like an existing one is one table entry (docs/architectures.md).
+
+Every family here runs one block forward in the engine (`runtime/model_runner.py`):
+
+    x = x + post_attention_norm(o_proj(attention(rope(q_norm(q)), rope(k_norm(k)), v)))
+    x = x + post_mlp_norm(down_proj(act(gate) * up))    with gate, up = gate_up(pre_mlp_norm(x))
+
+where a norm the family does not have is the identity, and the attention's scale, sliding
+window and logit soft-cap come from the model's own attention modules and config."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from quantkit.errors import QuantkitError
@@ -17,23 +28,40 @@ class Mapping:
     # the module whose output the scale search minimises the error of (run on whole
     # calibration sequences); None: the linears' own outputs
     inspect: str | None = None
+    # which output rows of a fused `prev` feed the linears: "v" (the values of a fused
+    # q/k/v projection) or "up" (the second half of a fused gate/up projection); None: all
+    prev_rows: str | None = None
 
 
 @dataclass(frozen=True)
 class ArchSpec:
+    """Where a family keeps things (attribute paths from the model or from a block)."""
+
     blocks: str  # attribute path of the decoder block list
     embed: str
     final_norm: str
     lm_head: str
     # linears of one block in the order their inputs become available (true-sequential
-    # groups); the linears of one group read the same input
+    # groups; the engine reads them as q/k/v, o, gate/up, down); one group's linears read
+    # the same input; a fused linear is a group of one
     sequential: tuple[tuple[str, ...], ...]
     awq: tuple[Mapping, ...]
-    attention: str  # the attention module inside a block (for KV-cache hooks)
+    attention: str  # the attention module inside a block (KV-cache hooks, scale, window)
+    input_norm: str = "input_layernorm"
+    post_attention_norm: str | None = None  # on the attention's output (Gemma's sandwich norms)
+    pre_mlp_norm: str = "post_attention_layernorm"
+    post_mlp_norm: str | None = None
+    q_norm: str | None = None  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
+    k_norm: str | None = None
+    act: str = "mlp.act_fn"
+    norm_offset: float = 0.0  # the norms scale by (offset + weight): Gemma's are (1 + w)
 
     @property
     def linears(self) -> tuple[str, ...]:
         return tuple(name for group in self.sequential for name in group)
+
+    def replace(self, **changes) -> ArchSpec:
+        return dataclasses.replace(self, **changes)
 
 
 LLAMA = ArchSpec(
@@ -56,8 +84,45 @@ LLAMA = ArchSpec(
     attention="self_attn",
 )
 
-# model_type -> spec. Mistral and Qwen2 (q/k/v with bias) share Llama's layout.
-ARCHS: dict[str, ArchSpec] = {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA}
+QWEN3 = LLAMA.replace(q_norm="self_attn.q_norm", k_norm="self_attn.k_norm")
+
+GEMMA2 = LLAMA.replace(
+    awq=(
+        *LLAMA.awq[:2],
+        Mapping("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj"), inspect="mlp"),
+        LLAMA.awq[3],
+    ),
+    post_attention_norm="post_attention_layernorm",
+    pre_mlp_norm="pre_feedforward_layernorm",
+    post_mlp_norm="post_feedforward_layernorm",
+    norm_offset=1.0,
+)
+
+GEMMA3 = GEMMA2.replace(q_norm="self_attn.q_norm", k_norm="self_attn.k_norm")
+
+PHI3 = LLAMA.replace(
+    sequential=(("self_attn.qkv_proj",), ("self_attn.o_proj",), ("mlp.gate_up_proj",), ("mlp.down_proj",)),
+    awq=(
+        Mapping("input_layernorm", ("self_attn.qkv_proj",), inspect="self_attn"),
+        Mapping("self_attn.qkv_proj", ("self_attn.o_proj",), prev_rows="v"),
+        Mapping("post_attention_layernorm", ("mlp.gate_up_proj",), inspect="mlp"),
+        Mapping("mlp.gate_up_proj", ("mlp.down_proj",), prev_rows="up"),
+    ),
+    act="mlp.activation_fn",
+)
+
+# model_type -> spec. Mistral, Qwen2 (q/k/v with bias) and Llama 3 (its rope scaling is in
+# the model's rotary embedding) share Llama's layout.
+ARCHS: dict[str, ArchSpec] = {
+    "llama": LLAMA,
+    "mistral": LLAMA,
+    "qwen2": LLAMA,
+    "qwen3": QWEN3,
+    "gemma2": GEMMA2,
+    "gemma3_text": GEMMA3,
+    "phi3": PHI3,
+}
+FAMILIES = "Llama (1, 2, 3.x), Mistral, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3 (text), Phi-3/Phi-4"
 
 
 def arch_for(config) -> ArchSpec:
@@ -65,9 +130,37 @@ def arch_for(config) -> ArchSpec:
     model_type = getattr(config, "model_type", None)
     if model_type not in ARCHS:
         raise QuantkitError(
-            f"architecture {model_type!r} is not supported yet; quantkit supports {', '.join(sorted(ARCHS))}."
+            f"architecture {model_type!r} is not supported yet; quantkit supports {FAMILIES} "
+            f"(model types {', '.join(sorted(ARCHS))}); docs/architectures.md says how to add one."
         )
     return ARCHS[model_type]
+
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # static tables: the rotary module's cos/sin hold for any batch
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def unsupported_features(config) -> list[str]:
+    """The config settings the engine's forward does not implement, each as 'field=value'
+    (empty when it runs the model as transformers does)."""
+    found = []
+    for params in _rope_parameters(config):
+        if params.get("rope_type", "default") not in ROPE_TYPES:
+            found.append(f"rope_type={params['rope_type']!r}")
+    for layer_type in set(getattr(config, "layer_types", None) or ()):
+        if layer_type not in LAYER_TYPES:
+            found.append(f"layer_types containing {layer_type!r}")
+    for field in ("use_bidirectional_attention", "attention_chunk_size", "no_rope_layers"):
+        if getattr(config, field, None):
+            found.append(f"{field}={getattr(config, field)!r}")
+    return found
+
+
+def _rope_parameters(config) -> list[dict]:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if params and all(isinstance(v, dict) for v in params.values()):  # one per layer type (Gemma 3)
+        return list(params.values())
+    return [params] if params else []
 
 
 def get_module(root, path: str):

@@ -1,12 +1,13 @@
 """KV-cache observation and fake quantization inside a transformers model.
 
-Llama, Mistral and Qwen2 attention call `ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`
+Every family's attention (see `models/arch.py`) calls `ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`
 with keys and values after rotary and before the GQA repeat, [batch, kv_heads, seq, head_dim]
 (with a cache: everything cached so far). `enable` registers one more implementation,
 "quantkit_kv", that reads a `KVState` on the calling attention module, records per-head
 |K| / |V| maxima and/or fake-quantizes K and V with the module's `k_scale` / `v_scale`
-buffers, then runs transformers' own sdpa attention (with sdpa's masks), so with neither
-switched on the model computes exactly what it did under "sdpa".
+buffers, then runs transformers' own sdpa attention (with sdpa's masks; the family's eager
+attention when it soft-caps the logits, which sdpa cannot), so with neither switched on
+the model computes what it did before.
 """
 
 from __future__ import annotations
@@ -53,7 +54,25 @@ def _kv_attention_forward(module, query, key, value, attention_mask, **kwargs):
         if state.args is not None:
             key = fake_quantize_kv(key, module.k_scale, state.args)
             value = fake_quantize_kv(value, module.v_scale, state.args)
+    if kwargs.get("softcap") is not None:  # sdpa cannot cap logits (Gemma 2)
+        return _capped_attention(query, key, value, attention_mask, kwargs["scaling"], kwargs["softcap"])
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _capped_attention(query, key, value, mask, scaling, softcap):
+    """Softmax attention with logits softcap·tanh(q·kᵀ·scaling / softcap), as Gemma 2's eager
+    attention computes it, under sdpa's mask (bool, True attends; None: plain causal).
+    query [b, heads, q, d], key/value [b, kv_heads, k, d] -> [b, q, heads, d]."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling  # [b, h, q, k]
+    scores = torch.tanh(scores / softcap) * softcap
+    q_len, k_len = scores.shape[-2:]
+    if mask is None:
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device).tril(k_len - q_len)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
 
 
 def _register() -> None:
@@ -72,7 +91,7 @@ def _attention_modules(model) -> list[tuple[str, torch.nn.Module]]:
 
 
 def enable(model) -> None:
-    """Switch `model` (llama, mistral, qwen2) to the "quantkit_kv" attention and give every
+    """Switch `model` (any family of `models/arch.py`) to the "quantkit_kv" attention and give every
     attention module a `KVState`. Idempotent; alone it changes no output."""
     modules = _attention_modules(model)  # raises for an architecture the table does not know
     _register()

@@ -17,7 +17,7 @@ from quantkit.errors import QuantkitError
 from quantkit.hub import hub_reachable
 
 # built-in name -> the GGUF asset it is converted from
-BUILTIN_MODELS = {"smollm2-135m": "smollm2-135m.gguf"}
+BUILTIN_MODELS = {"smollm2-135m": "smollm2-135m.gguf", "gemma3-270m": "gemma3-270m.gguf"}
 
 
 def resolve_model(name_or_path: str | os.PathLike) -> Path:

@@ -1,15 +1,18 @@
-"""Our forward for the Llama family (Llama, Mistral, Qwen2, SmolLM2) over a paged KV cache.
+"""Our forward for every family of `models/arch.py` over a paged KV cache.
 
 The module tree comes from `quantkit.load` (float, packed int4 or fp8 linears, which
-compute through `quantkit.ops`); the forward here is ours: all scheduled tokens of a
-step run as one flat batch [T, hidden] through each block's fused q/k/v and gate/up
-linears, new keys/values go into the paged cache with `ops.kv_store`, prefill tokens
-attend with `ops.paged_prefill`, all decode tokens together with `ops.paged_attention`,
-and logits are computed only for the tokens that are sampled.
+compute through `quantkit.ops`); the forward here is ours, and the family's description
+says which norms, q/k norms and activation a block has: all scheduled tokens of a step run
+as one flat batch [T, hidden] through each block's fused q/k/v and gate/up linears, new
+keys/values go into the paged cache with `ops.kv_store`, prefill tokens attend with
+`ops.paged_prefill`, all decode tokens together with `ops.paged_attention` (each with the
+layer's scale, sliding window and logit soft-cap), and logits are computed only for the
+tokens that are sampled.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,7 +21,7 @@ from torch import nn
 
 from quantkit import ops
 from quantkit.errors import QuantkitError
-from quantkit.models.arch import arch_for, get_module
+from quantkit.models.arch import arch_for, get_module, unsupported_features
 from quantkit.runtime.qlinear import fuse_linears, prepack
 
 KV_DTYPES = {"float": torch.float8_e4m3fn, "int": torch.int8}
@@ -62,15 +65,29 @@ class _Layer:
     input_norm: nn.Module
     qkv: Callable[[torch.Tensor], torch.Tensor]  # [T, hidden] -> [T, (heads + 2 kv_heads) * head_dim]
     o_proj: nn.Module
-    post_norm: nn.Module
+    post_attention_norm: Callable[[torch.Tensor], torch.Tensor]  # identity where the family has none
+    pre_mlp_norm: nn.Module
     gate_up: Callable[[torch.Tensor], torch.Tensor]  # [T, hidden] -> [T, 2 * intermediate]
     act: Callable[[torch.Tensor], torch.Tensor]
     down_proj: nn.Module
+    post_mlp_norm: Callable[[torch.Tensor], torch.Tensor]
+    q_norm: Callable[[torch.Tensor], torch.Tensor]  # per head, [T, heads, D]
+    k_norm: Callable[[torch.Tensor], torch.Tensor]
+    scale: float  # of q·k
+    window: int | None  # sliding window (keys per query, itself included); None: all
+    softcap: float | None  # attention logit soft-cap
+    rope: str | None  # the layer type whose rotary tables it uses (Gemma 3), None: the one table
     k_scale: torch.Tensor | None
     v_scale: torch.Tensor | None
 
 
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 def _projection(modules: list[nn.Module]) -> Callable[[torch.Tensor], torch.Tensor]:
+    if len(modules) == 1:  # stored fused (Phi-3's qkv_proj, gate_up_proj)
+        return modules[0]
     fused = fuse_linears(modules)
     if fused is not None:
         return fused
@@ -90,7 +107,11 @@ def _prepacked(module: nn.Module, originals: list[nn.Module]) -> nn.Module:
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1] written as [x2, x1] * [-sin1, sin2]
-    (the same products and sum as transformers'); x [T, heads, D], cos/sin [T, 1, D]."""
+    (the same products and sum as transformers'); x [T, heads, D], cos/sin [T, 1, R]: with
+    R < D (partial rotary) only the first R dims rotate."""
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return torch.cat([_rope(x[..., :rotary], cos, sin_signed), x[..., rotary:]], dim=-1)
     swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # [x2, x1]
     return x * cos + swapped * sin_signed
 
@@ -111,17 +132,17 @@ class ModelRunner:
         self.num_heads = c.num_attention_heads
         self.num_kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        self.scale = self.head_dim**-0.5
         self.dtype = model.get_input_embeddings().weight.dtype
         self.device = model.get_input_embeddings().weight.device
         attn = get_module(blocks[0], self.spec.attention)
         self.kv_args = getattr(getattr(attn, "quantkit_kv", None), "args", None)
+        self.rotary_emb = get_module(model, self.spec.blocks.rsplit(".", 1)[0]).rotary_emb
         self.layers = [self._layer(b) for b in blocks]
         self.embed = model.get_input_embeddings()
         self.final_norm = get_module(model, self.spec.final_norm)
         head = model.get_output_embeddings()
         self.lm_head = _prepacked(head, [] if head.weight is self.embed.weight else [head])  # tied: still looked up
-        self.rotary_emb = get_module(model, self.spec.blocks.rsplit(".", 1)[0]).rotary_emb
+        self.final_softcap = getattr(c, "final_logit_softcapping", None)
         kv_dtype = kv_cache_dtype(model)
         shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
         self.k_cache = [torch.zeros(shape, dtype=kv_dtype, device=self.device) for _ in blocks]
@@ -129,20 +150,31 @@ class ModelRunner:
         self.num_blocks, self.block_size = num_blocks, block_size
 
     def _layer(self, block: nn.Module) -> _Layer:
-        qkv, o, gate_up, down = self.spec.sequential  # Llama's groups: q/k/v, o, gate/up, down
+        spec = self.spec
+        qkv, o, gate_up, down = spec.sequential  # q/k/v, o, gate/up, down (fused or not)
         mods = lambda names: [get_module(block, n) for n in names]  # noqa: E731
-        attn = get_module(block, self.spec.attention)
+        norm = lambda name: _identity if name is None else get_module(block, name)  # noqa: E731
+        attn = get_module(block, spec.attention)
         scales = (attn.k_scale, attn.v_scale) if self.kv_args is not None else (None, None)
         qkv_mods, gate_up_mods = mods(qkv), mods(gate_up)
         o_proj, down_proj = get_module(block, o[0]), get_module(block, down[0])
+        takes_layer_type = "layer_type" in inspect.signature(self.rotary_emb.forward).parameters
         return _Layer(
-            block.input_layernorm,
+            get_module(block, spec.input_norm),
             _prepacked(_projection(qkv_mods), qkv_mods),
             _prepacked(o_proj, [o_proj]),
-            block.post_attention_layernorm,
+            norm(spec.post_attention_norm),
+            get_module(block, spec.pre_mlp_norm),
             _prepacked(_projection(gate_up_mods), gate_up_mods),
-            block.mlp.act_fn,
+            get_module(block, spec.act),
             _prepacked(down_proj, [down_proj]),
+            norm(spec.post_mlp_norm),
+            norm(spec.q_norm),
+            norm(spec.k_norm),
+            attn.scaling,
+            getattr(attn, "sliding_window", getattr(self.config, "sliding_window", None)),
+            getattr(attn, "attn_logit_softcapping", None),
+            getattr(attn, "layer_type", None) if takes_layer_type else None,
             *scales,
         )
 
@@ -154,26 +186,41 @@ class ModelRunner:
         for k, v in zip(self.k_cache, self.v_cache):
             k[dst], v[dst] = k[src], v[src]
 
-    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin [T, 1, head_dim] for `_rope`."""
+    def _rope_tables(self, positions: torch.Tensor, layer_type: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin [T, 1, rotary_dim] for `_rope`."""
         dummy = torch.empty(0, dtype=self.dtype, device=self.device)
-        cos, sin = self.rotary_emb(dummy, positions[None])
-        half = self.head_dim // 2
+        extra = () if layer_type is None else (layer_type,)
+        cos, sin = self.rotary_emb(dummy, positions[None], *extra)
+        half = cos.shape[-1] // 2
         sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
         return cos[0, :, None, :], sin[:, None, :]
 
     def _attention(self, b: Batch, q: torch.Tensor, i: int, layer: _Layer) -> torch.Tensor:
         P, T = b.num_prefill_tokens, q.shape[0]
         kc, vc, ks, vs = self.k_cache[i], self.v_cache[i], layer.k_scale, layer.v_scale
+        extra = (
+            {} if layer.window is None and layer.softcap is None else {"window": layer.window, "softcap": layer.softcap}
+        )
         parts = []
         if P:
             parts.append(
                 ops.paged_prefill(
-                    q[:P], kc, vc, b.prefill_tables, b.prefill_seq_lens, b.prefill_query_lens, self.scale, ks, vs
+                    q[:P],
+                    kc,
+                    vc,
+                    b.prefill_tables,
+                    b.prefill_seq_lens,
+                    b.prefill_query_lens,
+                    layer.scale,
+                    ks,
+                    vs,
+                    **extra,
                 )
             )
         if P < T:
-            parts.append(ops.paged_attention(q[P:], kc, vc, b.decode_tables, b.decode_seq_lens, self.scale, ks, vs))
+            parts.append(
+                ops.paged_attention(q[P:], kc, vc, b.decode_tables, b.decode_seq_lens, layer.scale, ks, vs, **extra)
+            )
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     @torch.inference_mode()
@@ -181,21 +228,31 @@ class ModelRunner:
         """Logits [num_sampled, vocab] of the sampled tokens of the step, in the model's dtype."""
         T, H, KV, D = b.input_ids.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         x = self.embed(b.input_ids)  # [T, hidden]
-        cos, sin = self._rope_tables(b.positions)
+        tables = {rope: self._rope_tables(b.positions, rope) for rope in {layer.rope for layer in self.layers}}
         for i, layer in enumerate(self.layers):
+            cos, sin = tables[layer.rope]
             qkv = layer.qkv(layer.input_norm(x))  # [T, (H + 2 KV) D]
-            qk = _rope(qkv[:, : (H + KV) * D].view(T, H + KV, D), cos, sin).to(qkv.dtype)
-            q, k, v = qk[:, :H], qk[:, H:], qkv[:, (H + KV) * D :].view(T, KV, D)
+            q = layer.q_norm(qkv[:, : H * D].view(T, H, D))
+            k = layer.k_norm(qkv[:, H * D : (H + KV) * D].view(T, KV, D))
+            q, k = _rope(q, cos, sin).to(qkv.dtype), _rope(k, cos, sin).to(qkv.dtype)
+            v = qkv[:, (H + KV) * D :].view(T, KV, D)
             ops.kv_store(k, v, self.k_cache[i], self.v_cache[i], b.slot_mapping, layer.k_scale, layer.v_scale)
-            x = x + layer.o_proj(self._attention(b, q, i, layer).view(T, H * D))
-            gate, up = layer.gate_up(layer.post_norm(x)).chunk(2, dim=-1)
-            x = x + layer.down_proj(layer.act(gate) * up)
-        x = self.final_norm(x[b.logits_indices])
-        return self.lm_head(x)
+            x = x + layer.post_attention_norm(layer.o_proj(self._attention(b, q, i, layer).view(T, H * D)))
+            gate, up = layer.gate_up(layer.pre_mlp_norm(x)).chunk(2, dim=-1)
+            x = x + layer.post_mlp_norm(layer.down_proj(layer.act(gate) * up))
+        logits = self.lm_head(self.final_norm(x[b.logits_indices]))
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
 
 
 def check_supported(model: nn.Module) -> None:
-    """The engine runs the architectures of the table with standard RoPE attention."""
+    """The engine runs every family of the table; a config setting its forward does not
+    implement is refused by name rather than served wrongly."""
     arch_for(model.config)
-    if getattr(model.config, "sliding_window", None) and getattr(model.config, "use_sliding_window", False):
-        raise QuantkitError("sliding-window attention is not supported by the engine yet; use quantkit eval instead.")
+    found = unsupported_features(model.config)
+    if found:
+        raise QuantkitError(
+            f"the engine does not implement {', '.join(found)} of this {model.config.model_type} model; "
+            "quantkit eval and quantize still work on it (through transformers)."
+        )

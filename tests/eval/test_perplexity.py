@@ -57,3 +57,23 @@ def test_matches_plain_loop(model, tokens, batch_size, limit, windows):
 def test_too_few_tokens(model, tokens):
     with pytest.raises(QuantkitError, match=f"{SEQ_LEN - 1} tokens, fewer than one window of {SEQ_LEN}"):
         perplexity(model, tokens[: SEQ_LEN - 1], SEQ_LEN)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "qwen3"])
+def test_chunked_nll_equals_the_full_logits(family, tmp_path, monkeypatch):
+    """The LM head runs a few positions at a time (with Gemma 2's final soft-cap) and sums to
+    what the model's own full logits give."""
+    from conftest import make_family_model
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.eval import perplexity as ppl
+
+    model = AutoModelForCausalLM.from_pretrained(make_family_model(tmp_path / family, family)).eval()
+    ids = torch.randint(0, 320, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(ids).logits.float()
+        full = sum(
+            torch.nn.functional.cross_entropy(lg[:-1], row[1:], reduction="sum").item() for row, lg in zip(ids, logits)
+        )
+        monkeypatch.setattr(ppl, "CHUNK", 7)
+        assert ppl.summed_nll(model, ids) == pytest.approx(full, rel=1e-5)

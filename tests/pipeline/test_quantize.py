@@ -132,8 +132,12 @@ def test_unsupported_architecture_is_named(tmp_path):
     from conftest import make_tokenizer
 
     make_tokenizer().save_pretrained(tmp_path / "g")
-    with pytest.raises(QuantkitError, match="'gpt2' is not supported yet; quantkit supports llama, mistral, qwen2"):
+    with pytest.raises(QuantkitError) as e:
         quantize(str(tmp_path / "g"), preset("w4a16"), tmp_path / "q")
+    message = str(e.value)
+    assert "'gpt2' is not supported yet; quantkit supports Llama (1, 2, 3.x), Mistral, Qwen2/2.5, Qwen3" in message
+    assert "docs/architectures.md says how to add one." in message and message.count(". ") == 0
+    assert not (tmp_path / "q").exists()
 
 
 def test_offline_hub_id_fails_fast(monkeypatch, tmp_path):
