@@ -69,16 +69,20 @@ def evaluate(
     seq_len: int | None = None,
     max_ppl_increase: float | None = None,
     min_recovery: float | None = None,
+    max_kld: float | None = None,
+    min_top1: float | None = None,
     batch_size: int = 1,
     track: Track = no_progress,
 ) -> dict:
     """Score `model` (and `baseline`, on the same data) on perplexity of the text `ppl`
     (the papers' protocol: non-overlapping windows of `seq_len` tokens, the first `limit`)
-    and on lm-eval `tasks`, and apply the gates. Returns the report that `quantkit eval
-    --json` writes: `rows` (metric, baseline, candidate, delta, recovery, passed),
-    `failures` (one sentence per failed gate), `passed`, and the raw results.
+    and on lm-eval `tasks`, and apply the gates. With a baseline and `ppl`, also `kld`
+    (mean KL(baseline ‖ model) per position, nats), `kld_p99` and `top1_agreement` on the
+    same windows, gated by `max_kld` and `min_top1` (a fraction). Returns the report that
+    `quantkit eval --json` writes: `rows` (metric, baseline, candidate, delta, recovery,
+    passed), `failures` (one sentence per failed gate), `passed`, and the raw results.
 
-        report = quantkit.evaluate("out/awq", "smollm2-135m", limit=8, max_ppl_increase=0.2)
+        report = quantkit.evaluate("out/awq", "smollm2-135m", limit=8, max_ppl_increase=0.2, max_kld=0.1)
     """
     from quantkit.eval.gates import evaluate_gates
 
@@ -91,6 +95,8 @@ def evaluate(
         seq_len=seq_len,
         max_ppl_increase=max_ppl_increase,
         min_recovery=min_recovery,
+        max_kld=max_kld,
+        min_top1=min_top1,
         track=track,
         batch_size=batch_size,
     )

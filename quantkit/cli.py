@@ -532,10 +532,11 @@ def _gate_table(report: dict) -> Table:
             table.add_row(row["metric"], _number(row["candidate"]))
             continue
         gate = {True: "[green]pass[/]", False: "[bold red]FAIL[/]", None: ""}[row["passed"]]
+        nats = row["metric"] in ("kld", "kld_p99")  # small: significant digits, not decimals
         table.add_row(
             row["metric"],
             _number(row["baseline"]),
-            _number(row["candidate"]),
+            f"{row['candidate']:.4g}" if nats else _number(row["candidate"]),
             _number(row["delta"], signed=True),
             _number(row["recovery"]),
             gate,
@@ -543,6 +544,12 @@ def _gate_table(report: dict) -> Table:
     c = report["results"]["candidate"]
     scope = [f"{c['ppl']['dataset']}: {c['ppl']['windows']} × {c['ppl']['seq_len']} tokens"] if c["ppl"] else []
     scope += [f"{task}: {n} docs" for task, n in c["docs"].items()]
+    if c.get("kld"):
+        k = c["kld"]
+        shown = (
+            "" if not c["ppl"] or k.get("windows") == c["ppl"]["windows"] else f", first {k['windows']} windows (disk)"
+        )
+        scope += [f"kld: nats per token{shown}"]
     table.caption = " · ".join(scope)
     return table
 
@@ -574,21 +581,33 @@ def eval(
     ),
     limit: Optional[int] = typer.Option(None, help="Score only the first N windows, and N documents per task."),
     batch_size: int = typer.Option(1, help="Windows (or task requests) per forward pass."),
-    baseline: Optional[str] = typer.Option(None, help="The model to compare against, scored on the same data."),
+    baseline: Optional[str] = typer.Option(
+        None,
+        help="The model to compare against, scored first on the same data; its fp16 log-probs wait in "
+        "$TMPDIR (2 bytes × vocabulary per position).",
+    ),
     max_ppl_increase: Optional[str] = typer.Option(
         None, help="Gate: fail when a perplexity rises more than this over the baseline (2% or 0.02)."
     ),
     min_recovery: Optional[float] = typer.Option(
         None, help="Gate: fail when a metric keeps less than this fraction of the baseline's (e.g. 0.98)."
     ),
+    max_kld: Optional[float] = typer.Option(
+        None, help="Gate: fail when the mean KL(baseline ‖ candidate) per token exceeds this, in nats (e.g. 0.05)."
+    ),
+    min_top1: Optional[float] = typer.Option(
+        None, help="Gate: fail when fewer positions than this fraction keep the baseline's top token (e.g. 0.9)."
+    ),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the result to this JSON file."),
 ):
     """Perplexity on the papers' protocol (non-overlapping windows, mean token NLL) and
-    lm-eval tasks; with --baseline, side by side, exiting 1 when a gate fails."""
+    lm-eval tasks; with --baseline, side by side (plus KL divergence and top-1 agreement on
+    the perplexity windows), exiting 1 when a gate fails."""
     text = None if ppl.lower() == "none" else ppl
     task_list = [t.strip() for t in (tasks or "").split(",") if t.strip()]
     max_increase = _fraction(max_ppl_increase)
-    if baseline is None and not task_list and text and max_increase is None and min_recovery is None:
+    gates = (max_increase, min_recovery, max_kld, min_top1)
+    if baseline is None and not task_list and text and all(g is None for g in gates):
         from quantkit.eval.run import evaluate
 
         with _progress() as track:
@@ -623,6 +642,8 @@ def eval(
             include_path=include_path,
             max_ppl_increase=max_increase,
             min_recovery=min_recovery,
+            max_kld=max_kld,
+            min_top1=min_top1,
             track=track,
             batch_size=batch_size,
         )

@@ -80,6 +80,15 @@ FAMILIES = {
         },
     ),
     "phi3": ("phi3", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "sliding_window": 20}),
+    "phi4-mini": (  # partial rotary: RoPE on half of each head
+        "phi3",
+        {
+            "pad_token_id": 0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        },
+    ),
 }
 
 

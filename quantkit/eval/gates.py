@@ -1,17 +1,21 @@
-"""Accuracy regression gates: score a candidate (a quantized checkpoint) and its baseline
-(the float model) on the same data, one after the other, and compare metric by metric.
+"""Accuracy regression gates: score a baseline (the float model) and a candidate (a
+quantized checkpoint) on the same data, one after the other, and compare metric by metric.
 
 Recovery is candidate / baseline for metrics where higher is better (accuracy) and
 baseline / candidate where lower is better (perplexities, bits per byte), so 1.0 means
 nothing was lost. `max_ppl_increase` (a fraction: 0.02 is 2%) bounds every perplexity;
 `min_recovery` bounds every other metric, and the perplexities too when
-`max_ppl_increase` is not given.
+`max_ppl_increase` is not given. With a perplexity text the candidate is also compared
+with the baseline token by token on the same windows (quantkit.eval.kld): `kld` (mean
+KL(baseline ‖ candidate) per position, nats), `kld_p99` and `top1_agreement`, bounded by
+`max_kld` and `min_top1`.
 """
 
 from __future__ import annotations
 
 import gc
 import platform
+import tempfile
 import time
 from importlib import metadata
 
@@ -81,6 +85,27 @@ def compare(
     return rows, failures
 
 
+def kld_rows(stats: dict, max_kld: float | None = None, min_top1: float | None = None) -> tuple[list[dict], list[str]]:
+    """Rows (as `compare_metric`'s, with no baseline value: they compare the two models) and
+    failure sentences for `kld`, `kld_p99` and `top1_agreement` of a `kld.Comparer` summary."""
+    kld, top1 = stats["kld"], stats["top1_agreement"]
+    gates = {
+        "kld": None if max_kld is None else kld <= max_kld,
+        "kld_p99": None,
+        "top1_agreement": None if min_top1 is None else top1 >= min_top1,
+    }
+    rows = [
+        {"metric": m, "baseline": None, "candidate": stats[m], "delta": None, "recovery": None, "passed": passed}
+        for m, passed in gates.items()
+    ]
+    failures = []
+    if gates["kld"] is False:
+        failures.append(f"kld is {kld:.4g} nats per token, more than the allowed {max_kld:g}.")
+    if gates["top1_agreement"] is False:
+        failures.append(f"top1_agreement is {top1:.2%} of positions, below the required {min_top1:.2%}.")
+    return rows, failures
+
+
 def check_same_tokenizer(candidate: str, baseline: str) -> None:
     """A `QuantkitError` unless both models' tokenizers have the same vocabulary size and
     encode a fixed probe text to the same ids."""
@@ -106,16 +131,18 @@ def measure(
     num_fewshot=None,
     batch_size: int = 1,
     track: Track = no_progress,
+    observe=None,
 ) -> dict:
     """Load one model and score it: {"metrics", "higher_is_better", "data_sha256", "ppl"
-    (details or None), "docs", "eval_time_s"}; the model is freed on return."""
+    (details or None), "docs", "eval_time_s"}; the model is freed on return. `observe` sees
+    the perplexity logits (a `kld.Recorder` or `kld.Comparer`)."""
     from quantkit.eval.run import load_for_eval, text_perplexity, window_length
 
     model, tokenizer = load_for_eval(model_name)
     start = time.perf_counter()
     result = {"metrics": {}, "higher_is_better": {}, "data_sha256": {}, "ppl": None, "docs": {}}
     if ppl:
-        details = text_perplexity(model, tokenizer, ppl, seq_len, limit, batch_size, track)
+        details = text_perplexity(model, tokenizer, ppl, seq_len, limit, batch_size, track, observe)
         result["metrics"]["ppl"], result["higher_is_better"]["ppl"] = details["ppl"], False
         result["data_sha256"]["ppl"] = details["data_sha256"]
         result["ppl"] = {k: details[k] for k in ("dataset", "nll", "tokens", "windows", "seq_len")}
@@ -154,11 +181,20 @@ def _versions() -> dict:
     }
 
 
-def _check_args(baseline, ppl, tasks, max_ppl_increase, min_recovery) -> None:
+def _check_args(baseline, ppl, tasks, max_ppl_increase, min_recovery, max_kld, min_top1) -> None:
     if not ppl and not tasks:
         raise QuantkitError("nothing to evaluate: give a perplexity text (--ppl) or --tasks.")
-    if baseline is None and (max_ppl_increase is not None or min_recovery is not None):
-        raise QuantkitError("--max-ppl-increase and --min-recovery compare against a baseline; add --baseline MODEL.")
+    if baseline is None and any(v is not None for v in (max_ppl_increase, min_recovery, max_kld, min_top1)):
+        raise QuantkitError(
+            "--max-ppl-increase, --min-recovery, --max-kld and --min-top1 compare against a baseline; "
+            "add --baseline MODEL."
+        )
+    if not ppl and (max_kld is not None or min_top1 is not None):
+        raise QuantkitError("--max-kld and --min-top1 are measured on the perplexity windows; give --ppl TEXT.")
+    if max_kld is not None and max_kld < 0:
+        raise QuantkitError(f"--max-kld must be at least 0 (nats per token, e.g. 0.05), got {max_kld}.")
+    if min_top1 is not None and not 0 < min_top1 <= 1:
+        raise QuantkitError(f"--min-top1 is a fraction of positions above 0 and at most 1 (e.g. 0.9), got {min_top1}.")
     if max_ppl_increase is not None and max_ppl_increase < 0:
         raise QuantkitError(f"--max-ppl-increase must be at least 0, got {max_ppl_increase}.")
     if min_recovery is not None and min_recovery <= 0:
@@ -189,33 +225,57 @@ def evaluate_gates(
     include_path: str | None = None,
     max_ppl_increase: float | None = None,
     min_recovery: float | None = None,
+    max_kld: float | None = None,
+    min_top1: float | None = None,
     track: Track | None = None,
     batch_size: int = 1,
 ) -> dict:
-    """Score `candidate` (and `baseline`, on the same data, after it) on perplexity of the
+    """Score `candidate` (and `baseline` first, on the same data) on perplexity of the
     text `ppl` (quantkit's protocol; None to skip) and the lm-eval `tasks` (built-in
     wiki_cloze and wiki_wordppl, folders under `include_path`, lm-eval's own), `limit`
-    windows / documents each, and apply the thresholds.
+    windows / documents each, and apply the thresholds. With a baseline and `ppl`, the
+    baseline leaves its fp16 log-probabilities of every perplexity position in a temporary
+    folder (removed afterwards; 2 bytes × vocabulary per position) and the candidate is
+    compared with them: rows `kld`, `kld_p99`, `top1_agreement` after `ppl`, gated by
+    `max_kld` (nats per token) and `min_top1` (a fraction).
 
     Returns {"candidate", "baseline", "ppl", "tasks", "limit", "seq_len", "num_fewshot",
     "thresholds", "rows": [{metric, baseline, candidate, delta, recovery, passed}],
     "failures": [one sentence per failed threshold], "passed", "results": {"candidate",
-    "baseline": each model's `measure`}, "data_sha256", "versions", "seeds"}.
+    "baseline": each model's `measure`, the candidate's with "kld" details}, "data_sha256",
+    "versions", "seeds"}.
     """
+    from quantkit.eval.kld import Comparer, Recorder
+
     tasks = [t for t in tasks if t]
-    _check_args(baseline, ppl, tasks, max_ppl_increase, min_recovery)
+    _check_args(baseline, ppl, tasks, max_ppl_increase, min_recovery, max_kld, min_top1)
     if baseline is not None:
         check_same_tokenizer(candidate, baseline)
     manager = _task_manager(tasks, include_path)
     options = dict(
         limit=limit, seq_len=seq_len, num_fewshot=num_fewshot, batch_size=batch_size, track=track or no_progress
     )
-    scored = {"candidate": measure(candidate, ppl, tasks, manager, **options)}
-    gc.collect()
-    if baseline is not None:
-        scored["baseline"] = measure(baseline, ppl, tasks, manager, **options)
+    scored, comparer = {}, None
+    with tempfile.TemporaryDirectory(prefix="quantkit-kld-") as folder:
+        if baseline is not None:
+            recorder = Recorder(folder) if ppl else None
+            scored["baseline"] = measure(baseline, ppl, tasks, manager, **options, observe=recorder)
+            gc.collect()
+            if recorder is not None and recorder.full_from == 0:
+                raise QuantkitError(
+                    f"{folder} cannot hold the baseline's log-probabilities of one window (2 bytes per token of "
+                    "the vocabulary per position, 1 GiB kept free); set TMPDIR to a larger disk."
+                )
+            comparer = Comparer(folder, recorder.full_from) if ppl else None
+        scored["candidate"] = measure(candidate, ppl, tasks, manager, **options, observe=comparer)
         gc.collect()
     rows, failures = compare(scored["candidate"], scored.get("baseline"), max_ppl_increase, min_recovery)
+    if comparer is not None:
+        scored["candidate"]["kld"] = comparer.summary()
+        more_rows, more_failures = kld_rows(scored["candidate"]["kld"], max_kld, min_top1)
+        after_ppl = 1 + next((i for i, row in enumerate(rows) if row["metric"] == "ppl"), -1)
+        rows[after_ppl:after_ppl] = more_rows
+        failures += more_failures
     seeds = {}
     if tasks:
         from quantkit.eval import tasks as builtin
@@ -231,7 +291,12 @@ def evaluate_gates(
         "seq_len": seq_len,
         "num_fewshot": num_fewshot,
         "include_path": None if include_path is None else str(include_path),
-        "thresholds": {"max_ppl_increase": max_ppl_increase, "min_recovery": min_recovery},
+        "thresholds": {
+            "max_ppl_increase": max_ppl_increase,
+            "min_recovery": min_recovery,
+            "max_kld": max_kld,
+            "min_top1": min_top1,
+        },
         "rows": rows,
         "failures": failures,
         "passed": not failures,

@@ -7,7 +7,7 @@ import time
 
 from quantkit.calibration.datasets import eval_tokens, load_documents
 from quantkit.errors import QuantkitError
-from quantkit.eval.perplexity import perplexity
+from quantkit.eval.perplexity import Observe, perplexity
 from quantkit.models.loading import load_tokenizer, resolve_model
 from quantkit.progress import Track, no_progress
 from quantkit.runtime.loader import load
@@ -42,12 +42,14 @@ def text_perplexity(
     limit: int | None = None,
     batch_size: int = 1,
     track: Track = no_progress,
+    observe: Observe | None = None,
 ) -> dict:
     """Perplexity of a loaded model on the eval split of `ppl` (the papers' protocol), with
-    the dataset name and the sha256 of its text ("\\n\\n"-joined documents)."""
+    the dataset name and the sha256 of its text ("\\n\\n"-joined documents); `observe`
+    sees every chunk of logits (see `perplexity`)."""
     seq_len = window_length(model, seq_len)
     text = "\n\n".join(load_documents(ppl, "eval"))
-    result = perplexity(model, eval_tokens(tokenizer, [text]), seq_len, limit, batch_size, track)
+    result = perplexity(model, eval_tokens(tokenizer, [text]), seq_len, limit, batch_size, track, observe)
     return {"dataset": ppl, **result, "data_sha256": hashlib.sha256(text.encode()).hexdigest()}
 
 

@@ -120,6 +120,8 @@ EVAL: dict[str, tuple[object, Kind]] = {  # the keyword arguments of quantkit.ev
     "include_path": (None, _optional(TEXT)),
     "max_ppl_increase": (None, _optional(NUMBER)),
     "min_recovery": (None, _optional(FRACTION)),
+    "max_kld": (None, _optional(NUMBER)),
+    "min_top1": (None, _optional((lambda v: FRACTION[0](v) and v <= 1, "a fraction in (0, 1], e.g. 0.9"))),
 }
 TOP = ("model", "scheme", "steps", "calibration", "eval", "output", "device")
 

@@ -91,10 +91,12 @@ def test_gate_passes_against_itself_with_tasks(tiny_llama, tiny_corpus, tmp_path
     assert r.exit_code == 0, r.output
     assert "wiki_cloze/acc_norm" in r.stdout and "recovery" in r.stdout and "FAIL" not in r.stdout
     report = json.loads(report_path.read_text())
-    assert [row["metric"] for row in report["rows"]] == ["ppl", "wiki_cloze/acc", "wiki_cloze/acc_norm"]
-    assert all(row["passed"] and row["recovery"] == 1.0 and row["delta"] == 0 for row in report["rows"])
+    metrics = ["ppl", "kld", "kld_p99", "top1_agreement", "wiki_cloze/acc", "wiki_cloze/acc_norm"]
+    assert [row["metric"] for row in report["rows"]] == metrics
+    shared = [row for row in report["rows"] if row["metric"] not in ("kld", "kld_p99", "top1_agreement")]
+    assert all(row["passed"] and row["recovery"] == 1.0 and row["delta"] == 0 for row in shared)
     assert report["failures"] == [] and report["passed"] is True
-    assert report["thresholds"] == {"max_ppl_increase": 0.0, "min_recovery": 1.0}
+    assert report["thresholds"] == {"max_ppl_increase": 0.0, "min_recovery": 1.0, "max_kld": None, "min_top1": None}
     assert set(report["versions"]) >= {"quantkit", "torch", "transformers", "lm_eval"}
     assert report["versions"]["lm_eval"] == "0.4.13"
     assert report["seeds"]["lm_eval"]["fewshot"] == 1234 and report["seeds"]["wiki_cloze"] == 1234

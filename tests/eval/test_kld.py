@@ -1,0 +1,197 @@
+"""KL divergence and top-1 agreement against the baseline: the stored top-K against full
+fp32 distributions, and `quantkit eval --baseline` against transformers on the same windows."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from typer.testing import CliRunner
+
+from quantkit.calibration.datasets import eval_tokens, load_documents
+from quantkit.cli import app
+from quantkit.eval import kld
+from quantkit.eval.gates import evaluate_gates
+from quantkit.models.loading import load_tokenizer
+
+torch.set_num_threads(1)
+runner = CliRunner()
+SEQ_LEN, LIMIT = 64, 3
+
+
+def flat(output: str) -> str:
+    return " ".join(output.split())
+
+
+def exact(baseline: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
+    """KL(baseline ‖ candidate) per position from full logits [..., V], by torch's kl_div."""
+    lb, lc = baseline.double().log_softmax(-1), candidate.double().log_softmax(-1)
+    return F.kl_div(lc, lb, log_target=True, reduction="none").sum(-1)
+
+
+def test_divergence_against_kl_div_and_what_fp16_storage_costs():
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(4, 50, 300, generator=g) * 3
+    cand = base + 0.3 * torch.randn(4, 50, 300, generator=g)
+    reference = exact(base, cand)
+    torch.testing.assert_close(kld.divergence(base.log_softmax(-1), cand).double(), reference, rtol=1e-4, atol=1e-6)
+    stored = kld.divergence(base.log_softmax(-1).half(), cand).double()  # what the Comparer reads
+    assert stored.mean().item() == pytest.approx(reference.mean().item(), rel=1e-3)
+    assert (stored - reference).abs().max() < 0.01
+    assert kld.divergence(base.log_softmax(-1), base).abs().max() < 1e-5  # itself
+    masked = base.log_softmax(-1).index_fill(-1, torch.tensor([0, 1]), float("-inf"))  # p = 0 for two tokens
+    assert kld.divergence(masked, cand).isfinite().all()
+
+
+def test_percentile_matches_numpy():
+    values = torch.rand(1001, generator=torch.Generator().manual_seed(1)) ** 3
+    for q in (0, 50, 99, 99.9, 100):
+        assert kld.percentile(values, q) == pytest.approx(np.percentile(values.double().numpy(), q), rel=1e-12)
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny_llama, tmp_path_factory):
+    from quantkit.pipeline.quantize import quantize
+    from quantkit.scheme import preset
+
+    out = tmp_path_factory.mktemp("kld") / "rtn"
+    quantize(str(tiny_llama), preset("w4a16").with_group_size(32), out)
+    return out
+
+
+def reference(candidate, baseline, corpus) -> dict:
+    """kld, kld_p99 and top1_agreement of the candidate on the first LIMIT windows, from both
+    models' full logits in memory (transformers loads the checkpoint through compressed-tensors)."""
+    from transformers import AutoModelForCausalLM
+
+    tokens = eval_tokens(load_tokenizer(baseline), ["\n\n".join(load_documents(str(corpus), "eval"))])
+    windows = tokens[: LIMIT * SEQ_LEN].view(LIMIT, SEQ_LEN)
+    with torch.no_grad():
+        logits = [AutoModelForCausalLM.from_pretrained(m).eval()(windows).logits[:, :-1] for m in (baseline, candidate)]
+    kl = exact(*logits).flatten()
+    return {
+        "kld": kl.mean().item(),
+        "kld_p99": np.percentile(kl.numpy(), 99),
+        "top1_agreement": (logits[0].argmax(-1) == logits[1].argmax(-1)).double().mean().item(),
+    }
+
+
+def test_kld_and_top1_match_transformers_on_the_same_windows(tiny_llama, quantized, tiny_corpus, monkeypatch):
+    expected = reference(quantized, tiny_llama, tiny_corpus)
+    assert 1e-3 < expected["kld"] and expected["top1_agreement"] < 1  # int4 moves a random model
+    monkeypatch.setattr("quantkit.eval.perplexity.CHUNK", 24)  # several chunks per window
+    for batch_size in (1, 2):
+        report = evaluate_gates(
+            str(quantized), str(tiny_llama), ppl=str(tiny_corpus), seq_len=SEQ_LEN, limit=LIMIT, batch_size=batch_size
+        )
+        rows = {row["metric"]: row for row in report["rows"]}
+        assert [row["metric"] for row in report["rows"]] == ["ppl", "kld", "kld_p99", "top1_agreement"]
+        assert rows["kld"]["candidate"] == pytest.approx(expected["kld"], rel=0.01)
+        assert rows["kld_p99"]["candidate"] == pytest.approx(expected["kld_p99"], rel=0.01)
+        assert abs(rows["top1_agreement"]["candidate"] - expected["top1_agreement"]) <= 0.005
+        assert all(row["passed"] is None and row["baseline"] is None for row in rows.values() if row["metric"] != "ppl")
+        details = report["results"]["candidate"]["kld"]
+        assert details["positions"] == LIMIT * (SEQ_LEN - 1)
+
+
+def test_gates_through_the_cli(tiny_llama, quantized, tiny_corpus, tmp_path):
+    common = ["--ppl", str(tiny_corpus), "--seq-len", str(SEQ_LEN), "--limit", "2", "--json", str(tmp_path / "r.json")]
+    # a model against itself: only the baseline's fp16 rounding is left (6e-7 nats here)
+    r = runner.invoke(app, ["eval", str(tiny_llama), "--baseline", str(tiny_llama), *common, "--max-kld", "1e-5"])
+    assert r.exit_code == 0, r.output
+    report = json.loads((tmp_path / "r.json").read_text())
+    rows = {row["metric"]: row for row in report["rows"]}
+    assert 0 <= rows["kld"]["candidate"] < 1e-5 and rows["kld_p99"]["candidate"] < 1e-4
+    assert rows["top1_agreement"]["candidate"] == 1.0 and rows["kld"]["passed"] is True
+    assert "kld" in r.stdout and "top1_agreement" in r.stdout and report["thresholds"]["max_kld"] == 1e-5
+
+    r = runner.invoke(app, ["eval", str(quantized), "--baseline", str(tiny_llama), *common])
+    assert r.exit_code == 0, r.output  # no gate: the rows are reported, nothing fails
+    rows = {row["metric"]: row for row in json.loads((tmp_path / "r.json").read_text())["rows"]}
+    kl, top1 = rows["kld"]["candidate"], rows["top1_agreement"]["candidate"]
+    assert kl > 0 and top1 < 1
+
+    gates = ["--max-kld", f"{kl * 0.99}", "--min-top1", f"{min(1.0, top1 + 0.01)}"]
+    r = runner.invoke(app, ["eval", str(quantized), "--baseline", str(tiny_llama), *common, *gates])
+    assert r.exit_code == 1, r.output
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert [f.split(" is ")[0] for f in report["failures"]] == ["kld", "top1_agreement"]
+    assert "gate failed: kld is" in flat(r.output) and "gate failed: top1_agreement is" in flat(r.output)
+    assert "nats per token, more than the allowed" in flat(r.output) and "FAIL" in r.stdout
+
+    gates = ["--max-kld", f"{kl * 1.01}", "--min-top1", f"{top1 - 0.01}"]
+    r = runner.invoke(app, ["eval", str(quantized), "--baseline", str(tiny_llama), *common, *gates])
+    assert r.exit_code == 0, r.output
+    assert [row["passed"] for row in json.loads((tmp_path / "r.json").read_text())["rows"]][1:] == [True, None, True]
+
+
+def test_refusals(tiny_llama, tiny_corpus):
+    cases = [
+        (["eval", str(tiny_llama), "--max-kld", "0.1"], "add --baseline MODEL"),
+        (["eval", str(tiny_llama), "--baseline", str(tiny_llama), "--min-top1", "90"], "at most 1 (e.g. 0.9), got 90"),
+        (["eval", str(tiny_llama), "--baseline", str(tiny_llama), "--max-kld", "-1"], "--max-kld must be at least 0"),
+        (
+            [
+                "eval",
+                str(tiny_llama),
+                "--baseline",
+                str(tiny_llama),
+                "--ppl",
+                "none",
+                "--tasks",
+                "wiki_cloze",
+                "--max-kld",
+                "1",
+            ],
+            "give --ppl TEXT",
+        ),
+    ]
+    for argv, message in cases:
+        r = runner.invoke(app, argv)
+        assert r.exit_code == 2, (argv, r.output)
+        assert message in flat(r.output) and "Traceback" not in r.output, (argv, r.output)
+
+
+def test_no_rows_without_a_baseline_or_a_perplexity_text(tiny_llama, tiny_corpus):
+    report = evaluate_gates(str(tiny_llama), ppl=str(tiny_corpus), seq_len=SEQ_LEN, limit=1)
+    assert [row["metric"] for row in report["rows"]] == ["ppl"] and "kld" not in report["results"]["candidate"]
+
+
+def test_temporary_folder_is_removed(tiny_llama, tiny_corpus, tmp_path, monkeypatch):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    report = evaluate_gates(str(tiny_llama), str(tiny_llama), ppl=str(tiny_corpus), seq_len=SEQ_LEN, limit=1)
+    assert report["results"]["candidate"]["kld"]["positions"] == SEQ_LEN - 1 and list(tmp_path.iterdir()) == []
+
+
+def test_final_logit_soft_cap_is_applied_to_both_sides(tmp_path, tiny_corpus, monkeypatch):
+    """Gemma 2's final soft-cap: the chunked head gives the KL of the model's own logits."""
+    from conftest import make_family_model
+
+    base, cand = (make_family_model(tmp_path / f"gemma2-{seed}", "gemma2", seed=seed) for seed in (0, 1))
+    expected = reference(cand, base, tiny_corpus)
+    monkeypatch.setattr("quantkit.eval.perplexity.CHUNK", 24)
+    report = evaluate_gates(str(cand), str(base), ppl=str(tiny_corpus), seq_len=SEQ_LEN, limit=LIMIT)
+    rows = {row["metric"]: row["candidate"] for row in report["rows"]}
+    assert rows["kld"] == pytest.approx(expected["kld"], rel=0.01)
+    assert abs(rows["top1_agreement"] - expected["top1_agreement"]) <= 0.005
+
+
+def test_a_full_disk_limits_the_comparison_to_the_windows_stored(tiny_llama, quantized, tiny_corpus, monkeypatch):
+    """The disk holds the baseline's first window only: KL covers that window, perplexity all."""
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    calls = []
+
+    def disk_usage(path):
+        calls.append(path)
+        return usage(0, 0, 2**40 if len(calls) <= 1 else 0)  # room for the first chunk only
+
+    monkeypatch.setattr(kld.shutil, "disk_usage", disk_usage)
+    report = evaluate_gates(str(quantized), str(tiny_llama), ppl=str(tiny_corpus), seq_len=SEQ_LEN, limit=LIMIT)
+    details = report["results"]["candidate"]["kld"]
+    assert LIMIT > 1 and details["windows"] == 1 and details["positions"] == SEQ_LEN - 1
+    assert report["results"]["candidate"]["ppl"]["windows"] == LIMIT
+    expected = reference(quantized, tiny_llama, tiny_corpus)
+    assert details["kld"] != pytest.approx(expected["kld"], rel=1e-6)  # not all windows: a different mean
