@@ -145,5 +145,7 @@ def test_offline_hub_id_fails_fast(monkeypatch, tmp_path):
 
     monkeypatch.setattr(loading, "hub_reachable", lambda: False)
     monkeypatch.setenv("HF_HOME", str(tmp_path))  # an empty local hub cache
-    with pytest.raises(QuantkitError, match=r"offline\); use a local folder or a built-in model \(smollm2-135m\)"):
+    with pytest.raises(
+        QuantkitError, match=r"offline\); use a local folder or a built-in model \(smollm2-135m, gemma3-270m\)"
+    ):
         loading.resolve_model("someone/some-model")
