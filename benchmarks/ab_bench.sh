@@ -31,7 +31,8 @@ echo "$site" > "$("$work/venv/bin/python" -c 'import sysconfig; print(sysconfig.
 args=(smollm2-135m --num-requests 64 --input-len 32:512 --output-len 16:256 --dtype bfloat16 "${extra[@]}")
 run() {  # run NAME PYTHON: one bench, prints output tokens/s
   local json="$work/$1.json"
-  OMP_NUM_THREADS=1 "$2" -m quantkit.cli bench "${args[@]}" --json "$json" >/dev/null 2>&1
+  # from $work: run from the repository, python would find this tree's quantkit/ first
+  (cd "$work" && OMP_NUM_THREADS=1 "$2" -m quantkit.cli bench "${args[@]}" --json "$json" >/dev/null 2>&1)
   python -c "import json, sys; print(json.load(open(sys.argv[1]))['output_tokens_per_s'])" "$json"
 }
 new=() old=()
