@@ -91,6 +91,7 @@ class Method:
     folds_scales: bool = False  # scales go into the op before a group of linears (no per-module args)
     default_scheme: str | None = None
     actorder: bool = False  # takes act-order schemes
+    default_actorder: str | None = None  # the act-order its command and `quantkit.quantize` use unless told
     needs_activations: bool = False  # only for schemes that quantize activations
     before: tuple[str, ...] = ()
 

@@ -96,6 +96,7 @@ METHODS: dict[str, Method] = {
             "pack-quantized",
             default_scheme="w4a16",
             actorder=True,
+            default_actorder="static",
         ),
         Method(
             "fp8",

@@ -19,6 +19,7 @@ def quantize(
     scheme: str | None = None,
     *,
     group_size: int | str = "auto",
+    actorder: str | None = None,
     calibration: Calibration | None = None,
     kv_cache: str | None = None,
     kv_per_head: bool = False,
@@ -33,7 +34,8 @@ def quantize(
     fp8) into the checkpoint folder `output`, and return its provenance (what
     `quantkit.json` records). `scheme` defaults to the method's (w4a16, or fp8-dynamic
     for fp8); `group_size` "auto" takes 128 or the largest power of two below it that
-    divides every quantized layer's input width; `options` are the method's own (e.g.
+    divides every quantized layer's input width; `actorder` (GPTQ: "static", "group" or
+    "none") defaults to the method's ("static" for gptq); `options` are the method's own (e.g.
     grid=10 for awq, damp=0.05 for gptq; see `quantkit.calibration.registry`); `kv_cache`
     ("fp8"/"int8") also calibrates KV-cache scales; `smooth` runs SmoothQuant first (fp8).
 
@@ -44,6 +46,9 @@ def quantize(
 
     entry = method_entry(method)
     weights = {} if group_size == "auto" else {"group_size": group_size}
+    actorder = actorder or entry.default_actorder
+    if actorder not in (None, "none"):
+        weights["actorder"] = actorder
     raw = {
         "model": str(model),
         "scheme": {"preset": scheme or entry.default_scheme} | weights,

@@ -19,7 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from quantkit.calibration.method import Calibration, describe
-from quantkit.calibration.registry import KV_DTYPES, AWQOptions, GPTQOptions, KVOptions, SmoothOptions
+from quantkit.calibration.registry import KV_DTYPES, METHODS, AWQOptions, GPTQOptions, KVOptions, SmoothOptions
 from quantkit.errors import QuantkitError
 from quantkit.version import __version__
 
@@ -438,7 +438,7 @@ def gptq(
     seq_len: int = SEQ_LEN,
     seed: int = SEED,
     act_order: str = typer.Option(
-        "static",
+        METHODS["gptq"].default_actorder,
         help="static (columns by descending Hessian diagonal, groups kept), group (desc_act with g_idx) or none.",
     ),
     damp: float = _gptq_option("damp"),

@@ -31,3 +31,10 @@ def test_quantize_evaluate_load_and_generate(tiny_llama, tiny_corpus, tmp_path):
             ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     (output,) = LLM(str(out), num_blocks=16).generate([prompt[0].tolist()], SamplingParams(max_tokens=6, temperature=0))
     assert output.token_ids == ids[0, 4:].tolist()
+
+
+def test_gptq_takes_the_commands_act_order_unless_told(tiny_llama, tiny_corpus, tmp_path):
+    calib = Calibration(str(tiny_corpus), 4, 32)
+    static = quantize(tiny_llama, tmp_path / "s", "gptq", calibration=calib)
+    natural = quantize(tiny_llama, tmp_path / "n", "gptq", calibration=calib, actorder="none")
+    assert static["weights"]["actorder"] == "static" and natural["weights"]["actorder"] is None
