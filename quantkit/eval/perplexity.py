@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from quantkit.errors import QuantkitError
+from quantkit.kernels import reference
 from quantkit.progress import Track, no_progress
 
 # observe(first window, ids [b, seq], first position, fp32 logits [b, chunk, vocab]): called
@@ -101,6 +102,5 @@ def head_logits(model, ids: torch.LongTensor) -> Iterator[tuple[int, torch.Tenso
     hidden = base(input_ids=ids).last_hidden_state[:, :-1]  # [b, seq - 1, hidden]
     for position in range(0, hidden.shape[1], CHUNK):
         logits = head(hidden[:, position : position + CHUNK]).float()  # [b, chunk, vocab]
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
+        logits = reference.cap(logits, cap)
         yield position, logits

@@ -19,6 +19,7 @@ import torch
 
 from quantkit.calibration.kv import check_kv_args, fake_quantize_kv, kv_scales
 from quantkit.errors import QuantkitError
+from quantkit.kernels import reference
 from quantkit.models.arch import arch_for, get_module
 from quantkit.scheme import QuantArgs
 
@@ -66,7 +67,7 @@ def _capped_attention(query, key, value, mask, scaling, softcap):
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling  # [b, h, q, k]
-    scores = torch.tanh(scores / softcap) * softcap
+    scores = reference.cap(scores, softcap)
     q_len, k_len = scores.shape[-2:]
     if mask is None:
         mask = torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device).tril(k_len - q_len)

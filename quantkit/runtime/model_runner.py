@@ -21,6 +21,7 @@ from torch import nn
 
 from quantkit import ops
 from quantkit.errors import QuantkitError
+from quantkit.kernels import reference
 from quantkit.models.arch import arch_for, get_module, unsupported_features
 from quantkit.runtime.qlinear import fuse_linears, prepack
 
@@ -241,9 +242,7 @@ class ModelRunner:
             gate, up = layer.gate_up(layer.pre_mlp_norm(x)).chunk(2, dim=-1)
             x = x + layer.post_mlp_norm(layer.down_proj(layer.act(gate) * up))
         logits = self.lm_head(self.final_norm(x[b.logits_indices]))
-        if self.final_softcap is not None:
-            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
-        return logits
+        return reference.cap(logits, self.final_softcap)
 
 
 def check_supported(model: nn.Module) -> None:
