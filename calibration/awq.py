@@ -360,8 +360,9 @@ def awq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_
                 block, spec, name, f"{prefix}.{name}", feats, summed, loaded, record, o.clip, args, scale_dtype, results
             )
 
-    if record is not None:
+    if record is not None:  # carried from block to block: a resumed run restores it
         step.finish = lambda: _write_search(Path(o.save_search), record)
+        step.state, step.restore = lambda: dict(record), record.update
     return step
 
 

@@ -11,6 +11,7 @@ the device at a time; the rest of the model stays on the CPU.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -90,6 +91,25 @@ def capture_block_inputs(
     return hidden, kwargs
 
 
+class InMemory:
+    """Blocks that are already in memory and stay there: what `run_blocks` does by default.
+    A streaming run passes its own (see `pipeline.quantize`): `load` reads a block's
+    weights, `done` writes and releases them, and `start`/`hidden` resume a run."""
+
+    start = 0  # the first block to run
+    hidden = None  # block `start`'s inputs per batch, when they were saved; else captured
+
+    def capture(self):
+        """Context in which block 0's inputs are captured (the embeddings must be present)."""
+        return contextlib.nullcontext()
+
+    def load(self, index: int, block: nn.Module) -> None:
+        pass
+
+    def done(self, index: int, block: nn.Module, outputs: list[torch.Tensor] | None) -> None:
+        pass
+
+
 @torch.no_grad()
 def run_blocks(
     model: nn.Module,
@@ -99,19 +119,29 @@ def run_blocks(
     batch_size: int = 8,
     device: str | torch.device = "cpu",
     track: Track = no_progress,
+    io: InMemory | None = None,
 ) -> None:
     """Call `step` on every decoder block in order, feeding each the previous block's
-    quantized outputs. With `samples` None, steps get no inputs (e.g. RTN)."""
+    quantized outputs. With `samples` None, steps get no inputs (e.g. RTN). `io` says
+    where blocks come from and go to (default: the model in memory)."""
     device = torch.device(device)
+    io = io or InMemory()
     blocks = get_module(model, spec.blocks)
-    hidden, kwargs = (
-        capture_block_inputs(model, spec, samples, batch_size, device) if samples is not None else (None, None)
-    )
-    for i in track(range(len(blocks)), "blocks", len(blocks)):
+    hidden = kwargs = None
+    if samples is not None:
+        with io.capture():
+            hidden, kwargs = capture_block_inputs(model, spec, samples, batch_size, device)
+        if io.hidden is not None:
+            hidden = [h.to(device) for h in io.hidden]
+    n = len(blocks)
+    label = "blocks" if io.start == 0 else f"blocks (resumed at {io.start + 1}/{n})"
+    for i in track(range(io.start, n), label, n - io.start):
+        io.load(i, blocks[i])
         block = blocks[i].to(device)
         inputs = None if hidden is None else BlockInputs(hidden, kwargs[i])
         step(i, f"{spec.blocks}.{i}", block, inputs)
         if inputs is not None:  # the last block too: KV-cache calibration observes this pass
             hidden = inputs.run(block)
         blocks[i].to("cpu")
+        io.done(i, blocks[i], hidden)
         trim_freed_memory()  # the block's temporaries (see quantkit.malloc)

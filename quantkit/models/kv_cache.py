@@ -154,6 +154,21 @@ def _set_buffer(module: torch.nn.Module, name: str, value: torch.Tensor) -> None
     module.register_buffer(name, value)
 
 
+def store_layer_scales(attn: torch.nn.Module, args: QuantArgs) -> None:
+    """Give one attention module `k_scale` / `v_scale` buffers (fp32) from what its `KVState`
+    recorded, without fake-quantizing later forwards: what `quantize_kv` stores for that
+    layer, for a model calibrated (and written) one block at a time."""
+    check_kv_args(args)
+    s = getattr(attn, STATE_ATTR, None)
+    if not isinstance(s, KVState) or s.k_amax is None:
+        raise QuantkitError(
+            f"{s.name if s else 'an attention module'} saw no tokens during KV-cache calibration; "
+            "run the calibration text through it inside record_kv_amax(model)."
+        )
+    _set_buffer(attn, "k_scale", kv_scales(s.k_amax, args).detach().float().reshape(-1).clone())
+    _set_buffer(attn, "v_scale", kv_scales(s.v_amax, args).detach().float().reshape(-1).clone())
+
+
 def quantize_kv(model, scales: dict[int, tuple[torch.Tensor, torch.Tensor]], args: QuantArgs) -> None:
     """From now on fake-quantize K and V in every forward with `scales` (layer index ->
     (k_scale, v_scale), each [1] for strategy tensor or [kv_heads] for attn_head), and keep

@@ -170,8 +170,9 @@ def empty_model(config, dtype: torch.dtype | str | None = None):
         return AutoModelForCausalLM.from_config(config, dtype=dtype), dtype
 
 
-def missing_and_unexpected(model, tensors: dict) -> tuple[set, set]:
-    """The model's state keys the tensors lack (a tied lm_head needs none) and the tensor names it has no place for."""
+def missing_and_unexpected(model, tensors) -> tuple[set, set]:
+    """The model's state keys the tensors (a dict, or any container of names) lack (a tied
+    lm_head needs none) and the tensor names it has no place for."""
     expected = set(model.state_dict())
     missing = expected - set(tensors)
     if getattr(model.config, "tie_word_embeddings", False):
@@ -200,6 +201,66 @@ def _load_owned(path: Path, config, dtype: torch.dtype | None):
             tensors[key] = tensors[key].to(dtype)
     assign_weights(model, tensors)
     return model
+
+
+class _InMemory:
+    """A loaded model's own tensors, served like `TensorFiles` (names transformers translated)."""
+
+    def __init__(self, model):
+        self.tensors = model.state_dict()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def __iter__(self):
+        return iter(self.tensors)
+
+    def read(self, names) -> dict[str, torch.Tensor]:
+        return {n: self.tensors.pop(n) for n in names}
+
+
+def open_float_model(name_or_path, log=None):
+    """(model, tokenizer, path, weights, dtype) of an unquantized model for calibrating it
+    block by block: the model is built with its parameters on the meta device (buffers
+    real, in fp32) and `load_weights` fills one module at a time from `weights`, the
+    checkpoint's files (checked now, so a missing or truncated file is named before any
+    work). `dtype` is the model's own (the config's). When the files' tensor names are
+    not the model's (transformers translates them), the whole model is loaded instead and
+    `weights` serves its tensors from memory."""
+    from quantkit.formats.checkpoint import TensorFiles
+
+    path = resolve_model(name_or_path)
+    config = check_causal_lm(path)
+    if getattr(config, "quantization_config", None) is not None:
+        raise QuantkitError(f"{path} is already quantized; start from the float model.")
+    files = TensorFiles(path)
+    model, dtype = empty_model(config)
+    if any(missing_and_unexpected(model, files)):
+        if log:
+            log(f"the tensor names in {path} are not the model's own; loading the whole model to translate them")
+        model, _, _ = load_float_model(path)
+        files = _InMemory(model)
+    model.eval().float()  # calibration computes in fp32 (parameters still on meta stay there)
+    return model, load_tokenizer(path), path, files, dtype
+
+
+def load_weights(module: nn.Module, prefix: str, weights, dtype: torch.dtype) -> None:
+    """Fill `module`'s parameters and persistent buffers from the tensors `PREFIX.NAME` of
+    `weights`, rounded to the model's `dtype` and then held in fp32 (what loading the model
+    in its dtype and calling .float() gives). What `weights` lacks keeps its value."""
+    names = {k: f"{prefix}.{k}" if prefix else k for k in module.state_dict()}
+    read = weights.read([full for full in names.values() if full in weights])
+    tensors = {}
+    for k, full in names.items():
+        if full in read:
+            t = read.pop(full)
+            tensors[k] = t.to(dtype).float() if t.is_floating_point() else t
+    module.load_state_dict(tensors, strict=False, assign=True)
+
+
+def release_weights(module: nn.Module) -> None:
+    """Drop `module`'s tensors (back to the meta device) once they are no longer needed."""
+    module.to("meta")
 
 
 def load_tokenizer(path: Path):

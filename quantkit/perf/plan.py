@@ -76,11 +76,13 @@ def param_count(config: dict) -> int:
     return config["num_hidden_layers"] * linear + _float_params(config)
 
 
-def linear_bytes(out: int, inp: int, args: QuantArgs | None, static_input: bool = False) -> float:
+def linear_bytes(
+    out: int, inp: int, args: QuantArgs | None, static_input: bool = False, float_bytes: int = FLOAT_BYTES
+) -> float:
     """Bytes of one [out, in] linear in memory: values, scales (and zero points)."""
     if args is None:
-        return out * inp * FLOAT_BYTES
-    scale_bytes = 4 if args.type == "float" else FLOAT_BYTES  # fp8 scales are fp32, int scales model dtype
+        return out * inp * float_bytes
+    scale_bytes = 4 if args.type == "float" else float_bytes  # fp8 scales are fp32, int scales model dtype
     scales = {"group": out * math.ceil(inp / (args.group_size or inp)), "channel": out}.get(args.strategy, 1)
     total = out * inp * args.num_bits / 8 + scales * scale_bytes + (4 if static_input else 0)
     if not args.symmetric:  # zero points, packed like the weights

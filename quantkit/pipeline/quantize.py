@@ -4,7 +4,9 @@ write the checkpoint. What a method needs and makes comes from its registry entr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import os
 import resource
 import time
@@ -18,14 +20,15 @@ from torch import nn
 from quantkit.calibration.datasets import Calibration, calibration_samples, load_documents
 from quantkit.calibration.method import Method, QParams
 from quantkit.calibration.registry import method as method_entry
-from quantkit.calibration.runner import run_blocks
+from quantkit.calibration.runner import InMemory, run_blocks
 from quantkit.errors import QuantkitError
 from quantkit.formats import float_quantized, pack_quantized
-from quantkit.formats.checkpoint import check_output, save_checkpoint
-from quantkit.malloc import trim_freed_memory
+from quantkit.formats.checkpoint import SHARD_BYTES, check_disk, check_output, parse_size
 from quantkit.models import kv_cache
 from quantkit.models.arch import ArchSpec, arch_for, get_module
-from quantkit.models.loading import load_float_model
+from quantkit.models.loading import load_weights, open_float_model, release_weights
+from quantkit.perf.plan import linear_bytes
+from quantkit.pipeline.stream import PartialRun
 from quantkit.primitives import check_group_size
 from quantkit.progress import Track, no_progress
 from quantkit.scheme import PRESETS, QuantScheme, fit_group_size, to_quantization_config
@@ -61,27 +64,32 @@ def pack_model(
         state.pop("lm_head.weight", None)
     tensors = {}
     for key in list(state):
-        t = state.pop(key)
-        module = key.rsplit(".", 1)[0]
-        if module in results and key.endswith(".weight"):
-            p, args = results[module], scheme.scheme_for(module).weights
-            if scheme.format == "float-quantized":
-                packed = float_quantized.compress(t, p.scale, args, p.input_scale)
-            else:
-                packed = pack_quantized.compress(t, p.scale, p.zero_point, args, p.g_idx)
-            tensors.update({f"{module}.{k}": v for k, v in packed.items()})
-            if release:
-                get_module(model, module).weight = None
-        else:
-            keep = not t.is_floating_point() or key.endswith("_scale")  # KV-cache scales stay fp32
-            tensors[key] = t if keep else t.to(dtype)
+        tensors.update(pack_tensor(key, state.pop(key), scheme, results, dtype))
+        if release and key.rsplit(".", 1)[0] in results:
+            get_module(model, key.rsplit(".", 1)[0]).weight = None
     return tensors
 
 
-def checkpoint_config(model: nn.Module, scheme: QuantScheme, results: dict[str, QParams], dtype) -> dict:
-    """config.json of the quantized model: the float config plus `quantization_config`."""
+def pack_tensor(key: str, t: torch.Tensor, scheme: QuantScheme, results: dict[str, QParams], dtype) -> dict:
+    """What the checkpoint holds for the state entry `key`: a quantized linear's weight
+    packed (its name's tensors), anything else in `dtype` (KV-cache scales stay fp32)."""
+    module = key.rsplit(".", 1)[0]
+    if module in results and key.endswith(".weight"):
+        p, args = results[module], scheme.scheme_for(module).weights
+        if scheme.format == "float-quantized":
+            packed = float_quantized.compress(t, p.scale, args, p.input_scale)
+        else:
+            packed = pack_quantized.compress(t, p.scale, p.zero_point, args, p.g_idx)
+        return {f"{module}.{k}": v for k, v in packed.items()}
+    keep = not t.is_floating_point() or key.endswith("_scale")
+    return {key: t if keep else t.to(dtype)}
+
+
+def checkpoint_config(model: nn.Module, scheme: QuantScheme, quantized, dtype) -> dict:
+    """config.json of the quantized model: the float config plus `quantization_config`
+    (`quantized`: the names of the quantized linears)."""
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    ignore = tuple(n for n in linears if n not in results)
+    ignore = tuple(n for n in linears if n not in quantized)
     config = model.config.to_dict()
     config["dtype"] = str(dtype).removeprefix("torch.")
     config["quantization_config"] = to_quantization_config(scheme.replace(ignore=ignore))
@@ -201,6 +209,9 @@ def _make_step(
             s(index, prefix, block, inputs)
 
     step.finish = lambda: [s.finish() for s in steps if hasattr(s, "finish")]
+    # what steps carry from block to block (saved at each commit, restored by --resume)
+    step.state = lambda: [s.state() if hasattr(s, "state") else None for s in steps]
+    step.restore = lambda saved: [s.restore(x) for s, x in zip(steps, saved) if x is not None]
     return step
 
 
@@ -217,12 +228,19 @@ def quantize(
     log: Callable[[str], None] | None = None,
     recipe: dict | None = None,
     transforms: list[tuple[str, dict | object]] = (),
+    resume: bool = False,
+    max_shard_size: int | str = SHARD_BYTES,
 ) -> dict:
     """Quantize `model_name` with `method` (rtn, awq, gptq, fp8; see the registry) and write
     the checkpoint to `out`. `options` are the method's (a dict or its options dataclass);
     `transforms` (name, options) run on each block first (smooth). `recipe` (the
     `quantkit run` recipe this call carries out) is recorded in the provenance. Returns the
-    provenance it recorded."""
+    provenance it recorded.
+
+    The model streams: each block's float weights are read from the model's files when
+    its turn comes and released once its packed tensors are written (into shards of
+    `max_shard_size` bytes), so memory holds one block, not the model. A run that was
+    killed continues from its last finished block with `resume`."""
     m = method_entry(method)
     if m.role != "weights":
         raise QuantkitError(f"{method} does not quantize weights; use rtn, awq, gptq or fp8.")
@@ -230,13 +248,12 @@ def quantize(
     check_method(m, scheme, transforms)
     options = _options(m, options)
     calibration = calibration or Calibration()
+    max_shard_bytes = parse_size(max_shard_size)
     out = Path(out)
     check_output(out, overwrite)
     start = time.perf_counter()
-    model, tokenizer, source = load_float_model(model_name, owned=True)
-    trim_freed_memory()  # what loading left behind
+    model, tokenizer, source, weights, dtype = open_float_model(model_name, log)
     spec = arch_for(model.config)
-    dtype = model.dtype
     scheme = _fit_groups(model, spec, scheme, log)
     linears = list(quantized_linears(model, spec, scheme))  # validates group sizes before any work
     if any(x.folds_scales for x in (m, *(t for t, _ in transforms))):
@@ -245,38 +262,153 @@ def quantize(
     kv = scheme.kv_cache
     step = _make_step(m, options, transforms, spec, scheme, linears, dtype, results, log)
     needs_data = m.needs_data(scheme, options) or any(t.needs_data(scheme, o) for t, o in transforms)
-    samples = None
-    if needs_data or kv is not None:
-        c = calibration
-        samples = calibration_samples(tokenizer, load_documents(c.dataset, "calib"), c.samples, c.seq_len, c.seed)
-    model.float()
-    if kv is None:
-        run_blocks(model, spec, step, samples, batch_size=calibration.batch_size, device=device, track=track)
-    else:
-        with kv_cache.record_kv_amax(model):
-            run_blocks(model, spec, _observe_kv_after(step, spec), samples, calibration.batch_size, device, track)
-        kv_cache.quantize_kv(model, kv_cache.calibrated_scales(model, kv), kv)
-    step.finish()
-    tensors = pack_model(model, scheme, results, dtype, release=True)
-    provenance = {
-        "quantkit_version": __version__,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "model": str(model_name),
-        "algorithm": method,
-        "scheme": scheme.name,
-        "weights": dataclasses.asdict(scheme.weights),
-        "input_activations": dataclasses.asdict(scheme.input_activations) if scheme.input_activations else None,
-        "kv_cache": dataclasses.asdict(kv) if kv else None,
-        "calibration": dataclasses.asdict(calibration) if samples is not None else None,
+    args = {
+        "model": str(source),
+        "model_files": {f.name: f.stat().st_size for f in sorted(Path(source).glob("*.safetensors"))},
+        "method": method,
+        "scheme": dataclasses.asdict(scheme),
         "options": dataclasses.asdict(options),
         "transforms": {t.name: dataclasses.asdict(o) for t, o in transforms},
-        "quantized_linears": len(results),
-        "wall_time_s": round(time.perf_counter() - start, 2),
-        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "recipe": recipe,
+        "calibration": dataclasses.asdict(calibration) if needs_data or kv is not None else None,
+        "device": device,
+        "max_shard_size": max_shard_bytes,
     }
-    save_checkpoint(out, tensors, checkpoint_config(model, scheme, results, dtype), provenance, source, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    run = PartialRun(out, args, overwrite=overwrite, resume=resume, max_shard_bytes=max_shard_bytes, log=log)
+    try:
+        _check_disk(run, model, spec, scheme, linears, dtype, calibration if args["calibration"] else None)
+        samples = None
+        if (needs_data or kv is not None) and run.next_block < len(get_module(model, spec.blocks)):
+            c = calibration
+            samples = calibration_samples(tokenizer, load_documents(c.dataset, "calib"), c.samples, c.seq_len, c.seed)
+        io = _Stream(model, spec, scheme, weights, dtype, results, run, step)
+        if run.step_state is not None:
+            step.restore(run.step_state)
+        block_step = step if kv is None else _observe_kv_after(step, spec)
+        with kv_cache.record_kv_amax(model) if kv is not None else contextlib.nullcontext():
+            if run.next_block < len(get_module(model, spec.blocks)):
+                run_blocks(model, spec, block_step, samples, calibration.batch_size, device, track, io)
+        step.finish()
+        if not run.tail_written:
+            io.write_tail()
+        provenance = {
+            "quantkit_version": __version__,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "model": str(model_name),
+            "algorithm": method,
+            "scheme": scheme.name,
+            "weights": dataclasses.asdict(scheme.weights),
+            "input_activations": dataclasses.asdict(scheme.input_activations) if scheme.input_activations else None,
+            "kv_cache": dataclasses.asdict(kv) if kv else None,
+            "calibration": args["calibration"],
+            "options": dataclasses.asdict(options),
+            "transforms": {t.name: dataclasses.asdict(o) for t, o in transforms},
+            "quantized_linears": len(linears),
+            "wall_time_s": round(time.perf_counter() - start, 2),
+            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "recipe": recipe,
+        }
+        if not run.started:
+            provenance["resumed_at_block"] = io.resumed_at
+        run.complete(checkpoint_config(model, scheme, set(linears), dtype), provenance, source)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise QuantkitError(
+                f"the disk under {out.parent} filled up while writing; free space and rerun with --resume."
+            ) from None
+        raise
     return provenance
+
+
+class _Stream(InMemory):
+    """How `run_blocks` gets and leaves each block in a streaming run: weights read from the
+    model's files before the block, packed tensors written (and the run committed) after."""
+
+    def __init__(self, model, spec, scheme, weights, dtype, results, run: PartialRun, step):
+        self.model, self.spec, self.scheme, self.weights = model, spec, scheme, weights
+        self.dtype, self.results, self.run, self.step = dtype, results, run, step
+        self.start, self.hidden, self.resumed_at = run.next_block, run.hidden, run.next_block
+        keys = list(model.state_dict())
+        if getattr(model.config, "tie_word_embeddings", False):
+            keys.remove("lm_head.weight")
+        inside = [k.startswith(spec.blocks + ".") for k in keys]
+        first = inside.index(True)
+        last = len(inside) - inside[::-1].index(True)
+        self.head, self.tail = keys[:first], keys[last:]
+        self.base = get_module(model, spec.blocks.rsplit(".", 1)[0])
+        self.blocks = get_module(model, spec.blocks)
+        if run.started:
+            self._copy(self.head)
+            run.commit(0)
+
+    def _copy(self, keys: list[str]) -> None:
+        """Write tensors that calibration leaves alone, read one at a time in the model's dtype."""
+        state = self.model.state_dict()
+        for key in keys:
+            t = self.weights.read([key])[key] if key in self.weights else state[key]
+            for name, packed in pack_tensor(key, t, self.scheme, {}, self.dtype).items():
+                self.run.writer.add(name, packed)
+
+    @contextlib.contextmanager
+    def capture(self):
+        base = self.spec.blocks.rsplit(".", 1)[0]
+        others = [(n, c) for n, c in self.base.named_children() if c is not self.blocks]
+        for name, child in others:
+            load_weights(child, f"{base}.{name}", self.weights, self.dtype)
+        try:
+            yield
+        finally:
+            for _, child in others:
+                if any(True for _ in child.parameters()):
+                    release_weights(child)
+
+    def load(self, index: int, block: nn.Module) -> None:
+        load_weights(block, f"{self.spec.blocks}.{index}", self.weights, self.dtype)
+
+    def done(self, index: int, block: nn.Module, outputs) -> None:
+        prefix = f"{self.spec.blocks}.{index}"
+        if self.scheme.kv_cache is not None:
+            kv_cache.store_layer_scales(get_module(block, self.spec.attention), self.scheme.kv_cache)
+        for key, t in block.state_dict(prefix=prefix + ".").items():
+            for name, packed in pack_tensor(key, t, self.scheme, self.results, self.dtype).items():
+                self.run.writer.add(name, packed)
+        for name in [n for n in self.results if n.startswith(prefix + ".")]:
+            del self.results[name]
+        release_weights(block)
+        last = index + 1 == len(self.blocks)
+        self.run.commit(index + 1, None if last else outputs, self.step.state())
+
+    def write_tail(self) -> None:
+        self._copy(self.tail)
+        self.run.commit(len(self.blocks), tail_written=True)
+
+
+def _check_disk(run: PartialRun, model, spec, scheme, linears, dtype, calibration) -> None:
+    """Refuse to start when the rest of the checkpoint (plus one shard rewritten at the end,
+    and the saved inputs of two blocks) will not fit on the output's disk."""
+    size = checkpoint_bytes(model, scheme, linears, dtype)
+    inputs = 0
+    if calibration is not None:
+        inputs = 2 * calibration.samples * calibration.seq_len * model.config.get_text_config().hidden_size * 4
+    need = max(0, size - run.writer.total_bytes) + min(size, run.writer.max_bytes) + inputs + (16 << 20)
+    check_disk(run.folder, need)
+
+
+def checkpoint_bytes(model: nn.Module, scheme: QuantScheme, linears: list[str], dtype: torch.dtype) -> int:
+    """About how many bytes of tensors the checkpoint will hold, from the (empty) model's shapes."""
+    quantized, total = set(linears), 0
+    state = model.state_dict()
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    for key, t in state.items():
+        module = key.rsplit(".", 1)[0]
+        if module in quantized and key.endswith(".weight"):
+            s = scheme.scheme_for(module)
+            static = s.input_activations is not None and not s.input_activations.dynamic
+            total += linear_bytes(*t.shape, s.weights, static, float_bytes=dtype.itemsize)
+        else:
+            total += t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size())
+    return int(total)
 
 
 def _fit_groups(model: nn.Module, spec: ArchSpec, scheme: QuantScheme, log) -> QuantScheme:

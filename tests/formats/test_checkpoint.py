@@ -43,7 +43,7 @@ def test_failure_leaves_nothing_behind(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("interrupted")
 
-    monkeypatch.setattr(ckpt, "save_file", boom)
+    monkeypatch.setattr(ckpt.ShardWriter, "finish", boom)
     with pytest.raises(RuntimeError):
         ckpt.save_checkpoint(tmp_path / "c", tensors(), {}, {})
     assert list(tmp_path.iterdir()) == []
@@ -97,3 +97,93 @@ def test_our_reader_equals_safetensors_for_every_dtype(tmp_path):
         assert ours[k].dtype == theirs[k].dtype and torch.equal(
             ours[k].view(-1).view(torch.uint8), theirs[k].view(-1).view(torch.uint8)
         ), k
+
+
+DTYPES = (
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.float8_e4m3fn,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+)
+
+
+def mixed_tensors(n=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for i in range(n):
+        dt = DTYPES[int(torch.randint(len(DTYPES), (1,), generator=g))]
+        rows = int(torch.randint(0, 4, (1,), generator=g))
+        out[f"model.layers.{int(torch.randint(0, 30, (1,), generator=g))}.t{i}"] = (
+            torch.randn(rows, 3, generator=g) * 10
+        ).to(dt)
+    out["scalar"] = torch.tensor(2.5)
+    return out
+
+
+def test_shard_writer_is_byte_identical_to_save_file(tmp_path):
+    # the reference: safetensors' own writer orders tensors by dtype (descending), then name
+    from safetensors.torch import save_file
+
+    t = mixed_tensors()
+    save_file(t, tmp_path / "ref.safetensors", metadata={"format": "pt"})
+    (tmp_path / "w").mkdir()
+    w = ckpt.ShardWriter(tmp_path / "w")
+    for k, v in t.items():
+        w.add(k, v)
+    assert w.finish() == ["model.safetensors"]
+    assert (tmp_path / "w" / "model.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["model.safetensors"]  # data files gone
+
+
+def test_shard_writer_resumes_from_its_state(tmp_path):
+    t = list(mixed_tensors(30, seed=1).items())
+    straight, resumed = tmp_path / "a", tmp_path / "b"
+    straight.mkdir(), resumed.mkdir()
+    w = ckpt.ShardWriter(straight, max_bytes=64)
+    for k, v in t:
+        w.add(k, v)
+    names = w.finish()
+    assert len(names) > 2 and names[0] == f"model-00001-of-{len(names):05d}.safetensors"
+    w = ckpt.ShardWriter(resumed, max_bytes=64)
+    for k, v in t[:17]:
+        w.add(k, v)
+    state = json.loads(json.dumps(w.state()))  # what a crashed run left on disk
+    for k, v in t[17:25]:  # written after the state was taken: dropped on resume
+        w.add(k, torch.zeros_like(v))
+    w._close()
+    w = ckpt.ShardWriter(resumed, max_bytes=64, state=state)
+    for k, v in t[17:]:
+        w.add(k, v)
+    assert w.finish() == names
+    for name in [*names, "model.safetensors.index.json"]:
+        assert (resumed / name).read_bytes() == (straight / name).read_bytes(), name
+    back = ckpt.read_tensors(resumed)
+    assert all(torch.equal(back[k].view(-1).view(torch.uint8), v.view(-1).view(torch.uint8)) for k, v in t)
+
+
+def test_missing_shard_is_named(tmp_path, monkeypatch):
+    monkeypatch.setattr(ckpt, "SHARD_BYTES", 100)
+    out = ckpt.save_checkpoint(tmp_path / "c", {f"w{i}": torch.randn(8) for i in range(5)}, {}, {})
+    (out / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(QuantkitError, match="model-00002-of-00002.safetensors is missing"):
+        ckpt.TensorFiles(out)
+
+
+@pytest.mark.parametrize(
+    "text, size", [("5GB", 5 * 10**9), ("500MB", 5 * 10**8), ("2GiB", 2 * 2**30), ("1000", 1000), ("1.5 kb", 1500)]
+)
+def test_parse_size(text, size):
+    assert ckpt.parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "five", "5XB", "-1GB", "0"])
+def test_parse_size_refuses(text):
+    with pytest.raises(QuantkitError, match="write it like 5GB"):
+        ckpt.parse_size(text)

@@ -1,0 +1,136 @@
+"""A quantize run written to disk as it goes, and resumable after a crash.
+
+The checkpoint's tensors go block by block into shards inside the hidden `.NAME.partial`
+folder beside the output (see `formats.checkpoint.ShardWriter`). After each block the run
+commits: the shards' data is fsynced, the inputs the next block receives (and any state a
+step carries from block to block) are saved, and `quantkit-resume.json` is replaced
+atomically. A run killed at any moment restarts from its last commit, so it writes what an
+uninterrupted run would, byte for byte. The folder is renamed into place only when the
+checkpoint is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.formats.checkpoint import SHARD_BYTES, ShardWriter, complete
+
+STATE = "quantkit-resume.json"
+
+
+def _inputs_file(block: int) -> str:
+    return f"inputs-{block:05d}.pt"
+
+
+def _flat(d, prefix: str = "") -> dict:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out = {}
+    for k, v in d.items():
+        out |= _flat(v, f"{prefix}.{k}" if prefix else str(k))
+    return out
+
+
+def _differs(saved: dict, now: dict) -> str | None:
+    """The first argument (dotted key) whose value differs, with both values."""
+    a, b = _flat(saved), _flat(json.loads(json.dumps(now)))
+    for key in [*a, *(k for k in b if k not in a)]:
+        if a.get(key) != b.get(key):
+            return f"{key} = {json.dumps(a.get(key))}, not {json.dumps(b.get(key))}"
+    return None
+
+
+def _fsync_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class PartialRun:
+    """The hidden folder one quantize run writes into. `args` (JSON-able) identify the run:
+    `resume` continues a folder left by a run with the same args; without it an existing
+    folder is refused, or with `overwrite` deleted."""
+
+    def __init__(
+        self,
+        out: Path,
+        args: dict,
+        *,
+        overwrite: bool = False,
+        resume: bool = False,
+        max_shard_bytes: int = SHARD_BYTES,
+        log=None,
+    ):
+        self.out, self.args = Path(out), args
+        self.folder = self.out.parent / f".{self.out.name}.partial"
+        state = None
+        if self.folder.exists():
+            if not resume and not overwrite:
+                raise QuantkitError(
+                    f"an interrupted run left {self.folder}; pass --resume to continue it or --overwrite to start over."
+                )
+            if resume and (self.folder / STATE).is_file():
+                state = json.loads((self.folder / STATE).read_text())
+                diff = _differs(state["args"], args)
+                if diff:
+                    raise QuantkitError(
+                        f"--resume: the interrupted run in {self.folder} was started with {diff}; "
+                        "rerun with its arguments or pass --overwrite to start over."
+                    )
+        elif resume and log:
+            log(f"nothing to resume in {self.folder}; starting from the first block")
+        if state is None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder.mkdir(parents=True)
+        self.writer = ShardWriter(self.folder, max_shard_bytes, state and state["writer"])
+        self.next_block = state["next_block"] if state else 0
+        self.tail_written = bool(state and state["tail_written"])
+        self.started = state is None
+        self.hidden, self.step_state = None, None
+        for f in self.folder.glob("inputs-*.pt*"):
+            if not state or f.name != state["inputs"]:
+                f.unlink()
+        if state and state["inputs"]:
+            saved = torch.load(self.folder / state["inputs"], weights_only=True)
+            self.hidden, self.step_state = saved["hidden"], saved["steps"]
+
+    def commit(self, next_block: int, hidden=None, step_state=None, tail_written: bool = False) -> None:
+        """Make everything written so far durable, with what block `next_block` receives."""
+        writer = self.writer.state()
+        inputs = None
+        if hidden is not None:
+            inputs = _inputs_file(next_block)
+            tmp = self.folder / (inputs + ".tmp")
+            torch.save({"hidden": [h.cpu() for h in hidden], "steps": step_state}, tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, self.folder / inputs)
+        state = {
+            "args": self.args,
+            "next_block": next_block,
+            "tail_written": tail_written,
+            "inputs": inputs,
+            "writer": writer,
+        }
+        _fsync_write(self.folder / STATE, json.dumps(state).encode())
+        for f in self.folder.glob("inputs-*.pt"):
+            if f.name != inputs:
+                f.unlink()
+        self.next_block, self.tail_written = next_block, tail_written
+
+    def complete(self, config: dict, provenance: dict, source: Path | None) -> Path:
+        """Write the safetensors files and metadata, and rename the folder into place."""
+        self.writer.finish()
+        for f in [*self.folder.glob("inputs-*.pt*"), self.folder / STATE]:
+            f.unlink(missing_ok=True)
+        complete(self.folder, self.out, config, provenance, source)
+        return self.out
