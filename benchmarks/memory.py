@@ -1,13 +1,15 @@
-"""Peak memory of calibration against the float weights, on a random Llama saved to disk.
+"""Peak memory of calibration against the float weights, on random Llamas saved to disk.
 
-    python benchmarks/memory.py [--algorithm gptq] [--out /tmp/qk-memory] [--layers 22]
+    python benchmarks/memory.py [--algorithm gptq] [--out /tmp/qk-memory] [--layers 22 6]
 
 Builds (once) a random Llama of TinyLlama-1.1B's shapes (hidden 2048, intermediate 5632,
-32 heads / 4 KV heads, vocab 32000; --layers of them) in fp32 with a tiny tokenizer,
-then quantizes it (w4a16 group 128; GPTQ with act-order static) in a fresh process,
+32 heads / 4 KV heads, vocab 32000) per --layers count, in fp32 with a tiny tokenizer,
+then quantizes each (w4a16 group 128; GPTQ with act-order static) in a fresh process,
 calibrated on `news` 16 × 256 tokens, while this process samples that one's resident
-memory every 0.2 s from /proc. Prints the float weights' size, the peak RSS and when it
-happened, and the RSS over time (about 40 samples), so growth from block to block shows.
+memory every 0.2 s from /proc. Prints per model the float weights' size, the peak RSS and
+when it happened, and the RSS over time (about 40 samples), so growth from block to block
+shows; then the peaks side by side, as ratios to the smallest model's. Calibration streams
+the weights, so the peak should not grow with the number of layers.
 """
 
 from __future__ import annotations
@@ -66,30 +68,43 @@ def rss_gib(pid: int) -> float | None:
         return None
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--algorithm", default="gptq", choices=["gptq", "awq", "rtn"])
-    p.add_argument("--out", type=Path, default=Path("/tmp/qk-memory"))
-    p.add_argument("--layers", type=int, default=22)
-    a = p.parse_args()
-    model = a.out / f"llama-{a.layers}-layers"
-    if not (model / "config.json").exists():
-        build(model, a.layers)  # in this process: its memory is not the one measured
+def measure(model: Path, out: Path, algorithm: str) -> tuple[float, float, float]:
+    """(float weights GiB, peak RSS GiB, wall s) of quantizing `model` in a fresh process."""
     weights = sum(f.stat().st_size for f in model.glob("*.safetensors")) / 2**30
-    proc = subprocess.Popen([sys.executable, "-c", QUANTIZE, str(model), str(a.out / a.algorithm), a.algorithm])
+    proc = subprocess.Popen([sys.executable, "-c", QUANTIZE, str(model), str(out), algorithm])
     start, samples = time.time(), []
     while proc.poll() is None:
         if (r := rss_gib(proc.pid)) is not None:
             samples.append((time.time() - start, r))
         time.sleep(0.2)
     if proc.returncode or not samples:
-        sys.exit(f"the {a.algorithm} run failed (exit {proc.returncode}).")
+        sys.exit(f"the {algorithm} run on {model.name} failed (exit {proc.returncode}).")
     t, peak = max(samples, key=lambda s: s[1])
     print(
-        f"float weights {weights:.2f} GiB; {a.algorithm}: peak RSS {peak:.2f} GiB at {t:.0f} s of "
-        f"{samples[-1][0]:.0f} s ({peak - weights:.2f} GiB above the weights)"
+        f"{model.name}: float weights {weights:.2f} GiB; {algorithm}: peak RSS {peak:.2f} GiB at {t:.0f} s "
+        f"of {samples[-1][0]:.0f} s"
     )
-    print("RSS over time (s:GiB): " + " ".join(f"{t:.0f}:{r:.2f}" for t, r in samples[:: max(1, len(samples) // 40)]))
+    print("  RSS over time (s:GiB): " + " ".join(f"{t:.0f}:{r:.2f}" for t, r in samples[:: max(1, len(samples) // 40)]))
+    return weights, peak, samples[-1][0]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--algorithm", default="gptq", choices=["gptq", "awq", "rtn"])
+    p.add_argument("--out", type=Path, default=Path("/tmp/qk-memory"))
+    p.add_argument("--layers", type=int, nargs="+", default=[22, 6])
+    a = p.parse_args()
+    rows = []
+    for layers in a.layers:
+        model = a.out / f"llama-{layers}-layers"
+        if not (model / "config.json").exists():
+            build(model, layers)  # in this process: its memory is not the one measured
+        rows.append((layers, *measure(model, a.out / f"{a.algorithm}-{layers}", a.algorithm)))
+    base = min(rows)  # the fewest layers
+    print(f"\n| layers | float weights | {a.algorithm} peak RSS | peak / {base[0]}-layer peak | wall |")
+    print("| --- | --- | --- | --- | --- |")
+    for layers, weights, peak, wall in rows:
+        print(f"| {layers} | {weights:.2f} GiB | {peak:.2f} GiB | {peak / base[2]:.2f} | {wall:.0f} s |")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ def quantize(
     kv_per_head: bool = False,
     smooth: bool = False,
     overwrite: bool = False,
+    resume: bool = False,
+    max_shard_size: int | str = "5GB",
     device: str = "cpu",
     track: Track = no_progress,
     log: Callable[[str], None] | None = None,
@@ -38,6 +40,9 @@ def quantize(
     "none") defaults to the method's ("static" for gptq); `options` are the method's own (e.g.
     grid=10 for awq, damp=0.05 for gptq; see `quantkit.calibration.registry`); `kv_cache`
     ("fp8"/"int8") also calibrates KV-cache scales; `smooth` runs SmoothQuant first (fp8).
+    The model streams block by block from its files; `resume` continues a run that was
+    interrupted (same arguments) from its last finished block; the checkpoint is written in
+    safetensors shards of at most `max_shard_size` (e.g. "5GB", "500MB").
 
         quantkit.quantize("smollm2-135m", "out/awq", "awq", "w4a16-asym", group_size=64)
     """
@@ -60,8 +65,9 @@ def quantize(
         "calibration": dataclasses.asdict(calibration or Calibration()),
         "output": str(output),
         "device": device,
+        "max_shard_size": str(max_shard_size),
     }
-    return run_recipe(from_dict(raw), overwrite=overwrite, track=track, log=log)
+    return run_recipe(from_dict(raw), overwrite=overwrite, track=track, log=log, resume=resume)
 
 
 def evaluate(

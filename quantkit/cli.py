@@ -138,6 +138,10 @@ DEVICE = typer.Option("cpu", help="Where each block is quantized (cpu, cuda).")
 JSON = typer.Option(None, "--json", help="Also write the result to this JSON file.")
 QOUTPUT = typer.Option(None, "--output", "-o", help="Folder to write the checkpoint to.")
 PRINT_RECIPE = typer.Option(False, help="Print the equivalent recipe (YAML for `quantkit run`) and exit.")
+RESUME = typer.Option(
+    False, help="Continue an interrupted run from its last finished block (same arguments), byte-identical."
+)
+MAX_SHARD_SIZE = typer.Option("5GB", help="Largest safetensors shard of the checkpoint, e.g. 5GB or 500MB.")
 
 
 def _int4_scheme():
@@ -196,6 +200,7 @@ def _weights_recipe(
     device,
     weights=None,
     before=(),
+    max_shard_size="5GB",
 ) -> dict:
     """The recipe dict a quantizing command means, so each command and `quantkit run` share one path."""
     if kv_cache is not None and kv_cache not in KV_DTYPES:
@@ -209,10 +214,13 @@ def _weights_recipe(
         "calibration": {"dataset": calib, "samples": samples, "seq_len": seq_len, "seed": seed},
         "output": None if output is None else str(output),
         "device": device,
+        "max_shard_size": max_shard_size,
     }
 
 
-def _command_recipe(raw: dict, overwrite: bool, print_recipe: bool, json_path: Path | None = None) -> None:
+def _command_recipe(
+    raw: dict, overwrite: bool, print_recipe: bool, json_path: Path | None = None, resume: bool = False
+) -> None:
     from quantkit.pipeline.recipe import from_dict
 
     recipe = from_dict(raw)
@@ -221,7 +229,7 @@ def _command_recipe(raw: dict, overwrite: bool, print_recipe: bool, json_path: P
         return
     if recipe.output is None:
         raise QuantkitError("-o/--output is missing; name the folder to write the checkpoint to.")
-    _run_recipe(recipe, None, overwrite, json_path)
+    _run_recipe(recipe, None, overwrite, json_path, resume)
 
 
 def _quantize_rows(prov: dict) -> list[tuple[str, object]]:
@@ -265,7 +273,9 @@ def _kv_rows(prov: dict) -> list[tuple[str, object]]:
     ]
 
 
-def _run_recipe(recipe, output: Optional[Path], overwrite: bool, json_path: Path | None = None) -> None:
+def _run_recipe(
+    recipe, output: Optional[Path], overwrite: bool, json_path: Path | None = None, resume: bool = False
+) -> None:
     """Run a recipe, print what was made and the eval gates; a failed gate exits 1 (the
     checkpoint stays written)."""
     from quantkit.pipeline.recipe import run_recipe
@@ -274,7 +284,12 @@ def _run_recipe(recipe, output: Optional[Path], overwrite: bool, json_path: Path
         _quiet_lm_eval()
     with _progress() as track:
         prov = run_recipe(
-            recipe, output, overwrite, track, log=lambda message: console.print(f"[yellow]note:[/] {escape(message)}")
+            recipe,
+            output,
+            overwrite,
+            track,
+            log=lambda message: console.print(f"[yellow]note:[/] {escape(message)}"),
+            resume=resume,
         )
     _write_json(json_path, prov)
     name = "kv" if [s.name for s in recipe.steps] == ["kv"] else prov["algorithm"]
@@ -301,6 +316,8 @@ def rtn(
     seq_len: int = SEQ_LEN,
     seed: int = SEED,
     overwrite: bool = OVERWRITE,
+    resume: bool = RESUME,
+    max_shard_size: str = MAX_SHARD_SIZE,
     device: str = DEVICE,
     print_recipe: bool = PRINT_RECIPE,
     json_path: Optional[Path] = JSON,
@@ -308,11 +325,25 @@ def rtn(
     """Round-to-nearest INT4 weights: the baseline for AWQ and GPTQ (calibration text is used only for --kv-cache)."""
     _command_recipe(
         _weights_recipe(
-            "rtn", model, output, scheme, group_size, calib, samples, seq_len, seed, {}, kv_cache, kv_per_head, device
+            "rtn",
+            model,
+            output,
+            scheme,
+            group_size,
+            calib,
+            samples,
+            seq_len,
+            seed,
+            {},
+            kv_cache,
+            kv_per_head,
+            device,
+            max_shard_size=max_shard_size,
         ),
         overwrite,
         print_recipe,
         json_path,
+        resume,
     )
 
 
@@ -339,6 +370,8 @@ def awq(
     kv_cache: Optional[str] = KV,
     kv_per_head: bool = KV_PER_HEAD,
     overwrite: bool = OVERWRITE,
+    resume: bool = RESUME,
+    max_shard_size: str = MAX_SHARD_SIZE,
     device: str = DEVICE,
     print_recipe: bool = PRINT_RECIPE,
     json_path: Optional[Path] = JSON,
@@ -367,10 +400,12 @@ def awq(
             kv_cache,
             kv_per_head,
             device,
+            max_shard_size=max_shard_size,
         ),
         overwrite,
         print_recipe,
         json_path,
+        resume,
     )
 
 
@@ -394,6 +429,8 @@ def fp8(
     kv_cache: Optional[str] = KV,
     kv_per_head: bool = KV_PER_HEAD,
     overwrite: bool = OVERWRITE,
+    resume: bool = RESUME,
+    max_shard_size: str = MAX_SHARD_SIZE,
     device: str = DEVICE,
     print_recipe: bool = PRINT_RECIPE,
     json_path: Optional[Path] = JSON,
@@ -416,10 +453,12 @@ def fp8(
             kv_per_head,
             device,
             before=before,
+            max_shard_size=max_shard_size,
         ),
         overwrite,
         print_recipe,
         json_path,
+        resume,
     )
 
 
@@ -446,6 +485,8 @@ def gptq(
     kv_cache: Optional[str] = KV,
     kv_per_head: bool = KV_PER_HEAD,
     overwrite: bool = OVERWRITE,
+    resume: bool = RESUME,
+    max_shard_size: str = MAX_SHARD_SIZE,
     device: str = DEVICE,
     print_recipe: bool = PRINT_RECIPE,
     json_path: Optional[Path] = JSON,
@@ -469,10 +510,12 @@ def gptq(
             kv_per_head,
             device,
             {"actorder": act_order} if act_order != "none" else None,
+            max_shard_size=max_shard_size,
         ),
         overwrite,
         print_recipe,
         json_path,
+        resume,
     )
 
 
@@ -488,6 +531,7 @@ def run(
         help="Change a recipe key, e.g. --set calibration.samples=16 or --set steps.0.awq.grid=10 (repeatable).",
     ),
     overwrite: bool = OVERWRITE,
+    resume: bool = RESUME,
     print_recipe: bool = PRINT_RECIPE,
     json_path: Optional[Path] = JSON,
 ):
@@ -499,7 +543,7 @@ def run(
     if print_recipe:
         typer.echo(r.replace(output=str(output) if output else r.output).to_yaml(), nl=False)
         return
-    _run_recipe(r, output, overwrite, json_path)
+    _run_recipe(r, output, overwrite, json_path, resume)
 
 
 def _fraction(value: str | None) -> float | None:
@@ -924,6 +968,37 @@ def _bench_kernels(device: str, quick: bool, threads: int | None, json_path: Pat
     typer.echo(f"\n{kernels.header(device)}\n\n{kernels.to_markdown(rows)}")
 
 
+def _plan_calibration(model, method, samples, seq_len, device, gpu, gflops, json_path) -> None:
+    from quantkit.perf.plan import FP32_TFLOPS, calibration_plan, measure_gflops, model_config
+
+    if gflops is None:
+        if device == "cpu":
+            gflops = measure_gflops("cpu")
+        elif gpu in FP32_TFLOPS:
+            gflops = FP32_TFLOPS[gpu] * 1000
+        else:
+            raise QuantkitError(f"no fp32 rate known for --gpu {gpu}; pass --gflops.")
+    r = calibration_plan(model_config(model), method, samples, seq_len, device, gflops)
+    _write_json(json_path, r)
+    b = r["breakdown"]
+    rows = [
+        ("float weights", _size(r["float_weights_bytes"])),
+        ("peak host memory", _size(r["host_peak_bytes"])),
+        ("  libraries", _size(b["libraries"])),
+        ("  one block in fp32", _size(b["block_weights"])),
+        ("  activations (block inputs, outputs)", _size(b["activations"])),
+        (f"  {method} working set", _size(b["working_set"])),
+        ("  embeddings (while capturing)", _size(b["embeddings"])),
+    ]
+    if device != "cpu":
+        rows.append(("peak device memory", _size(r["device_peak_bytes"])))
+    rows += [
+        ("checkpoint on disk (w4a16 g128)", _size(r["output_bytes"])),
+        ("wall time", f"{r['seconds'] / 60:.0f} min at {gflops:.0f} fp32 GFLOP/s"),
+    ]
+    out.print(_table(f"plan: {method} on {model}, {samples} × {seq_len} tokens, {device}", rows))
+
+
 @command
 def plan(
     model: str = typer.Argument(..., help="Built-in name, local folder or hub id (only config.json is read)."),
@@ -932,12 +1007,25 @@ def plan(
     gpu: str = typer.Option("h100-80gb", help="h100-80gb, a100-80gb, h200, l40s, l4, rtx4090 or cpu."),
     context: int = typer.Option(4096, help="Tokens per sequence."),
     gpu_cost_per_hour: Optional[float] = typer.Option(None, help="Overrides the table's illustrative price."),
+    calibrate: Optional[str] = typer.Option(
+        None, help="Instead: peak memory and wall time of calibrating the model with awq or gptq."
+    ),
+    samples: int = typer.Option(128, help="With --calibrate: calibration rows."),
+    seq_len: int = typer.Option(512, help="With --calibrate: tokens per row."),
+    device: str = typer.Option("cpu", help="With --calibrate: where blocks are calibrated (cpu, or cuda on --gpu)."),
+    gflops: Optional[float] = typer.Option(
+        None, help="With --calibrate: the device's fp32 matmul GFLOP/s (default: measured here, or --gpu's)."
+    ),
     json_path: Optional[Path] = JSON,
 ):
-    """Memory, concurrent sequences, decode-time bounds and cost per scheme, from the config alone."""
+    """Memory, concurrent sequences, decode-time bounds and cost per scheme, from the config alone
+    (with --calibrate: what calibrating it will take)."""
     from quantkit.perf.plan import model_config
     from quantkit.perf.plan import plan as make_plan
 
+    if calibrate is not None:
+        _plan_calibration(model, calibrate, samples, seq_len, device, gpu, gflops, json_path)
+        return
     rows = make_plan(model_config(model), list(scheme), kv_cache, gpu, context, gpu_cost_per_hour)
     _write_json(json_path, rows)
     table = _new_table(
@@ -983,6 +1071,10 @@ def export(
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else _mib(n)
 
 
 @command

@@ -196,6 +196,13 @@ def test_plan_and_bench_commands(tiny_llama, tmp_path):
     assert "w4a16" in r.stdout and "bf16" in r.stdout
     r = runner.invoke(app, ["plan", str(tiny_llama), "--gpu", "tpu9"])
     assert r.exit_code == 2 and "tpu9" in r.output
+    argv = ["plan", str(tiny_llama), "--calibrate", "gptq", "--samples", "16", "--seq-len", "64"]
+    r = runner.invoke(app, [*argv, "--gflops", "50", "--json", str(tmp_path / "p.json")])
+    assert r.exit_code == 0, r.output
+    assert "peak host memory" in r.stdout and "wall time" in r.stdout and "at 50 fp32 GFLOP/s" in r.stdout
+    assert json.loads((tmp_path / "p.json").read_text())["samples"] == 16
+    r = runner.invoke(app, [*argv, "--device", "cuda", "--gpu", "h200"])
+    assert r.exit_code == 0 and "peak device memory" in r.stdout, r.output
     r = runner.invoke(
         app,
         [

@@ -218,3 +218,127 @@ def model_config(name_or_path: str) -> dict:
         f"could not get config.json of {name_or_path!r} (not a local folder, not cached, "
         "and the hub is unreachable or has no such model); check the name."
     )
+
+
+# --- calibration: memory and time of `quantkit awq|gptq` on a model, from its config ---
+
+LIBRARY_BYTES = 0.45 * 2**30  # python, torch, transformers and quantkit loaded (measured: 443 MiB RSS)
+SEARCH_TOKENS, BATCH = 16384, 8  # AWQ scores scales on at most this many tokens; rows per forward
+FP32_TFLOPS = {"h100-80gb": 67, "a100-80gb": 19.5, "h200": 67, "l40s": 91.6, "l4": 30.3, "rtx4090": 82.6}
+# Calibration reaches this fraction of the device's fp32 matmul rate: its passes are many
+# small forwards, rounding, and GPTQ's column loop (fitted on this machine's smollm2 and
+# 1.1B runs; docs/benchmarks.md compares estimates with measurements).
+EFFICIENCY = {"gptq": 0.35, "awq": 0.35}
+_FILE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def calibration_plan(
+    config: dict,
+    method: str = "gptq",
+    samples: int = 128,
+    seq_len: int = 512,
+    device: str = "cpu",
+    gflops: float = 100.0,
+    group_size: int = 128,
+) -> dict:
+    """Peak host and device memory and wall time of calibrating the model `config`
+    describes, as the streaming pipeline runs it: libraries + one block's float weights in
+    fp32 + the calibration activations (a block's inputs and outputs) + the method's
+    working set, or the embeddings while block 0's inputs are captured, whichever is
+    larger; never the whole model. `gflops` is the device's fp32 matmul rate. Also the
+    checkpoint's size on disk (w4a16, `group_size`)."""
+    if method not in EFFICIENCY:
+        raise QuantkitError(f"--calibrate {method!r} is not planned; use awq or gptq.")
+    if samples < 1 or seq_len < 1 or gflops <= 0:
+        raise QuantkitError(f"need samples, seq-len and gflops > 0, got {samples}, {seq_len}, {gflops}.")
+    config = {**config, **(config.get("text_config") or {})}
+    try:
+        h, inter, vocab, layers = (
+            config["hidden_size"],
+            config["intermediate_size"],
+            config["vocab_size"],
+            config["num_hidden_layers"],
+        )
+        shapes = linear_shapes(config)
+    except KeyError as e:
+        raise QuantkitError(f"config.json lacks {e.args[0]!r}; planning needs a decoder-only LM config.") from None
+    file_bytes = _FILE_BYTES.get(str(config.get("torch_dtype") or config.get("dtype") or "float32"), 4)
+    tokens = samples * seq_len
+    attn_width = shapes["o_proj"][1]
+    block_params = sum(o * i for o, i in shapes.values()) + 2 * h
+    block = 4 * block_params + (file_bytes * block_params if file_bytes != 4 else 0)  # fp32, plus the read copy
+    activations = 2 * tokens * h * 4  # the block's inputs and outputs, fp32
+    forward = BATCH * seq_len * (3 * inter + 4 * h) * 4  # one batch's intermediates inside the block
+    if method == "gptq":
+        widest = max(shapes.values(), key=lambda s: s[1] ** 2)  # the largest Hessian: down_proj's
+        out_rows = sum(o for o, i in shapes.values() if i == widest[1])
+        working = 3 * widest[1] ** 2 * 4 + 2 * out_rows * widest[1] * 4  # H, its inverse factor; W and Q
+    else:
+        kept = min(tokens, SEARCH_TOKENS)
+        working = kept * (2 * h + attn_width + inter) * 4  # every linear input of the block, kept for the search
+        working += 2 * kept * max(o for o, _ in shapes.values()) * 4  # one candidate's outputs and reference
+    embed = vocab * h * (4 + (file_bytes if file_bytes != 4 else 0))
+    capture = embed + tokens * h * 4
+    block_phase = block + activations + working + forward
+    on_device = device != "cpu"
+    host = LIBRARY_BYTES + (max(block, tokens * h * 4) if on_device else max(capture, block_phase))
+    device_peak = max(capture, block_phase - (file_bytes * block_params if file_bytes != 4 else 0)) if on_device else 0
+    # time: every matmul the method runs, at `EFFICIENCY` of the device's rate. Per group of
+    # linears that share an input [in, out summed]: GPTQ accumulates XᵀX, factors it and runs
+    # its column loop; AWQ forms XᵀX once and scores `grid` scale candidates with it, then
+    # scores clipping ranges per group from second moments.
+    groups = [
+        (h, shapes["q_proj"][0] + shapes["k_proj"][0] + shapes["v_proj"][0]),
+        (attn_width, h),
+        (h, 2 * inter),
+        (inter, h),
+    ]
+    block_forward = 2 * tokens * sum(o * i for o, i in shapes.values()) + 2 * tokens * seq_len * attn_width
+    if method == "gptq":
+        per_block = 2 * block_forward + sum(2 * tokens * i * i + i**3 / 3 + 2 * o * i * i for i, o in groups)
+    else:
+        kept = min(tokens, SEARCH_TOKENS)
+        per_block = 2 * block_forward + sum(2 * kept * i * i + 20 * 2 * o * i * i for i, o in groups)
+        per_block += sum(2 * kept * i * group_size + 40 * o * i * group_size for i, o in groups)
+    seconds = layers * per_block / (gflops * 1e9 * EFFICIENCY[method])
+    args = QuantArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group_size)
+    output = layers * sum(linear_bytes(o, i, args, float_bytes=file_bytes) for o, i in shapes.values())
+    output += _float_params(config) * file_bytes
+    return {
+        "method": method,
+        "samples": samples,
+        "seq_len": seq_len,
+        "device": device,
+        "layers": layers,
+        "float_weights_bytes": param_count(config) * file_bytes,
+        "host_peak_bytes": host,
+        "device_peak_bytes": device_peak,
+        "seconds": seconds,
+        "output_bytes": output,
+        "breakdown": {
+            "libraries": LIBRARY_BYTES,
+            "block_weights": block,
+            "activations": activations,
+            "working_set": working,
+            "forward": forward,
+            "embeddings": embed,
+        },
+    }
+
+
+def measure_gflops(device: str = "cpu", seconds: float = 0.5) -> float:
+    """This machine's fp32 matmul rate (GFLOP/s) on `device`, measured for about `seconds`."""
+    import time
+
+    import torch
+
+    n = 1024
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    a @ b  # warm up
+    count, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds or count < 3:
+        a @ b
+        count += 1
+        if device != "cpu":
+            torch.cuda.synchronize()
+    return 2 * n**3 * count / elapsed / 1e9

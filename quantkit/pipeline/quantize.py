@@ -9,6 +9,7 @@ import dataclasses
 import errno
 import os
 import resource
+import shutil
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -311,6 +312,10 @@ def quantize(
         if not run.started:
             provenance["resumed_at_block"] = io.resumed_at
         run.complete(checkpoint_config(model, scheme, set(linears), dtype), provenance, source)
+    except QuantkitError:
+        if run.started and run.next_block == 0:  # refused before any block: leave nothing behind
+            shutil.rmtree(run.folder, ignore_errors=True)
+        raise
     except OSError as e:
         if e.errno == errno.ENOSPC:
             raise QuantkitError(

@@ -123,7 +123,7 @@ EVAL: dict[str, tuple[object, Kind]] = {  # the keyword arguments of quantkit.ev
     "max_kld": (None, _optional(NUMBER)),
     "min_top1": (None, _optional((lambda v: FRACTION[0](v) and v <= 1, "a fraction in (0, 1], e.g. 0.9"))),
 }
-TOP = ("model", "scheme", "steps", "calibration", "eval", "output", "device")
+TOP = ("model", "scheme", "steps", "calibration", "eval", "output", "device", "max_shard_size")
 
 
 @dataclass(frozen=True)
@@ -163,6 +163,7 @@ class Recipe:
     eval: dict | None = None  # evaluate_gates keyword arguments, defaults filled in
     output: str | None = None
     device: str = "cpu"
+    max_shard_size: str = "5GB"  # the checkpoint's safetensors shards, at most
 
     def replace(self, **changes) -> Recipe:
         return dataclasses.replace(self, **changes)
@@ -175,7 +176,7 @@ class Recipe:
         d["calibration"] = dataclasses.asdict(self.calibration)
         if self.eval is not None:
             d["eval"] = {k: list(v) if isinstance(v, tuple) else v for k, v in self.eval.items()}
-        return d | {"output": self.output, "device": self.device}
+        return d | {"output": self.output, "device": self.device, "max_shard_size": self.max_shard_size}
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
@@ -373,7 +374,18 @@ def from_dict(d) -> Recipe:
         eval=None if d.get("eval") is None else _eval(d["eval"]),
         output=None if d.get("output") is None else str(_check("output", d["output"], TEXT)),
         device=_check("device", d.get("device", "cpu"), TEXT),
+        max_shard_size=_shard_size(d.get("max_shard_size", "5GB")),
     )
+
+
+def _shard_size(value) -> str:
+    from quantkit.formats.checkpoint import parse_size
+
+    try:
+        parse_size(value)
+    except QuantkitError:
+        raise _bad("max_shard_size", value, "a size such as 5GB, 500MB or 2GiB") from None
+    return str(value)
 
 
 def _canonical(d: dict) -> dict:
@@ -447,12 +459,14 @@ def run_recipe(
     overwrite: bool = False,
     track: Track = no_progress,
     log: Callable[[str], None] | None = None,
+    resume: bool = False,
 ) -> dict:
     """Carry out `recipe`, writing the checkpoint to `output` (default: the recipe's): the
     transforms, the weight step and a following kv step in one `quantize` call, a lone kv
     step through `add_kv_scales`. Eval gates run after the checkpoint is written; their
     report is returned as `provenance["gates"]` (`["failures"]` lists the failed ones).
-    Returns the provenance, which records the recipe."""
+    `resume` continues an interrupted run of the same recipe (see `quantize`). Returns the
+    provenance, which records the recipe."""
     from quantkit.calibration.kv import kv_args
     from quantkit.pipeline.kv import add_kv_scales
     from quantkit.pipeline.quantize import quantize
@@ -466,6 +480,8 @@ def run_recipe(
     kv = next((kv_args(s.options["dtype"], s.options["per_head"]) for s in recipe.steps if s.name == "kv"), None)
     *transforms, weights = [s for s in recipe.steps if s.name != "kv"] or [None]
     if weights is None:
+        if resume:
+            raise QuantkitError("--resume continues weight quantization; a lone kv step runs in one go without it.")
         prov = add_kv_scales(recipe.model, kv, Path(out), recipe.calibration, overwrite, track, recipe=recipe.to_dict())
     else:
         prov = quantize(
@@ -481,6 +497,8 @@ def run_recipe(
             log,
             recipe=recipe.to_dict(),
             transforms=[(t.name, dict(t.options)) for t in transforms],
+            resume=resume,
+            max_shard_size=recipe.max_shard_size,
         )
     if recipe.eval is not None:
         from quantkit.eval.gates import evaluate_gates

@@ -118,3 +118,42 @@ def test_errors_name_the_options(tiny_llama):
     assert param_count(model_config(str(tiny_llama))) > 0
     with pytest.raises(QuantkitError):
         model_config("/no/such/model")
+
+
+def test_calibration_plan_llama2_70b_by_hand():
+    from quantkit.perf.plan import LIBRARY_BYTES, calibration_plan
+
+    config = LLAMA2_70B | {"torch_dtype": "float16"}
+    r = calibration_plan(config, "gptq", samples=128, seq_len=512, gflops=1000)
+    # one block: q, o 8192²; k, v 1024 × 8192; gate, up, down 28672 × 8192; two norms
+    block_params = 2 * 8192**2 + 2 * 1024 * 8192 + 3 * 28672 * 8192 + 2 * 8192
+    assert block_params == 855_654_400
+    b = r["breakdown"]
+    assert b["block_weights"] == block_params * (4 + 2)  # fp32, and the fp16 copy read from disk
+    assert b["activations"] == 2 * 65_536 * 8192 * 4  # 128 × 512 tokens in and out, fp32: 4 GiB
+    assert b["working_set"] == 3 * 28672**2 * 4 + 2 * 8192 * 28672 * 4  # down_proj's H and factors; W and Q
+    assert b["forward"] == 8 * 512 * (3 * 28672 + 4 * 8192) * 4
+    assert b["embeddings"] == 32000 * 8192 * (4 + 2)
+    assert r["host_peak_bytes"] == LIBRARY_BYTES + 5_133_926_400 + 4_294_967_296 + 11_744_051_200 + 1_946_157_056
+    assert 21.9 < r["host_peak_bytes"] / 2**30 < 22.1  # 70B in 22 GiB, against 128 GiB of fp16 weights
+    assert r["float_weights_bytes"] == param_count(LLAMA2_70B) * 2
+    # w4a16 g128 with fp16 scales: half a byte per weight + 2 bytes per 128, plus the float tensors
+    assert (
+        r["output_bytes"] == 80 * (855_638_016 // 2 + 855_638_016 // 64) + (80 * 2 * 8192 + 8192 + 2 * 32000 * 8192) * 2
+    )
+    # the same run with blocks on a GPU: the host holds one block as read, the device the rest
+    g = calibration_plan(config, "gptq", samples=128, seq_len=512, device="cuda", gflops=67_000)
+    assert g["host_peak_bytes"] == LIBRARY_BYTES + 5_133_926_400
+    assert g["device_peak_bytes"] == 4 * block_params + 4_294_967_296 + 11_744_051_200 + 1_946_157_056
+    assert g["seconds"] < r["seconds"] / 60  # a GPU's rate
+
+
+def test_calibration_plan_grows_with_width_not_depth():
+    from quantkit.perf.plan import calibration_plan
+
+    deep = calibration_plan(LLAMA2_7B | {"num_hidden_layers": 80}, "awq")
+    shallow = calibration_plan(LLAMA2_7B, "awq")
+    assert deep["host_peak_bytes"] == shallow["host_peak_bytes"]
+    assert deep["seconds"] == pytest.approx(shallow["seconds"] * 80 / 32)
+    with pytest.raises(QuantkitError, match="--calibrate 'rtn' is not planned; use awq or gptq"):
+        calibration_plan(LLAMA2_7B, "rtn")
