@@ -15,18 +15,9 @@ rounds=${2:-3}
 shift $(( $# < 2 ? $# : 2 ))
 [ "${1:-}" = "--" ] && shift
 extra=("$@")
-repo=$(cd "$(dirname "$0")/.." && pwd)
-work=$(mktemp -d)
-trap 'git -C "$repo" worktree remove --force "$work/tree" >/dev/null 2>&1 || true; rm -rf "$work"' EXIT
-site=$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-
-git -C "$repo" worktree add --detach "$work/tree" "$rev" >/dev/null
-python -m venv "$work/venv"
-# this environment's packages, after the old tree's own (a .pth line, not PYTHONPATH, so the
-# old tree's editable finder is found first)
-echo "$site" > "$("$work/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/deps.pth"
-"$work/venv/bin/python" -m pip install --quiet --no-deps --no-build-isolation -e "$work/tree" 2>/dev/null \
-  || "$work/venv/bin/python" -m pip install --quiet --no-deps -e "$work/tree"
+# shellcheck source=benchmarks/old_tree.sh
+. "$(dirname "$0")/old_tree.sh"
+old_tree "$rev"
 
 args=(smollm2-135m --num-requests 64 --input-len 32:512 --output-len 16:256 --dtype bfloat16 "${extra[@]}")
 run() {  # run NAME PYTHON: one bench, prints output tokens/s
@@ -38,7 +29,7 @@ run() {  # run NAME PYTHON: one bench, prints output tokens/s
 new=() old=()
 for i in $(seq "$rounds"); do
   new+=("$(run new python)")
-  old+=("$(run old "$work/venv/bin/python")")
+  old+=("$(run old "$old_python")")
   echo "round $i: this tree ${new[-1]} tok/s, $rev ${old[-1]} tok/s"
 done
 python - "$rev" "${new[*]}" "${old[*]}" <<'EOF'

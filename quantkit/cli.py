@@ -988,6 +988,7 @@ def _plan_calibration(model, method, samples, seq_len, device, gpu, gflops, json
         ("  one block in fp32", _size(b["block_weights"])),
         ("  activations (block inputs, outputs)", _size(b["activations"])),
         (f"  {method} working set", _size(b["working_set"])),
+        ("  one batch through the block", _size(b["forward"])),
         ("  embeddings (while capturing)", _size(b["embeddings"])),
     ]
     if device != "cpu":

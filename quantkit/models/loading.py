@@ -238,8 +238,9 @@ def open_float_model(name_or_path, log=None):
     if any(missing_and_unexpected(model, files)):
         if log:
             log(f"the tensor names in {path} are not the model's own; loading the whole model to translate them")
-        model, _, _ = load_float_model(path)
-        files = _InMemory(model)
+        loaded, _, _ = load_float_model(path)
+        files = _InMemory(loaded)  # its tensors carry the model's own names; the empty model stays
+        del loaded
     model.eval().float()  # calibration computes in fp32 (parameters still on meta stay there)
     return model, load_tokenizer(path), path, files, dtype
 

@@ -268,11 +268,14 @@ def calibration_plan(
     block_params = sum(o * i for o, i in shapes.values()) + 2 * h
     block = 4 * block_params + (file_bytes * block_params if file_bytes != 4 else 0)  # fp32, plus the read copy
     activations = 2 * tokens * h * 4  # the block's inputs and outputs, fp32
+    heads = config["num_attention_heads"]
     forward = BATCH * seq_len * (3 * inter + 4 * h) * 4  # one batch's intermediates inside the block
+    forward += BATCH * heads * seq_len**2 * 4  # and its attention scores
     if method == "gptq":
         widest = max(shapes.values(), key=lambda s: s[1] ** 2)  # the largest Hessian: down_proj's
         out_rows = sum(o for o, i in shapes.values() if i == widest[1])
-        working = 3 * widest[1] ** 2 * 4 + 2 * out_rows * widest[1] * 4  # H, its inverse factor; W and Q
+        # H, its act-order permuted copy and two factors; the stacked weights, permuted, Q and the error
+        working = 4 * widest[1] ** 2 * 4 + 4 * out_rows * widest[1] * 4
     else:
         kept = min(tokens, SEARCH_TOKENS)
         working = kept * (2 * h + attn_width + inter) * 4  # every linear input of the block, kept for the search

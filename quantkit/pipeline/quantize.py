@@ -278,16 +278,18 @@ def quantize(
     run = PartialRun(out, args, overwrite=overwrite, resume=resume, max_shard_bytes=max_shard_bytes, log=log)
     try:
         _check_disk(run, model, spec, scheme, linears, dtype, calibration if args["calibration"] else None)
-        samples = None
-        if (needs_data or kv is not None) and run.next_block < len(get_module(model, spec.blocks)):
+        samples, blocks = None, len(get_module(model, spec.blocks))
+        if (needs_data or kv is not None) and run.next_block < blocks:
             c = calibration
             samples = calibration_samples(tokenizer, load_documents(c.dataset, "calib"), c.samples, c.seq_len, c.seed)
+        if not run.started and log:
+            log(f"resuming {out}: {run.next_block} of {blocks} blocks were done")
         io = _Stream(model, spec, scheme, weights, dtype, results, run, step)
         if run.step_state is not None:
             step.restore(run.step_state)
         block_step = step if kv is None else _observe_kv_after(step, spec)
         with kv_cache.record_kv_amax(model) if kv is not None else contextlib.nullcontext():
-            if run.next_block < len(get_module(model, spec.blocks)):
+            if run.next_block < blocks:
                 run_blocks(model, spec, block_step, samples, calibration.batch_size, device, track, io)
         step.finish()
         if not run.tail_written:

@@ -277,3 +277,19 @@ def test_cli_resume_and_shard_size(tmp_path):
     assert (tmp_path / "q" / "model.safetensors.index.json").is_file()
     r = runner.invoke(app, [*cmd, "--max-shard-size", "5 parsecs", "--overwrite"])
     assert r.exit_code == 2 and "max_shard_size: '5 parsecs' is not allowed" in " ".join(r.output.split())
+
+
+def test_names_transformers_translates_load_the_model_whole(tmp_path):
+    # a checkpoint saved without the "model." prefix: transformers maps it, so calibration
+    # reads it through a loaded model (and says so) and writes the same checkpoint
+    from safetensors.torch import load_file, save_file
+
+    a = make_tiny_model(tmp_path / "a", tie=True)
+    b = make_tiny_model(tmp_path / "b", tie=True)
+    t = load_file(b / "model.safetensors")
+    save_file({k.removeprefix("model."): v for k, v in t.items()}, b / "model.safetensors", metadata={"format": "pt"})
+    notes = []
+    quantize(str(a), scheme(), tmp_path / "qa", "rtn")
+    quantize(str(b), scheme(), tmp_path / "qb", "rtn", log=notes.append)
+    assert same(read_tensors(tmp_path / "qa"), read_tensors(tmp_path / "qb"))
+    assert notes == [f"the tensor names in {b} are not the model's own; loading the whole model to translate them"]
