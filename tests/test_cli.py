@@ -42,6 +42,15 @@ def test_rtn_inspect_eval_end_to_end(tiny_llama, tiny_corpus, tmp_path):
         result = json.loads((tmp_path / "e.json").read_text())
         assert result["windows"] == 3 and result["seq_len"] == 64 and result["tokens"] == 192
         assert result["dataset"] == str(tiny_corpus) and result["ppl"] > 1
+        # results travel with a quantkit checkpoint (quantkit.json and its model card), not a float model
+        assert result["recorded"] == (model == str(out))
+    assert not (tiny_llama / "README.md").exists()
+    evaluations = json.loads((out / "quantkit.json").read_text())["evaluations"]
+    assert [(e["ppl"], e["limit"], e["rows"][0]["metric"]) for e in evaluations] == [(str(tiny_corpus), 3, "ppl")]
+    assert evaluations[0]["rows"][0]["candidate"] == result["ppl"]
+    card = (out / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: transformers\n") and "| `Linear` | int4, group 32, asymmetric |" in card
+    assert f"| ppl | {result['ppl']:.4f} |" in card and f"vllm serve {out.name}" in card
 
 
 def test_user_errors_exit_2_with_one_sentence(tiny_llama, tmp_path):

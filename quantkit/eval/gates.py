@@ -20,6 +20,8 @@ import time
 from importlib import metadata
 
 from quantkit.errors import QuantkitError
+from quantkit.formats.card import record_evaluation
+from quantkit.models.loading import resolve_model
 from quantkit.progress import Track, no_progress
 
 PROBE = "Quantization keeps 4 bits per weight; naïve rounding loses ~1.5% — AWQ & GPTQ recover most of it.\n"
@@ -243,7 +245,9 @@ def evaluate_gates(
     "thresholds", "rows": [{metric, baseline, candidate, delta, recovery, passed}],
     "failures": [one sentence per failed threshold], "passed", "results": {"candidate",
     "baseline": each model's `measure`, the candidate's with "kld" details}, "data_sha256",
-    "versions", "seeds"}.
+    "versions", "seeds", "recorded"}. When the candidate is a quantkit checkpoint the report
+    is also appended to its `quantkit.json` (`evaluations`) and its model card rewritten
+    ("recorded": true).
     """
     from quantkit.eval.kld import Comparer, Recorder
 
@@ -282,7 +286,7 @@ def evaluate_gates(
         from quantkit.eval.harness import SEEDS
 
         seeds = {"lm_eval": SEEDS, **({"wiki_cloze": builtin.CLOZE_SEED} if "wiki_cloze" in tasks else {})}
-    return {
+    report = {
         "candidate": str(candidate),
         "baseline": None if baseline is None else str(baseline),
         "ppl": ppl,
@@ -305,3 +309,5 @@ def evaluate_gates(
         "versions": _versions(),
         "seeds": seeds,
     }
+    report["recorded"] = record_evaluation(resolve_model(candidate), report)
+    return report

@@ -8,6 +8,7 @@ import time
 from quantkit.calibration.datasets import eval_tokens, load_documents
 from quantkit.errors import QuantkitError
 from quantkit.eval.perplexity import Observe, perplexity
+from quantkit.formats.card import record_evaluation
 from quantkit.models.loading import load_tokenizer, resolve_model
 from quantkit.progress import Track, no_progress
 from quantkit.runtime.loader import load
@@ -61,10 +62,17 @@ def evaluate(
     batch_size: int = 1,
     track: Track = no_progress,
 ) -> dict:
-    """Perplexity of `model_name` on the eval split of `ppl` (the papers' protocol).
+    """Perplexity of `model_name` on the eval split of `ppl` (the papers' protocol), also
+    recorded in the checkpoint's `quantkit.json` and model card when it is a quantkit one.
 
     `seq_len` defaults to 2048, or the model's context if shorter."""
     model, tokenizer = load_for_eval(model_name)
     start = time.perf_counter()
     result = text_perplexity(model, tokenizer, ppl, seq_len, limit, batch_size, track)
-    return {"model": str(model_name), **result, "eval_time_s": round(time.perf_counter() - start, 2)}
+    result = {"model": str(model_name), **result, "eval_time_s": round(time.perf_counter() - start, 2)}
+    row = {"metric": "ppl", "baseline": None, "candidate": result["ppl"], "delta": None}
+    report = {"ppl": ppl, "limit": limit, "seq_len": seq_len, "rows": [row], "passed": None}
+    result["recorded"] = record_evaluation(
+        resolve_model(model_name), report | {"data_sha256": {"ppl": result["data_sha256"]}}
+    )
+    return result

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from quantkit.errors import QuantkitError
+from quantkit.formats.card import write_card
 
 SHARD_BYTES = 5 * 10**9  # --max-shard-size's default, 5GB as transformers counts it
 TOKENIZER_FILES = (
@@ -200,13 +201,14 @@ def check_disk(out: Path, need: int) -> None:
 
 
 def complete(tmp: Path, out: Path, config: dict, provenance: dict, source: Path | None) -> None:
-    """Add config.json, quantkit.json and the tokenizer files to the written shards in `tmp`,
-    then rename it into place as `out` (replacing an existing folder)."""
+    """Add config.json, quantkit.json, the model card (README.md) and the tokenizer files to
+    the written shards in `tmp`, then rename it into place as `out` (replacing an existing folder)."""
     try:
         for f in tmp.glob("*.safetensors"):  # a checkpoint is meant to be shared
             f.chmod(0o644)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         (tmp / "quantkit.json").write_text(json.dumps(provenance, indent=2) + "\n")
+        write_card(tmp, config, provenance, out.name)
         for name in TOKENIZER_FILES if source else ():
             if (Path(source) / name).is_file():
                 shutil.copy2(Path(source) / name, tmp / name)

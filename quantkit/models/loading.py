@@ -203,7 +203,7 @@ def _load_owned(path: Path, config, dtype: torch.dtype | None):
     return model
 
 
-class _InMemory:
+class _LoadedTensors:
     """A loaded model's own tensors, served like `TensorFiles` (names transformers translated)."""
 
     def __init__(self, model):
@@ -239,7 +239,7 @@ def open_float_model(name_or_path, log=None):
         if log:
             log(f"the tensor names in {path} are not the model's own; loading the whole model to translate them")
         loaded, _, _ = load_float_model(path)
-        files = _InMemory(loaded)  # its tensors carry the model's own names; the empty model stays
+        files = _LoadedTensors(loaded)  # its tensors carry the model's own names; the empty model stays
         del loaded
     model.eval().float()  # calibration computes in fp32 (parameters still on meta stay there)
     return model, load_tokenizer(path), path, files, dtype

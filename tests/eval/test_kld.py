@@ -123,6 +123,13 @@ def test_gates_through_the_cli(tiny_llama, quantized, tiny_corpus, tmp_path):
     gates = ["--max-kld", f"{kl * 1.01}", "--min-top1", f"{top1 - 0.01}"]
     r = runner.invoke(app, ["eval", str(quantized), "--baseline", str(tiny_llama), *common, *gates])
     assert r.exit_code == 0, r.output
+    # every evaluation of the checkpoint went into its quantkit.json and model card
+    last = json.loads((quantized / "quantkit.json").read_text())["evaluations"][-1]
+    assert last["baseline"] == str(tiny_llama) and last["passed"] is True and last["limit"] == 2
+    assert [row["metric"] for row in last["rows"]] == ["ppl", "kld", "kld_p99", "top1_agreement"]
+    assert last["thresholds"]["max_kld"] == pytest.approx(kl * 1.01) and last["data_sha256"]["ppl"]
+    card = (quantized / "README.md").read_text()
+    assert f"| kld | {kl:.4f} |" in card and f"Baseline: `{tiny_llama}`." in card
     assert [row["passed"] for row in json.loads((tmp_path / "r.json").read_text())["rows"]][1:] == [True, None, True]
 
 
