@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from quantkit.calibration.awq import ClipInputs, clip_qparams, search_clip
 from quantkit.calibration.hooks import Replay, reduce_inputs, targets
 from quantkit.calibration.method import QParams
 from quantkit.errors import QuantkitError
@@ -70,6 +71,7 @@ def quantize_weight(
     scale_dtype: torch.dtype = torch.float32,
     log: Callable[[str], None] | None = None,
     name: str = "weight",
+    range_search: bool = False,
 ) -> GPTQResult:
     """GPTQ-quantize W [out, in] given the Hessian H [in, in] of its layer's inputs.
 
@@ -79,6 +81,12 @@ def quantize_weight(
     groups over that order and returns g_idx. H is dampened by damp·mean(diag H); when it
     still cannot be factored, damp is raised ×10 (each retry reported through `log`) up to
     DAMP_RETRIES times, then a QuantkitError is raised. `name` labels the messages.
+
+    With `range_search` (group strategy), a group's qparams are not min-max of its weights
+    when the group starts: its range [lo, hi] is searched (AWQ's clip search, `search_clip`)
+    to minimise the error of the group's partial products under the group's block of H,
+    d·H_g·dᵀ (H_g ∝ X_gᵀX_g: the output error the group's rounding alone causes). The first
+    candidate is the min-max range, so it never scores worse than it.
     """
     actorder = actorder or args.actorder
     _check(W, H, args, block_size, damp, actorder, name)
@@ -95,16 +103,18 @@ def quantize_weight(
     dead = dead[perm]
     H[dead, dead] = 1
     W[:, dead] = 0
-    Hinv, damp_used = _inverse_cholesky(H, damp, log or (lambda message: None), name)  # Hinv [in, in], upper
-    del H  # at most four [in, in] matrices were alive at once: the caller's H, ours and two factors
-
     if args.strategy != "group":
         gid = torch.zeros_like(perm)  # one set of qparams, taken before the loop
     elif actorder in ("static", "weight"):
         gid = perm // args.group_size  # the original contiguous group of each visited column
     else:
         gid = torch.arange(n, device=W.device) // args.group_size  # groups over the visiting order
-    Q, scale, zero_point = _column_loop(W, Hinv, gid, args, block_size, scale_dtype)
+    grams = None
+    if range_search and args.strategy == "group":  # each group's block of H, before damping
+        grams = [H[cols][:, cols] for cols in (torch.nonzero(gid == g)[:, 0] for g in range(int(gid.max()) + 1))]
+    Hinv, damp_used = _inverse_cholesky(H, damp, log or (lambda message: None), name)  # Hinv [in, in], upper
+    del H  # at most four [in, in] matrices were alive at once: the caller's H, ours and two factors
+    Q, scale, zero_point = _column_loop(W, Hinv, gid, args, block_size, scale_dtype, grams)
 
     inv = torch.argsort(perm)
     g_idx = gid[inv].to(torch.int32) if args.strategy == "group" and actorder == "group" else None
@@ -155,7 +165,17 @@ def _inverse_cholesky(H, damp, log, name):
     )
 
 
-def _column_loop(W, Hinv, gid, args, block_size, scale_dtype):
+def _group_qparams(w, gram, args, scale_dtype):
+    """qparams of one group's current weights w [out, group_size]: min-max, or with `gram`
+    (its block of H) the range that minimises d·gram·dᵀ."""
+    if gram is None:
+        return compute_qparams(w, args, scale_dtype)
+    inputs = ClipInputs(gram[None], None, w.shape[1])
+    ranges = search_clip(w, inputs, args, scale_dtype=scale_dtype)
+    return clip_qparams(w, ranges, args, scale_dtype)
+
+
+def _column_loop(W, Hinv, gid, args, block_size, scale_dtype, grams=None):
     out, n = W.shape
     qp = [None] * (int(gid.max()) + 1)  # (scale, zero_point) per group id
     fast = [None] * len(qp)  # the same as [out] vectors for the inner loop
@@ -175,7 +195,8 @@ def _column_loop(W, Hinv, gid, args, block_size, scale_dtype):
             g = gids[i1 + k]
             if qp[g] is None:  # a group starts: qparams from its weights as updated so far
                 cols = (gid == g).nonzero()[:, 0]  # visiting positions, all >= i1 + k
-                qp[g] = compute_qparams(_current(Wt, W1, Err1, Hinv, cols, i1, k), args, scale_dtype)
+                current = _current(Wt, W1, Err1, Hinv, cols, i1, k)  # [out, group_size]
+                qp[g] = _group_qparams(current, None if grams is None else grams[g], args, scale_dtype)
             if fast[g] is None:
                 fast[g] = _column_qparams(*qp[g], out)
             w = W1[k]  # w [out]
@@ -269,6 +290,7 @@ def _quantize_part(block, part, prefix, H, scheme, options, results, scale_dtype
         scale_dtype=scale_dtype,
         log=log,
         name=f"{prefix}.{'+'.join(part)}",
+        range_search=options.range_search,
     )
     rows = [lin.out_features for lin in linears]
     zeros = r.zero_point.split(rows) if r.zero_point is not None else [None] * len(rows)

@@ -195,3 +195,40 @@ def test_stacked_linears_equal_separate_calls(actorder):
     assert torch.equal(both.weight, torch.cat([one.weight, two.weight]))
     assert torch.equal(both.scale, torch.cat([one.scale, two.scale]))
     assert torch.equal(both.zero_point, torch.cat([one.zero_point, two.zero_point]))
+
+
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+def test_range_search_first_group_is_the_clip_search_on_the_hessian(symmetric):
+    # the reference: when the first group starts nothing has been fed back yet, so its range
+    # is AWQ's clip search on the untouched weights, scored with the group's block of H
+    from quantkit.calibration.awq import ClipInputs, clip_qparams, search_clip
+
+    args = _args(GROUP32, symmetric)
+    X, W = _layer(seed=3)
+    H, _ = _hessian(X)
+    res = quantize_weight(W, H, args, range_search=True)
+    first = W[:, :32]
+    want = clip_qparams(first, search_clip(first, ClipInputs(H[None, :32, :32], None, 32), args), args)
+    assert torch.equal(res.scale[:, :1], want[0])
+    if not symmetric:
+        assert torch.equal(res.zero_point[:, :1], want[1])
+    # a searched range differs from min-max somewhere (else the test proves nothing)
+    assert not torch.equal(res.scale[:, :1], compute_qparams(first, args)[0])
+
+
+@pytest.mark.parametrize("actorder", [None, "static", "group"])
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+def test_range_search_lowers_the_output_error(symmetric, actorder):
+    args = _args(GROUP32, symmetric)
+    for seed in range(3):
+        X, W = _layer(seed=seed)
+        H, _ = _hessian(X)
+        minmax = quantize_weight(W, H, args, actorder=actorder)
+        searched = quantize_weight(W, H, args, actorder=actorder, range_search=True)
+        assert _output_error(W, searched.weight, X) < 0.97 * _output_error(W, minmax.weight, X), seed
+        # still on the grid its own qparams define
+        g_idx = searched.g_idx if searched.g_idx is not None else torch.arange(128) // 32
+        s = searched.scale[:, g_idx.long()]
+        z = None if searched.zero_point is None else searched.zero_point[:, g_idx.long()]
+        q = searched.weight / s + (0 if z is None else z)
+        assert (q - q.round()).abs().max() < 1e-3 and args.qmin <= q.round().min() and q.round().max() <= args.qmax
