@@ -3,8 +3,8 @@
     python benchmarks/accuracy.py --runs rtn:w4a16-asym:64 awq:w4a16-asym:64 fp8:fp8-dynamic kv:fp8
 
 A run is one of
-  rtn|awq|gptq:SCHEME:GROUP   INT4 weights (GPTQ with act-order static, the CLI's default;
-                              gptq:SCHEME:GROUP:range with its range search)
+  rtn|awq|gptq:SCHEME:GROUP   INT4 weights (GPTQ with act-order static and range search, the
+                              CLI's defaults; gptq:SCHEME:GROUP:minmax takes min-max group ranges)
   fp8:fp8-dynamic|fp8[:smooth] FP8 weights and activations (smooth: SmoothQuant first)
   kv:fp8|int8[:head]           KV-cache scales added to the float model (head: per KV head)
 Calibration: `news`, --samples x --seq-len, seed 0; perplexity: `wiki`, --windows x 2048
@@ -39,7 +39,7 @@ def make(run: str, model: str, out: Path, calib: Calibration) -> dict:
     options = {}
     if algorithm == "gptq":
         qscheme = qscheme.replace(weights=dataclasses.replace(qscheme.weights, actorder="static"))
-        options = {"range_search": "range" in rest[1:]}
+        options = {"range_search": "minmax" not in rest[1:]}
     return quantize(model, qscheme, out, algorithm, calib, options)
 
 

@@ -171,7 +171,7 @@ def _group_qparams(w, gram, args, scale_dtype):
     if gram is None:
         return compute_qparams(w, args, scale_dtype)
     inputs = ClipInputs(gram[None], None, w.shape[1])
-    ranges = search_clip(w, inputs, args, scale_dtype=scale_dtype)
+    ranges = search_clip(w, inputs, args, batch_co=w.shape[0], scale_dtype=scale_dtype)  # one group: all rows at once
     return clip_qparams(w, ranges, args, scale_dtype)
 
 

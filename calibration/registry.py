@@ -40,7 +40,7 @@ class GPTQOptions:
     damp: float = option(0.01, "Hessian dampening, as a fraction of its mean diagonal.", min=0)
     block_size: int = option(128, "Columns per lazy-update block.", min=1)
     range_search: bool = option(
-        False,
+        True,
         "Search each group's range for the least output error under the Hessian when the group starts (else min-max).",
     )
 
