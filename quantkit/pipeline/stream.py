@@ -5,8 +5,9 @@ folder beside the output (see `formats.checkpoint.ShardWriter`). After each bloc
 commits: the shards' data is fsynced, the inputs the next block receives (and any state a
 step carries from block to block) are saved, and `quantkit-resume.json` is replaced
 atomically. A run killed at any moment restarts from its last commit, so it writes what an
-uninterrupted run would, byte for byte. The folder is renamed into place only when the
-checkpoint is complete.
+uninterrupted run would, byte for byte (with the same torch and thread count: a GEMM split
+over other threads can round differently, and a resume in another environment says so).
+The folder is renamed into place only when the checkpoint is complete.
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ def _differs(saved: dict, now: dict) -> str | None:
         if a.get(key) != b.get(key):
             return f"{key} = {json.dumps(a.get(key))}, not {json.dumps(b.get(key))}"
     return None
+
+
+def _environment() -> dict:
+    """What float results depend on besides the arguments: same values, same bits."""
+    return {"torch": torch.__version__, "threads": torch.get_num_threads()}
 
 
 def _fsync_write(path: Path, data: bytes) -> None:
@@ -86,6 +92,12 @@ class PartialRun:
                         f"--resume: the interrupted run in {self.folder} was started with {diff}; "
                         "rerun with its arguments or pass --overwrite to start over."
                     )
+                then, now = state.get("environment"), _environment()
+                if then != now and log:
+                    log(
+                        f"resuming with {now} where the interrupted run had {then}: float results can differ "
+                        "in the last bits, so the checkpoint may not be byte-identical to an uninterrupted run"
+                    )
         elif resume and log:
             log(f"nothing to resume in {self.folder}; starting from the first block")
         if state is None:
@@ -116,6 +128,7 @@ class PartialRun:
             os.replace(tmp, self.folder / inputs)
         state = {
             "args": self.args,
+            "environment": _environment(),
             "next_block": next_block,
             "tail_written": tail_written,
             "inputs": inputs,

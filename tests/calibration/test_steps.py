@@ -114,7 +114,7 @@ def test_gptq_and_awq_record_calibration(tiny_llama, tiny_corpus, tmp_path):
     calib = Calibration(str(tiny_corpus), 4, 32, seed=1)
     prov = quantize(str(tiny_llama), preset("w4a16").with_group_size(32), tmp_path / "g", "gptq", calib, {"damp": 0.02})
     assert prov["calibration"] == {"dataset": str(tiny_corpus), "samples": 4, "seq_len": 32, "seed": 1, "batch_size": 8}
-    assert prov["options"] == {"damp": 0.02, "block_size": 128}  # every option, defaults included
+    assert prov["options"] == {"damp": 0.02, "block_size": 128, "range_search": True}  # every option, defaults included
 
 
 def test_gptq_reusing_the_attention_outputs_changes_nothing(tiny_llama, monkeypatch):

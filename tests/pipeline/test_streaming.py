@@ -128,6 +128,8 @@ from quantkit.calibration.kv import kv_args
 from quantkit.scheme import preset
 
 where, n = sys.argv[1], int(sys.argv[2])
+import torch
+torch.set_num_threads(int(sys.argv[8]))  # the test process's: GEMMs split over other threads round differently
 calls = [0]
 
 def killer(original):
@@ -162,6 +164,7 @@ def test_killed_run_resumes_byte_identical(tmp_path, tiny_corpus, where, n, meth
     quantize(str(src), s, tmp_path / "straight", method, calibration(tiny_corpus), opts("a"), max_shard_size="40KB")
     script = "import json\n" + textwrap.dedent(KILLED).format(tests=str(TESTS))
     args = [where, str(n), str(src), str(tmp_path / "resumed"), method, str(tiny_corpus), json.dumps(opts("b"))]
+    args.append(str(torch.get_num_threads()))
     proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True)
     assert proc.returncode == -9, proc.stderr[-2000:]
     partial = tmp_path / ".resumed.partial"
@@ -210,8 +213,13 @@ def test_resume_refuses_other_calibration(tmp_path, tiny_corpus, monkeypatch):
     other = Calibration(str(tiny_corpus), 4, 32, 0, 4)
     with pytest.raises(QuantkitError, match=r"started with calibration\.samples = 8, not 4; rerun with its"):
         quantize(str(src), scheme(), tmp_path / "q", "gptq", other, resume=True)
-    prov = quantize(str(src), scheme(), tmp_path / "q", "gptq", calibration(tiny_corpus), resume=True)
+    from quantkit.pipeline import stream
+
+    monkeypatch.setattr(stream, "_environment", lambda: {"torch": "x", "threads": 64})
+    notes = []
+    prov = quantize(str(src), scheme(), tmp_path / "q", "gptq", calibration(tiny_corpus), resume=True, log=notes.append)
     assert prov["resumed_at_block"] == 3  # every block was done; only the tail was left
+    assert "may not be byte-identical to an uninterrupted run" in notes[0] and "'threads': 64" in notes[0]
     assert same(read_tensors(tmp_path / "q"), in_memory_reference(src, scheme(), "gptq", tiny_corpus))
 
 
