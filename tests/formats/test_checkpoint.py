@@ -6,6 +6,20 @@ import torch
 import quantkit.formats.checkpoint as ckpt
 from quantkit.errors import QuantkitError
 
+DTYPES = (
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.float8_e4m3fn,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+)
+
 
 def tensors():
     return {"a.weight": torch.randn(4, 8), "b.weight_packed": torch.randint(0, 100, (4, 1), dtype=torch.int32)}
@@ -74,20 +88,7 @@ def test_truncated_file_is_reported(tmp_path):
 def test_our_reader_equals_safetensors_for_every_dtype(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    t = {
-        f"x.{dt}": (torch.randn(3, 5) * 100).to(dt)
-        for dt in (
-            torch.float32,
-            torch.float16,
-            torch.bfloat16,
-            torch.float64,
-            torch.float8_e4m3fn,
-            torch.int8,
-            torch.int32,
-            torch.int64,
-            torch.uint8,
-        )
-    }
+    t = {f"x.{dt}": (torch.randn(3, 5) * 100).to(dt) for dt in DTYPES}
     t.update({"scalar": torch.tensor(1.5), "empty": torch.zeros(0, 4), "flag": torch.tensor([True, False])})
     (tmp_path / "c").mkdir()
     save_file(t, tmp_path / "c" / "model.safetensors", metadata={"format": "pt"})
@@ -97,21 +98,6 @@ def test_our_reader_equals_safetensors_for_every_dtype(tmp_path):
         assert ours[k].dtype == theirs[k].dtype and torch.equal(
             ours[k].view(-1).view(torch.uint8), theirs[k].view(-1).view(torch.uint8)
         ), k
-
-
-DTYPES = (
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float64,
-    torch.float8_e4m3fn,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.uint8,
-    torch.bool,
-)
 
 
 def mixed_tensors(n=40, seed=0):
