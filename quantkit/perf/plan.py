@@ -226,9 +226,9 @@ LIBRARY_BYTES = 0.45 * 2**30  # python, torch, transformers and quantkit loaded 
 SEARCH_TOKENS, BATCH = 16384, 8  # AWQ scores scales on at most this many tokens; rows per forward
 FP32_TFLOPS = {"h100-80gb": 67, "a100-80gb": 19.5, "h200": 67, "l40s": 91.6, "l4": 30.3, "rtx4090": 82.6}
 # Calibration reaches this fraction of the device's fp32 matmul rate: its passes are many
-# small forwards, rounding, and GPTQ's column loop (fitted on this machine's smollm2 and
-# 1.1B runs; docs/benchmarks.md compares estimates with measurements).
-EFFICIENCY = {"gptq": 0.35, "awq": 0.35}
+# small forwards, rounding, searches and GPTQ's column loop. Fitted on smollm2 (64 × 512,
+# 2026-12-01: AWQ 300 s, GPTQ with range search 317 s, against a measured 120 GFLOP/s).
+EFFICIENCY = {"gptq": 0.58, "awq": 0.63}
 _FILE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
