@@ -312,7 +312,7 @@ def quantize(
             "recipe": recipe,
         }
         if not run.started:
-            provenance["resumed_at_block"] = io.resumed_at
+            provenance["resumed_at_block"] = io.start
         run.complete(checkpoint_config(model, scheme, set(linears), dtype), provenance, source)
     except QuantkitError:
         if run.started and run.next_block == 0:  # refused before any block: leave nothing behind
@@ -334,7 +334,7 @@ class _Stream(InMemory):
     def __init__(self, model, spec, scheme, weights, dtype, results, run: PartialRun, step):
         self.model, self.spec, self.scheme, self.weights = model, spec, scheme, weights
         self.dtype, self.results, self.run, self.step = dtype, results, run, step
-        self.start, self.hidden, self.resumed_at = run.next_block, run.hidden, run.next_block
+        self.start, self.hidden = run.next_block, run.hidden
         keys = list(model.state_dict())
         if getattr(model.config, "tie_word_embeddings", False):
             keys.remove("lm_head.weight")
@@ -342,7 +342,7 @@ class _Stream(InMemory):
         first = inside.index(True)
         last = len(inside) - inside[::-1].index(True)
         self.head, self.tail = keys[:first], keys[last:]
-        self.base = get_module(model, spec.blocks.rsplit(".", 1)[0])
+        self.base_name = spec.blocks.rsplit(".", 1)[0]  # the decoder: blocks, embeddings, final norm
         self.blocks = get_module(model, spec.blocks)
         if run.started:
             self._copy(self.head)
@@ -358,10 +358,10 @@ class _Stream(InMemory):
 
     @contextlib.contextmanager
     def capture(self):
-        base = self.spec.blocks.rsplit(".", 1)[0]
-        others = [(n, c) for n, c in self.base.named_children() if c is not self.blocks]
+        base = get_module(self.model, self.base_name)
+        others = [(n, c) for n, c in base.named_children() if c is not self.blocks]
         for name, child in others:
-            load_weights(child, f"{base}.{name}", self.weights, self.dtype)
+            load_weights(child, f"{self.base_name}.{name}", self.weights, self.dtype)
         try:
             yield
         finally:
