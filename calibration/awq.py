@@ -20,7 +20,16 @@ import torch
 from torch import nn
 
 from quantkit.calibration import rtn
-from quantkit.calibration.hooks import capture_calls, group_inputs, mappings, module_output, owner, targets
+from quantkit.calibration.hooks import (
+    capture_calls,
+    mapping_input,
+    mapping_inputs,
+    mappings,
+    module_output,
+    owner,
+    scaled_inputs,
+    targets,
+)
 from quantkit.calibration.method import QParams
 from quantkit.errors import QuantkitError
 from quantkit.models.arch import ArchSpec, get_module
@@ -321,11 +330,12 @@ def awq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_
     record = {} if o.save_search else None
 
     def step(index: int, prefix: str, block: nn.Module, inputs) -> None:
-        names = targets(scheme, prefix, spec.linears)
-        feats = group_inputs(spec, block, names, inputs, SEARCH_TOKENS) if loaded is None else {}
-        inspected = {m.inspect: get_module(block, m.inspect) for m in spec.awq if m.inspect and o.module_loss}
+        bspec = spec.for_block(block)
+        names = targets(scheme, prefix, bspec.linears)
+        feats = mapping_inputs(bspec, block, names, inputs, SEARCH_TOKENS) if loaded is None else {}
+        inspected = {m.inspect: get_module(block, m.inspect) for m in bspec.awq if m.inspect and o.module_loss}
         calls = capture_calls(block, inspected, inputs, MODULE_TOKENS) if loaded is None and inspected else {}
-        for b in mappings(spec, block, names):
+        for b in mappings(bspec, block, names):
             m, linears = b.mapping, b.linears
             key = f"{prefix}.{m.prev}.awq_scales"
             if loaded is not None:
@@ -336,7 +346,7 @@ def awq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_
                     )
                 scales = loaded[key].float()
             else:
-                x = feats[owner(spec, m.linears[0])]
+                x = feats[mapping_input(bspec, m)]
                 output_fn = (
                     module_output(inspected[m.inspect], linears, calls[m.inspect]) if m.inspect in inspected else None
                 )
@@ -350,14 +360,15 @@ def awq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_
                     scale_dtype=scale_dtype,
                     name=f"{prefix}.{m.prev}",
                 ).scales
-                feats[owner(spec, m.linears[0])] = x / scales
-            fold_scales(b.prev_weight, b.prev_bias, [lin.weight.data for lin in linears], scales, b.offset)
+                scaled_inputs(bspec, feats, m, scales)
+            fold_scales(b.prev_weight, b.prev_bias, [lin.weight.data for lin in linears] + b.readers, scales, b.offset)
             if record is not None:
                 record[key] = scales
         summed = {}  # per input: what the clip search scores with
         for name in names:
+            full = f"{prefix}.{name}"
             _quantize_clipped(
-                block, spec, name, f"{prefix}.{name}", feats, summed, loaded, record, o.clip, args, scale_dtype, results
+                block, bspec, name, full, feats, summed, loaded, record, o.clip, args, scale_dtype, results
             )
 
     if record is not None:  # carried from block to block: a resumed run restores it

@@ -22,7 +22,7 @@ def fp8_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_
     activations, record each linear's input scale."""
 
     def step(index: int, prefix: str, block: nn.Module, inputs) -> None:
-        names = targets(scheme, prefix, spec.linears)
+        names = targets(scheme, prefix, spec.for_block(block).linears)
         for name in names:
             linear = get_module(block, name)
             scale, _ = compute_qparams(linear.weight.data, scheme.weights, torch.float32)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from quantkit.calibration.awq import ClipInputs, clip_qparams, search_clip
-from quantkit.calibration.hooks import Replay, reduce_inputs, targets
+from quantkit.calibration.hooks import Replay, reduce_each, reduce_inputs, targets
 from quantkit.calibration.method import QParams
 from quantkit.errors import QuantkitError
 from quantkit.models.arch import ArchSpec, get_module
@@ -242,35 +242,64 @@ def _current(Wt, W1, Err1, Hinv, cols, i1, k):
     return vals.T
 
 
+HESSIAN_BYTES = 1 << 30  # Hessians gathered in one pass over a block's experts, at most about
+
+
 def gptq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_dtype, log: Callable | None = None):
     """Runner step, true-sequential inside the block: each group of linears that share an
     input (q,k,v → o → gate,up → down) is quantized on inputs recomputed after the groups
     before it were quantized. Once the attention's linears are all done, its outputs are
-    computed once and reused by the later groups' passes."""
-    attention = [n for n in spec.linears if n.startswith(spec.attention + ".")]
+    computed once and reused by the later groups' passes. In a sparse block, one Hessian
+    per expert: every expert's gate/up are quantized after one pass (or a few, HESSIAN_BYTES
+    of Hessians at a time), then every expert's down."""
 
     def step(index: int, prefix: str, block: nn.Module, inputs) -> None:
+        bspec = spec.for_block(block)
+        attention = [n for n in bspec.linears if n.startswith(bspec.attention + ".")]
         done, replay = set(), None
-        for group in spec.sequential:
+        for stage in bspec.stages:
             if replay is None and all(n in done for n in attention):
-                replay = Replay(get_module(block, spec.attention), len(inputs.hidden))
-            done.update(group)
-            names = targets(scheme, prefix, group)
-            if not names:
-                continue
-            H = _group_hessian(block, get_module(block, names[0]), inputs, f"{prefix}.{names[0]}", replay)
-            # the rows of linears that share H are quantized independently, so one call on
-            # their stacked weights gives each one's result with one factorisation and loop
-            parts = [[n] for n in names] if scheme.weights.strategy == "tensor" else [names]
-            for part in parts:
-                _quantize_part(block, part, prefix, H, scheme, options, results, scale_dtype, log)
+                replay = Replay(get_module(block, bspec.attention), len(inputs.hidden))
+            done.update(n for group in stage for n in group)
+            groups = [names for names in (targets(scheme, prefix, g) for g in stage) if names]
+            for chunk in _chunks(block, groups):
+                if len(stage) == 1:
+                    names = chunk[0]
+                    hessians = {names[0]: _group_hessian(block, names[0], inputs, prefix, replay)}
+                else:
+                    firsts = {names[0]: get_module(block, names[0]) for names in chunk}
+                    hessians = reduce_each(block, firsts, inputs, accumulate_hessian, prefix, replay)
+                for names in chunk:
+                    H = _finite(hessians.pop(names[0]), f"{prefix}.{names[0]}")
+                    # the rows of linears that share H are quantized independently, so one call on
+                    # their stacked weights gives each one's result with one factorisation and loop
+                    parts = [[n] for n in names] if scheme.weights.strategy == "tensor" else [names]
+                    for part in parts:
+                        _quantize_part(block, part, prefix, H, scheme, options, results, scale_dtype, log)
 
     return step
 
 
-def _group_hessian(block, linear, inputs, name, replay):
-    """H = 2·XᵀX / n of the inputs of `linear` over all calibration batches."""
-    H = reduce_inputs(block, linear, inputs, name, accumulate_hessian, replay)
+def _chunks(block, groups: list[list[str]]):
+    """The groups of one pass in runs whose Hessians together take about HESSIAN_BYTES."""
+    chunk, size = [], 0
+    for names in groups:
+        width = get_module(block, names[0]).in_features
+        if chunk and size + 4 * width * width > HESSIAN_BYTES:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(names)
+        size += 4 * width * width
+    if chunk:
+        yield chunk
+
+
+def _group_hessian(block, name, inputs, prefix, replay):
+    """H = 2·XᵀX / n of the inputs of the linear `name` over all calibration batches."""
+    return reduce_inputs(block, get_module(block, name), inputs, f"{prefix}.{name}", accumulate_hessian, replay)
+
+
+def _finite(H, name):
     if not torch.isfinite(H).all():
         raise QuantkitError(
             f"the calibration activations of {name} contain NaN or inf; the float model "

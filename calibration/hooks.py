@@ -42,6 +42,7 @@ class Balance:
     prev_bias: torch.Tensor | None
     linears: list[nn.Linear]
     offset: float = 0.0  # the norm scales by (offset + weight)
+    readers: list[torch.Tensor] = ()  # float weights [*, ci] that also read prev's output (a router)
 
 
 def mappings(spec: ArchSpec, block: nn.Module, names: list[str]):
@@ -58,7 +59,28 @@ def mappings(spec: ArchSpec, block: nn.Module, names: list[str]):
             weight, bias = weight[rows], None if bias is None else bias.data[rows]
         if weight.shape[0] != linears[0].in_features:
             continue
-        yield Balance(m, weight, bias, linears, 0.0 if isinstance(prev, nn.Linear) else spec.norm_offset)
+        readers = [get_module(block, r).weight.data for r in m.readers]
+        yield Balance(m, weight, bias, linears, 0.0 if isinstance(prev, nn.Linear) else spec.norm_offset, readers)
+
+
+def mapping_input(spec: ArchSpec, m: Mapping) -> str:
+    """The module whose captured input a mapping's scales are searched on (see `mapping_inputs`)."""
+    return m.input or owner(spec, m.linears[0])
+
+
+def mapping_inputs(spec: ArchSpec, block: nn.Module, names: list[str], inputs: BlockInputs, max_tokens: int):
+    """`capture_inputs` for the input each sequential group of `names` reads, keyed by the
+    group's first linear, and for every mapping that reads its own (a sparse MLP's input)."""
+    extra = [m.input for m in spec.awq if m.input and any(n in names for n in m.linears)]
+    keys = dict.fromkeys([owner(spec, n) for n in names] + extra)
+    return capture_inputs(block, {k: get_module(block, k) for k in keys}, inputs, max_tokens)
+
+
+def scaled_inputs(spec: ArchSpec, feats: dict, m: Mapping, scales: torch.Tensor) -> None:
+    """After a mapping's scales are folded: its linears' captured inputs are divided by them."""
+    for key in dict.fromkeys([mapping_input(spec, m)] + [owner(spec, n) for n in m.linears]):
+        if key in feats:
+            feats[key] = feats[key] / scales
 
 
 def _rows(spec: ArchSpec, block: nn.Module, prev: nn.Linear, which: str) -> slice:
@@ -127,6 +149,26 @@ def reduce_inputs(
 
 
 @torch.no_grad()
+def reduce_each(
+    block: nn.Module, linears: dict[str, nn.Linear], inputs: BlockInputs, add: Callable, prefix: str, replay=None
+):
+    """`reduce_inputs` for several linears whose inputs do not depend on each other (one
+    pass of `spec.stages`), in one pass over the calibration batches: name -> state."""
+    states = {name: (None, 0) for name in linears}
+
+    def observe(name, x):
+        state, n = states[name]
+        states[name] = add(state, x, n)
+
+    with replay.active() if replay else contextlib.nullcontext():
+        observe_inputs(block, linears, inputs, observe)
+    for name, (state, n) in states.items():
+        if state is None or n == 0:
+            raise QuantkitError(f"no calibration token reached {prefix}.{name}; calibrate on more text.")
+    return {name: state for name, (state, _) in states.items()}
+
+
+@torch.no_grad()
 def observe_inputs(block: nn.Module, linears: dict[str, nn.Linear], inputs: BlockInputs, observe) -> None:
     """Run the block on every calibration batch, calling observe(name, x) with the input
     x of each named linear."""
@@ -154,12 +196,6 @@ def capture_inputs(block: nn.Module, linears: dict[str, nn.Linear], inputs: Bloc
         if not chunks or sum(c.shape[0] for c in chunks) == 0:
             raise QuantkitError(f"no calibration token reached {name}; calibrate on more text.")
     return {name: torch.cat(chunks) for name, chunks in seen.items()}
-
-
-def group_inputs(spec: ArchSpec, block: nn.Module, names: list[str], inputs: BlockInputs, max_tokens: int):
-    """capture_inputs for the input each sequential group of `names` reads, keyed by the
-    group's first linear."""
-    return capture_inputs(block, {n: get_module(block, n) for n in {owner(spec, n) for n in names}}, inputs, max_tokens)
 
 
 @torch.no_grad()

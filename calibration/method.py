@@ -67,6 +67,12 @@ class Calibration:
     seq_len: int = option(512, "Tokens per calibration row.", min=1)
     seed: int = option(0, "Seed of the calibration document order.", min=0)
     batch_size: int = option(8, "Rows per forward pass through a block.", min=1, cli=False)
+    min_expert_tokens: int = option(
+        512,
+        "Mixture-of-experts models: an expert routed fewer calibration tokens is calibrated on all of "
+        "them (its statistics only; the block's output keeps the real routing).",
+        min=0,
+    )
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ def rtn_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_
     """Runner step: round every targeted linear of a block to nearest (no calibration data)."""
 
     def step(index: int, prefix: str, block: nn.Module, inputs) -> None:
-        for name in targets(scheme, prefix, spec.linears):
+        for name in targets(scheme, prefix, spec.for_block(block).linears):
             linear = get_module(block, name)
             w, scale, zero = quantize_weight(linear.weight.data, scheme.weights, scale_dtype)
             linear.weight.data.copy_(w)  # in place: see quantkit.malloc

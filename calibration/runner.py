@@ -18,7 +18,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from quantkit.calibration.method import Calibration
 from quantkit.malloc import trim_freed_memory
+from quantkit.models import moe
 from quantkit.models.arch import ArchSpec, get_module
 from quantkit.progress import Track, no_progress
 
@@ -120,10 +122,17 @@ def run_blocks(
     device: str | torch.device = "cpu",
     track: Track = no_progress,
     io: InMemory | None = None,
+    min_expert_tokens: int = Calibration.min_expert_tokens,
+    expert_tokens: dict[str, list[int]] | None = None,
 ) -> None:
     """Call `step` on every decoder block in order, feeding each the previous block's
     quantized outputs. With `samples` None, steps get no inputs (e.g. RTN). `io` says
-    where blocks come from and go to (default: the model in memory)."""
+    where blocks come from and go to (default: the model in memory).
+
+    In a sparse (mixture-of-experts) block the step sees every expert calibrated: the
+    tokens routed to each expert are counted first (into `expert_tokens`, by block), and an
+    expert routed fewer than `min_expert_tokens` runs on all tokens for its statistics while
+    the block's output keeps the real routing (`moe.cover`)."""
     device = torch.device(device)
     io = io or InMemory()
     blocks = get_module(model, spec.blocks)
@@ -139,7 +148,9 @@ def run_blocks(
         io.load(i, blocks[i])
         block = blocks[i].to(device)
         inputs = None if hidden is None else BlockInputs(hidden, kwargs[i])
-        step(i, f"{spec.blocks}.{i}", block, inputs)
+        prefix = f"{spec.blocks}.{i}"
+        with moe.cover(block, spec, inputs, min_expert_tokens, {} if expert_tokens is None else expert_tokens, prefix):
+            step(i, prefix, block, inputs)
         if inputs is not None:  # the last block too: KV-cache calibration observes this pass
             hidden = inputs.run(block)
         blocks[i].to("cpu")

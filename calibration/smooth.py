@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from quantkit.calibration.awq import fold_scales
-from quantkit.calibration.hooks import group_inputs, mappings, owner, targets
+from quantkit.calibration.hooks import mapping_input, mapping_inputs, mappings, scaled_inputs, targets
 from quantkit.errors import QuantkitError
 from quantkit.models.arch import ArchSpec
 from quantkit.primitives import fake_quantize
@@ -72,11 +72,12 @@ def smooth_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, sca
     linears (the float function is unchanged); records no qparams."""
 
     def step(index: int, prefix: str, block: nn.Module, inputs) -> None:
-        names = targets(scheme, prefix, spec.linears)
-        feats = group_inputs(spec, block, names, inputs, SEARCH_TOKENS)
-        for b in mappings(spec, block, names):
+        bspec = spec.for_block(block)
+        names = targets(scheme, prefix, bspec.linears)
+        feats = mapping_inputs(bspec, block, names, inputs, SEARCH_TOKENS)
+        for b in mappings(bspec, block, names):
             m, linears = b.mapping, b.linears
-            x = feats[owner(spec, m.linears[0])]
+            x = feats[mapping_input(bspec, m)]
             r = search_smooth_scales(
                 x,
                 [lin.weight.data for lin in linears],
@@ -85,7 +86,8 @@ def smooth_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, sca
                 options.grid,
                 name=f"{prefix}.{m.prev}",
             )
-            fold_scales(b.prev_weight, b.prev_bias, [lin.weight.data for lin in linears], r.scales, b.offset)
-            feats[owner(spec, m.linears[0])] = x / r.scales
+            weights = [lin.weight.data for lin in linears] + b.readers
+            fold_scales(b.prev_weight, b.prev_bias, weights, r.scales, b.offset)
+            scaled_inputs(bspec, feats, m, r.scales)
 
     return step

@@ -162,6 +162,7 @@ def _calibration_options():
         _opt(Calibration, "samples", "--samples"),
         _opt(Calibration, "seq_len", "--seq-len"),
         _opt(Calibration, "seed", "--seed"),
+        _opt(Calibration, "min_expert_tokens", "--min-expert-tokens"),
     )
 
 
@@ -172,7 +173,7 @@ def _kv_options():
     )
 
 
-CALIB, SAMPLES, SEQ_LEN, SEED = _calibration_options()
+CALIB, SAMPLES, SEQ_LEN, SEED, MIN_EXPERT_TOKENS = _calibration_options()
 KV, KV_PER_HEAD = _kv_options()
 
 
@@ -201,6 +202,7 @@ def _weights_recipe(
     weights=None,
     before=(),
     max_shard_size="5GB",
+    min_expert_tokens=Calibration.min_expert_tokens,
 ) -> dict:
     """The recipe dict a quantizing command means, so each command and `quantkit run` share one path."""
     if kv_cache is not None and kv_cache not in KV_DTYPES:
@@ -211,7 +213,8 @@ def _weights_recipe(
         "model": model,
         "scheme": {"preset": scheme} | ({"group_size": group} if group != "auto" else {}) | (weights or {}),
         "steps": [*before, {method: options}, *kv],
-        "calibration": {"dataset": calib, "samples": samples, "seq_len": seq_len, "seed": seed},
+        "calibration": {"dataset": calib, "samples": samples, "seq_len": seq_len, "seed": seed}
+        | ({"min_expert_tokens": min_expert_tokens} if min_expert_tokens != Calibration.min_expert_tokens else {}),
         "output": None if output is None else str(output),
         "device": device,
         "max_shard_size": max_shard_size,
@@ -315,6 +318,7 @@ def rtn(
     samples: int = SAMPLES,
     seq_len: int = SEQ_LEN,
     seed: int = SEED,
+    min_expert_tokens: int = MIN_EXPERT_TOKENS,
     overwrite: bool = OVERWRITE,
     resume: bool = RESUME,
     max_shard_size: str = MAX_SHARD_SIZE,
@@ -339,6 +343,7 @@ def rtn(
             kv_per_head,
             device,
             max_shard_size=max_shard_size,
+            min_expert_tokens=min_expert_tokens,
         ),
         overwrite,
         print_recipe,
@@ -361,6 +366,7 @@ def awq(
     samples: int = SAMPLES,
     seq_len: int = SEQ_LEN,
     seed: int = SEED,
+    min_expert_tokens: int = MIN_EXPERT_TOKENS,
     grid: int = _awq_option("grid"),
     duo: bool = _awq_option("duo"),
     clip: bool = _awq_option("clip"),
@@ -401,6 +407,7 @@ def awq(
             kv_per_head,
             device,
             max_shard_size=max_shard_size,
+            min_expert_tokens=min_expert_tokens,
         ),
         overwrite,
         print_recipe,
@@ -422,6 +429,7 @@ def fp8(
     samples: int = SAMPLES,
     seq_len: int = SEQ_LEN,
     seed: int = SEED,
+    min_expert_tokens: int = MIN_EXPERT_TOKENS,
     smooth: bool = typer.Option(
         False,
         help="Migrate activation outliers into the weights first (SmoothQuant, α searched per mapping on --calib).",
@@ -454,6 +462,7 @@ def fp8(
             device,
             before=before,
             max_shard_size=max_shard_size,
+            min_expert_tokens=min_expert_tokens,
         ),
         overwrite,
         print_recipe,
@@ -476,6 +485,7 @@ def gptq(
     samples: int = SAMPLES,
     seq_len: int = SEQ_LEN,
     seed: int = SEED,
+    min_expert_tokens: int = MIN_EXPERT_TOKENS,
     act_order: str = typer.Option(
         METHODS["gptq"].default_actorder,
         help="static (columns by descending Hessian diagonal, groups kept), group (desc_act with g_idx) or none.",
@@ -512,6 +522,7 @@ def gptq(
             device,
             {"actorder": act_order} if act_order != "none" else None,
             max_shard_size=max_shard_size,
+            min_expert_tokens=min_expert_tokens,
         ),
         overwrite,
         print_recipe,
@@ -1114,8 +1125,26 @@ def inspect(
     if info["bits_per_weight"]:
         rows.append(("bits per quantized weight", f"{info['bits_per_weight']:.3f}"))
     for key, value in (info["provenance"] or {}).items():
-        rows.append((f"made: {key}", json.dumps(value) if isinstance(value, (dict, list)) else value))
+        if key != "expert_tokens":  # shown as its own table
+            rows.append((f"made: {key}", json.dumps(value) if isinstance(value, (dict, list)) else value))
     out.print(_table(f"inspect {info['path']}", rows))
+    if info["experts"]:
+        out.print(_coverage_table(info["experts"]))
+
+
+def _coverage_table(experts: dict) -> Table:
+    columns = ("block", "experts", "least / median / most", "calibrated on all tokens", "tokens per expert")
+    table = _new_table("expert coverage: calibration tokens routed to each expert", columns)
+    for block, c in experts.items():
+        tokens = sorted(c["tokens"])
+        table.add_row(
+            block,
+            str(len(tokens)),
+            f"{tokens[0]} / {tokens[len(tokens) // 2]} / {tokens[-1]}",
+            ", ".join(map(str, c["all_tokens"])) or "none",
+            " ".join(map(str, c["tokens"])),
+        )
+    return table
 
 
 if __name__ == "__main__":

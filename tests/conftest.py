@@ -89,7 +89,30 @@ FAMILIES = {
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
         },
     ),
+    # mixtures of experts: 4 experts, 2 per token
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16}),
+    "qwen2-moe": (  # a shared expert behind a sigmoid gate, un-normalised top-k weights, a dense layer
+        "qwen2_moe",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 96,
+            "mlp_only_layers": [1],
+        },
+    ),
+    "qwen3-moe": (
+        "qwen3_moe",
+        {
+            "head_dim": 16,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "norm_topk_prob": True,
+        },
+    ),
 }
+MOE_FAMILIES = ("mixtral", "qwen2-moe", "qwen3-moe")
 
 
 def make_tiny_model(

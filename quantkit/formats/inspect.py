@@ -66,6 +66,7 @@ def describe(model_name: str) -> dict:
         else:
             float_total += n * float_bytes
     disk = sum(f.stat().st_size for f in weight_files(path))
+    provenance = read_provenance(path)
     return {
         "path": str(path),
         "quant_method": qc.get("quant_method", "none"),
@@ -79,7 +80,22 @@ def describe(model_name: str) -> dict:
         "float_bytes": float_total,
         "compression": float_total / disk if disk else None,
         "bits_per_weight": 8 * q_bytes / q_params if q_params else None,
-        "provenance": read_provenance(path),
+        "experts": expert_coverage(provenance),
+        "provenance": provenance,
+    }
+
+
+def expert_coverage(provenance: dict | None) -> dict | None:
+    """Per sparse block of a mixture-of-experts checkpoint: the calibration tokens routed to
+    each expert and the experts calibrated on every token instead (routed fewer than the
+    run's min_expert_tokens); None when the run recorded no routing."""
+    counts = (provenance or {}).get("expert_tokens")
+    if not counts:
+        return None
+    least = max(1, ((provenance or {}).get("calibration") or {}).get("min_expert_tokens", 1))
+    return {
+        block: {"tokens": tokens, "all_tokens": [e for e, n in enumerate(tokens) if n < least]}
+        for block, tokens in counts.items()
     }
 
 

@@ -9,7 +9,10 @@ Every family here runs one block forward in the engine (`runtime/model_runner.py
     x = x + post_mlp_norm(down_proj(act(gate) * up))    with gate, up = gate_up(pre_mlp_norm(x))
 
 where a norm the family does not have is the identity, and the attention's scale, sliding
-window and logit soft-cap come from the model's own attention modules and config."""
+window and logit soft-cap come from the model's own attention modules and config. In a
+mixture-of-experts block (`MoE`) the MLP is the model's own router choosing top-k experts,
+each expert the MLP above on the tokens routed to it, plus an optional shared expert behind
+a sigmoid gate; `ArchSpec.for_block` lists a sparse block's expert linears one by one."""
 
 from __future__ import annotations
 
@@ -31,6 +34,35 @@ class Mapping:
     # which output rows of a fused `prev` feed the linears: "v" (the values of a fused
     # q/k/v projection) or "up" (the second half of a fused gate/up projection); None: all
     prev_rows: str | None = None
+    # the module whose input is the linears' input (`prev`'s output); None: the first linear's.
+    # A sparse MLP's experts each read only their routed tokens; the MLP reads them all
+    input: str | None = None
+    # float modules that also read `prev`'s output: their weight columns take the scale too
+    # (a router, a shared expert's gate), so folding keeps the function; never quantized
+    readers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class MoE:
+    """Where a family's sparse MLP keeps its parts (paths from a block, as in its checkpoints).
+
+    The router is `{module}.gate` (its `forward(x)` returns logits, top-k weights and top-k
+    expert indices, normalised the model's way) and the experts `{module}.experts.N.{name}`
+    for name in `names` (gate, up, down). quantkit holds one nn.Linear per expert
+    (`models/moe.py`) where transformers holds them fused."""
+
+    module: str
+    names: tuple[str, str, str]  # an expert's gate, up and down projections
+    shared: str | None = None  # a shared expert every token goes through (an MLP with gate/up/down_proj)
+    shared_gate: str | None = None  # its gate: a linear to one output, through a sigmoid
+    alias: str | None = None  # the attribute the block's forward calls the module by, when not `module`
+
+    @property
+    def router(self) -> str:
+        return f"{self.module}.gate"
+
+    def expert(self, index: int, part: int) -> str:
+        return f"{self.module}.experts.{index}.{self.names[part]}"
 
 
 @dataclass(frozen=True)
@@ -55,10 +87,30 @@ class ArchSpec:
     k_norm: str | None = None
     act: str = "mlp.act_fn"
     norm_offset: float = 0.0  # the norms scale by (offset + weight): Gemma's are (1 + w)
+    moe: MoE | None = None  # the sparse MLP of a mixture-of-experts family
+    # the sequential groups in passes over the calibration batches, when a pass holds several:
+    # no group of a pass changes another's inputs (every expert's gate/up, then every down)
+    passes: tuple[tuple[tuple[str, ...], ...], ...] = ()
 
     @property
     def linears(self) -> tuple[str, ...]:
         return tuple(name for group in self.sequential for name in group)
+
+    @property
+    def stages(self) -> tuple[tuple[tuple[str, ...], ...], ...]:
+        """The sequential groups pass by pass (one group a pass in a dense block)."""
+        return self.passes or tuple((group,) for group in self.sequential)
+
+    def for_block(self, block) -> ArchSpec:
+        """The spec of one decoder block: in a sparse block every expert's linears are named
+        (`experts.N.gate_proj`, ...) with their AWQ mappings; a dense block of a sparse family
+        (Qwen's `mlp_only_layers`) has the family's dense MLP."""
+        if self.moe is None:
+            return self
+        experts = getattr(get_module(block, self.moe.module), "experts", None)
+        if experts is None:
+            return self.replace(moe=None)
+        return _sparse(self, len(experts))
 
     def replace(self, **changes) -> ArchSpec:
         return dataclasses.replace(self, **changes)
@@ -111,6 +163,37 @@ PHI3 = LLAMA.replace(
     act="mlp.activation_fn",
 )
 
+# The sparse families: Mixtral's MLP is `block_sparse_moe` in its checkpoints (transformers 5
+# renames it `mlp` in memory); the Qwen MoEs keep `mlp`, and Qwen2-MoE adds a shared expert.
+# Their dense layers (Qwen's mlp_only_layers) are Llama's / Qwen3's.
+MIXTRAL = LLAMA.replace(moe=MoE("block_sparse_moe", ("w1", "w3", "w2"), alias="mlp"))
+QWEN3_MOE = QWEN3.replace(moe=MoE("mlp", ("gate_proj", "up_proj", "down_proj")))
+QWEN2_MOE = LLAMA.replace(
+    moe=dataclasses.replace(QWEN3_MOE.moe, shared="mlp.shared_expert", shared_gate="mlp.shared_expert_gate")
+)
+
+
+def _sparse(spec: ArchSpec, n: int) -> ArchSpec:
+    """`spec` for a block whose MLP has `n` experts: attention as the family's; then, in one
+    pass, every expert's gate/up (and the shared expert's); then, in one pass, every down.
+    AWQ: one scale for all gate/up inputs, folded into the norm (router and shared gate
+    compensated), and one up -> down scale per expert."""
+    moe = spec.moe
+    shared = () if moe.shared is None else tuple(f"{moe.shared}.{n}" for n in ("gate_proj", "up_proj", "down_proj"))
+    gate_up = tuple((moe.expert(e, 0), moe.expert(e, 1)) for e in range(n)) + ((shared[:2],) if shared else ())
+    down = tuple((moe.expert(e, 2),) for e in range(n)) + ((shared[2:],) if shared else ())
+    attention = spec.sequential[:2]
+    readers = (moe.router,) + ((moe.shared_gate,) if moe.shared_gate else ())
+    mlp = Mapping(
+        spec.pre_mlp_norm, tuple(x for g in gate_up for x in g), inspect=moe.module, input=moe.module, readers=readers
+    )
+    return spec.replace(
+        sequential=attention + gate_up + down,
+        passes=tuple((g,) for g in attention) + (gate_up, down),
+        awq=spec.awq[:2] + (mlp,) + tuple(Mapping(g[1], d) for g, d in zip(gate_up, down)),
+    )
+
+
 # model_type -> spec. Mistral, Qwen2 (q/k/v with bias) and Llama 3 (its rope scaling is in
 # the model's rotary embedding) share Llama's layout.
 ARCHS: dict[str, ArchSpec] = {
@@ -121,8 +204,13 @@ ARCHS: dict[str, ArchSpec] = {
     "gemma2": GEMMA2,
     "gemma3_text": GEMMA3,
     "phi3": PHI3,
+    "mixtral": MIXTRAL,
+    "qwen2_moe": QWEN2_MOE,
+    "qwen3_moe": QWEN3_MOE,
 }
-FAMILIES = "Llama (1, 2, 3.x), Mistral, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3 (text), Phi-3/Phi-4"
+FAMILIES = (
+    "Llama (1, 2, 3.x), Mistral, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3 (text), Phi-3/Phi-4, Mixtral, Qwen2-MoE, Qwen3-MoE"
+)
 
 
 def arch_for(config) -> ArchSpec:

@@ -137,6 +137,7 @@ def load_float_model(name_or_path, dtype: torch.dtype | None = None, owned: bool
         if owned:  # names transformers had to translate: copy what it mapped, one tensor at a time
             for p in model.parameters():
                 p.data = p.data.clone()
+        split_experts(model)
     model.eval()
     return model, load_tokenizer(path), path
 
@@ -167,7 +168,20 @@ def empty_model(config, dtype: torch.dtype | str | None = None):
     dtype = dtype or getattr(config, "dtype", None) or torch.float32
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     with params_on_meta():
-        return AutoModelForCausalLM.from_config(config, dtype=dtype), dtype
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    split_experts(model)
+    return model, dtype
+
+
+def split_experts(model) -> None:
+    """One nn.Linear per expert, under the checkpoint's names, in a mixture-of-experts model
+    (`models/moe.py`); other models are left as they are."""
+    from quantkit.models import moe
+    from quantkit.models.arch import ARCHS
+
+    spec = ARCHS.get(getattr(model.config, "model_type", None))
+    if spec is not None and spec.moe is not None:
+        moe.install(model, spec)
 
 
 def missing_and_unexpected(model, tensors) -> tuple[set, set]:

@@ -42,7 +42,7 @@ def quantized_linears(model: nn.Module, spec: ArchSpec, scheme: QuantScheme) -> 
     """Full name -> module of every block linear the scheme quantizes, group sizes checked."""
     found = {}
     for i, block in enumerate(get_module(model, spec.blocks)):
-        for name in spec.linears:
+        for name in spec.for_block(block).linears:
             full = f"{spec.blocks}.{i}.{name}"
             args = scheme.scheme_for(full)
             if args is None:
@@ -88,13 +88,22 @@ def pack_tensor(key: str, t: torch.Tensor, scheme: QuantScheme, results: dict[st
 
 def checkpoint_config(model: nn.Module, scheme: QuantScheme, quantized, dtype) -> dict:
     """config.json of the quantized model: the float config plus `quantization_config`
-    (`quantized`: the names of the quantized linears)."""
+    (`quantized`: the names of the quantized linears). The ignore list names every linear
+    left in float, and the routers of a mixture-of-experts model."""
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    linears += routers(model)
     ignore = tuple(n for n in linears if n not in quantized)
     config = model.config.to_dict()
     config["dtype"] = str(dtype).removeprefix("torch.")
     config["quantization_config"] = to_quantization_config(scheme.replace(ignore=ignore))
     return config
+
+
+def routers(model: nn.Module) -> list[str]:
+    """The full names of the routers of a mixture-of-experts model (none in a dense one)."""
+    spec = arch_for(model.config)
+    blocks = get_module(model, spec.blocks)
+    return [f"{spec.blocks}.{i}.{s.moe.router}" for i, b in enumerate(blocks) if (s := spec.for_block(b)).moe]
 
 
 def _observe_kv_after(step, spec: ArchSpec):
@@ -110,11 +119,11 @@ def _observe_kv_after(step, spec: ArchSpec):
     return wrapped
 
 
-def check_scaled_together(spec: ArchSpec, blocks: int, linears: list[str]) -> None:
+def check_scaled_together(model: nn.Module, spec: ArchSpec, linears: list[str]) -> None:
     """AWQ and SmoothQuant fold one scale into the op before each mapping's linears and
     compensate only the quantized ones, so a mapping must be quantized whole or not at all."""
-    for i in range(blocks):
-        for m in spec.awq:
+    for i, block in enumerate(get_module(model, spec.blocks)):
+        for m in spec.for_block(block).awq:
             names = [f"{spec.blocks}.{i}.{n}" for n in m.linears]
             left_out = [n for n in names if n not in linears]
             if left_out and len(left_out) < len(names):
@@ -258,10 +267,15 @@ def quantize(
     scheme = _fit_groups(model, spec, scheme, log)
     linears = list(quantized_linears(model, spec, scheme))  # validates group sizes before any work
     if any(x.folds_scales for x in (m, *(t for t, _ in transforms))):
-        check_scaled_together(spec, len(get_module(model, spec.blocks)), linears)
+        check_scaled_together(model, spec, linears)
     results: dict[str, QParams] = {}
     kv = scheme.kv_cache
     step = _make_step(m, options, transforms, spec, scheme, linears, dtype, results, log)
+    expert_tokens: dict[str, list[int]] = {}  # block -> tokens routed to each expert (sparse blocks)
+
+    def carried():  # what a resumed run needs of the blocks already done
+        return {"steps": step.state(), "expert_tokens": dict(expert_tokens)}
+
     needs_data = m.needs_data(scheme, options) or any(t.needs_data(scheme, o) for t, o in transforms)
     args = {
         "model": str(source),
@@ -284,13 +298,25 @@ def quantize(
             samples = calibration_samples(tokenizer, load_documents(c.dataset, "calib"), c.samples, c.seq_len, c.seed)
         if not run.started and log:
             log(f"resuming {out}: {run.next_block} of {blocks} blocks were done")
-        io = _Stream(model, spec, scheme, weights, dtype, results, run, step)
+        io = _Stream(model, spec, scheme, weights, dtype, results, run, carried)
         if run.step_state is not None:
-            step.restore(run.step_state)
+            step.restore(run.step_state["steps"])
+            expert_tokens.update(run.step_state["expert_tokens"])
         block_step = step if kv is None else _observe_kv_after(step, spec)
         with kv_cache.record_kv_amax(model) if kv is not None else contextlib.nullcontext():
             if run.next_block < blocks:
-                run_blocks(model, spec, block_step, samples, calibration.batch_size, device, track, io)
+                run_blocks(
+                    model,
+                    spec,
+                    block_step,
+                    samples,
+                    calibration.batch_size,
+                    device,
+                    track,
+                    io,
+                    calibration.min_expert_tokens,
+                    expert_tokens,
+                )
         step.finish()
         if not run.tail_written:
             io.write_tail()
@@ -307,6 +333,7 @@ def quantize(
             "options": dataclasses.asdict(options),
             "transforms": {t.name: dataclasses.asdict(o) for t, o in transforms},
             "quantized_linears": len(linears),
+            **({"expert_tokens": expert_tokens} if expert_tokens else {}),
             "wall_time_s": round(time.perf_counter() - start, 2),
             "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
             "recipe": recipe,
@@ -331,9 +358,9 @@ class _Stream(InMemory):
     """How `run_blocks` gets and leaves each block in a streaming run: weights read from the
     model's files before the block, packed tensors written (and the run committed) after."""
 
-    def __init__(self, model, spec, scheme, weights, dtype, results, run: PartialRun, step):
+    def __init__(self, model, spec, scheme, weights, dtype, results, run: PartialRun, carried):
         self.model, self.spec, self.scheme, self.weights = model, spec, scheme, weights
-        self.dtype, self.results, self.run, self.step = dtype, results, run, step
+        self.dtype, self.results, self.run, self.carried = dtype, results, run, carried
         self.start, self.hidden = run.next_block, run.hidden
         keys = list(model.state_dict())
         if getattr(model.config, "tie_word_embeddings", False):
@@ -383,11 +410,11 @@ class _Stream(InMemory):
             del self.results[name]
         release_weights(block)
         last = index + 1 == len(self.blocks)
-        self.run.commit(index + 1, None if last else outputs, self.step.state())
+        self.run.commit(index + 1, None if last else outputs, self.carried())
 
     def write_tail(self) -> None:
         self._copy(self.tail)
-        self.run.commit(len(self.blocks), tail_written=True)
+        self.run.commit(len(self.blocks), None, self.carried(), tail_written=True)
 
 
 def _check_disk(run: PartialRun, model, spec, scheme, linears, dtype, calibration) -> None:
@@ -423,7 +450,7 @@ def _fit_groups(model: nn.Module, spec: ArchSpec, scheme: QuantScheme, log) -> Q
     widths = {
         f"{spec.blocks}.{i}.{n}": get_module(block, n).in_features
         for i, block in enumerate(get_module(model, spec.blocks))
-        for n in spec.linears
+        for n in spec.for_block(block).linears
     }
     scheme, notes = fit_group_size(scheme, widths)
     for note in notes:

@@ -116,13 +116,15 @@ class PartialRun:
             self.hidden, self.step_state = saved["hidden"], saved["steps"]
 
     def commit(self, next_block: int, hidden=None, step_state=None, tail_written: bool = False) -> None:
-        """Make everything written so far durable, with what block `next_block` receives."""
+        """Make everything written so far durable, with what block `next_block` receives and
+        what the steps carry from block to block."""
         writer = self.writer.state()
         inputs = None
-        if hidden is not None:
+        if hidden is not None or step_state is not None:
             inputs = _inputs_file(next_block)
             tmp = self.folder / (inputs + ".tmp")
-            torch.save({"hidden": [h.cpu() for h in hidden], "steps": step_state}, tmp)
+            saved = {"hidden": None if hidden is None else [h.cpu() for h in hidden], "steps": step_state}
+            torch.save(saved, tmp)
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, self.folder / inputs)

@@ -7,7 +7,8 @@ as one flat batch [T, hidden] through each block's fused q/k/v and gate/up linea
 keys/values go into the paged cache with `ops.kv_store`, prefill tokens attend with
 `ops.paged_prefill`, all decode tokens together with `ops.paged_attention` (each with the
 layer's scale, sliding window and logit soft-cap), and logits are computed only for the
-tokens that are sampled.
+tokens that are sampled. A mixture-of-experts block routes with the model's own router and
+runs each routed expert once on its tokens (`_SparseMLP`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from torch import nn
 from quantkit import ops
 from quantkit.errors import QuantkitError
 from quantkit.kernels import reference
-from quantkit.models.arch import arch_for, get_module, unsupported_features
+from quantkit.models import moe
+from quantkit.models.arch import MoE, arch_for, get_module, unsupported_features
 from quantkit.runtime.qlinear import fuse_linears, prepack
 
 KV_DTYPES = {"float": torch.float8_e4m3fn, "int": torch.int8}
@@ -68,9 +70,7 @@ class _Layer:
     o_proj: nn.Module
     post_attention_norm: Callable[[torch.Tensor], torch.Tensor]  # identity where the family has none
     pre_mlp_norm: nn.Module
-    gate_up: Callable[[torch.Tensor], torch.Tensor]  # [T, hidden] -> [T, 2 * intermediate]
-    act: Callable[[torch.Tensor], torch.Tensor]
-    down_proj: nn.Module
+    mlp: Callable[[torch.Tensor], torch.Tensor]  # [T, hidden] -> [T, hidden]: `_MLP` or `_SparseMLP`
     post_mlp_norm: Callable[[torch.Tensor], torch.Tensor]
     q_norm: Callable[[torch.Tensor], torch.Tensor]  # per head, [T, heads, D]
     k_norm: Callable[[torch.Tensor], torch.Tensor]
@@ -84,6 +84,71 @@ class _Layer:
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
+
+
+def _window(attention: nn.Module, config) -> int | None:
+    """A layer's sliding window: its attention module's, else (Mistral, Mixtral, Phi-3 pass
+    the config's to every layer) the config's unless its layer types make this layer a
+    full-attention one (Qwen2-MoE); 0 means none."""
+    if hasattr(attention, "sliding_window"):
+        return attention.sliding_window or None
+    types = getattr(config, "layer_types", None)
+    if types and types[attention.layer_idx] != "sliding_attention":
+        return None
+    return getattr(config, "sliding_window", None) or None
+
+
+@dataclass(slots=True)
+class _MLP:
+    """down(act(gate) * up), with gate and up from one fused projection."""
+
+    gate_up: Callable[[torch.Tensor], torch.Tensor]  # [T, hidden] -> [T, 2 * intermediate]
+    act: Callable[[torch.Tensor], torch.Tensor]
+    down: nn.Module
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(self.act(gate) * up)
+
+    @classmethod
+    def of(cls, gate_up: list[nn.Module], act, down: nn.Module) -> _MLP:
+        """From the model's modules: gate and up, or one fused gate/up projection."""
+        return cls(_prepacked(_projection(gate_up), gate_up), act, _prepacked(down, [down]))
+
+
+@dataclass(slots=True)
+class _SparseMLP:
+    """A mixture-of-experts MLP: the model's own router gives each token its top-k experts
+    and weights (normalised as the model does), the tokens are grouped by expert and each
+    routed expert runs once on its tokens; the shared expert, when there is one, adds its
+    output behind a sigmoid gate. Sums in expert order, as transformers adds them."""
+
+    router: nn.Module  # x -> (logits, top-k weights [T, k], top-k experts [T, k])
+    experts: list[_MLP]
+    shared: _MLP | None
+    shared_gate: nn.Module | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        _, weights, index = self.router(x)
+        out = torch.zeros_like(x)
+        for e, tokens, slots in moe.route(index, len(self.experts)):
+            y = self.experts[e](x[tokens]) * weights[tokens, slots, None]
+            out.index_add_(0, tokens, y.to(out.dtype))
+        if self.shared is not None:
+            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+        return out
+
+    @classmethod
+    def of(cls, block: nn.Module, spec: MoE) -> _SparseMLP:
+        sparse = get_module(block, spec.module)
+        gate, up, down = spec.names
+        experts = [_MLP.of([getattr(x, gate), getattr(x, up)], x.act_fn, getattr(x, down)) for x in sparse.experts]
+        shared = None
+        if spec.shared is not None:
+            s = get_module(block, spec.shared)
+            shared = _MLP.of([s.gate_proj, s.up_proj], s.act_fn, s.down_proj)
+        gate = None if spec.shared_gate is None else get_module(block, spec.shared_gate)
+        return cls(get_module(block, spec.router), experts, shared, gate)
 
 
 def _projection(modules: list[nn.Module]) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -151,14 +216,18 @@ class ModelRunner:
         self.num_blocks, self.block_size = num_blocks, block_size
 
     def _layer(self, block: nn.Module) -> _Layer:
-        spec = self.spec
-        qkv, o, gate_up, down = spec.sequential  # q/k/v, o, gate/up, down (fused or not)
+        spec = self.spec.for_block(block)
+        qkv, o = spec.sequential[:2]  # q/k/v (fused or not), o
         mods = lambda names: [get_module(block, n) for n in names]  # noqa: E731
         norm = lambda name: _identity if name is None else get_module(block, name)  # noqa: E731
         attn = get_module(block, spec.attention)
         scales = (attn.k_scale, attn.v_scale) if self.kv_args is not None else (None, None)
-        qkv_mods, gate_up_mods = mods(qkv), mods(gate_up)
-        o_proj, down_proj = get_module(block, o[0]), get_module(block, down[0])
+        qkv_mods, o_proj = mods(qkv), get_module(block, o[0])
+        if spec.moe is not None:
+            mlp = _SparseMLP.of(block, spec.moe)
+        else:
+            gate_up, down = spec.sequential[2:]  # gate/up (fused or not), down
+            mlp = _MLP.of(mods(gate_up), get_module(block, spec.act), get_module(block, down[0]))
         takes_layer_type = "layer_type" in inspect.signature(self.rotary_emb.forward).parameters
         return _Layer(
             get_module(block, spec.input_norm),
@@ -166,14 +235,12 @@ class ModelRunner:
             _prepacked(o_proj, [o_proj]),
             norm(spec.post_attention_norm),
             get_module(block, spec.pre_mlp_norm),
-            _prepacked(_projection(gate_up_mods), gate_up_mods),
-            get_module(block, spec.act),
-            _prepacked(down_proj, [down_proj]),
+            mlp,
             norm(spec.post_mlp_norm),
             norm(spec.q_norm),
             norm(spec.k_norm),
             attn.scaling,
-            getattr(attn, "sliding_window", getattr(self.config, "sliding_window", None)),
+            _window(attn, self.config),
             getattr(attn, "attn_logit_softcapping", None),
             getattr(attn, "layer_type", None) if takes_layer_type else None,
             *scales,
@@ -239,8 +306,7 @@ class ModelRunner:
             v = qkv[:, (H + KV) * D :].view(T, KV, D)
             ops.kv_store(k, v, self.k_cache[i], self.v_cache[i], b.slot_mapping, layer.k_scale, layer.v_scale)
             x = x + layer.post_attention_norm(layer.o_proj(self._attention(b, q, i, layer).view(T, H * D)))
-            gate, up = layer.gate_up(layer.pre_mlp_norm(x)).chunk(2, dim=-1)
-            x = x + layer.post_mlp_norm(layer.down_proj(layer.act(gate) * up))
+            x = x + layer.post_mlp_norm(layer.mlp(layer.pre_mlp_norm(x)))
         logits = self.lm_head(self.final_norm(x[b.logits_indices]))
         return reference.cap(logits, self.final_softcap)
 

@@ -113,7 +113,14 @@ def test_awq_saved_search_reproduces_the_checkpoint(tiny_llama, tiny_corpus, tmp
 def test_gptq_and_awq_record_calibration(tiny_llama, tiny_corpus, tmp_path):
     calib = Calibration(str(tiny_corpus), 4, 32, seed=1)
     prov = quantize(str(tiny_llama), preset("w4a16").with_group_size(32), tmp_path / "g", "gptq", calib, {"damp": 0.02})
-    assert prov["calibration"] == {"dataset": str(tiny_corpus), "samples": 4, "seq_len": 32, "seed": 1, "batch_size": 8}
+    assert prov["calibration"] == {
+        "dataset": str(tiny_corpus),
+        "samples": 4,
+        "seq_len": 32,
+        "seed": 1,
+        "batch_size": 8,
+        "min_expert_tokens": 512,
+    }
     assert prov["options"] == {"damp": 0.02, "block_size": 128, "range_search": True}  # every option, defaults included
 
 

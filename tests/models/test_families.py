@@ -2,8 +2,10 @@
 the engine's greedy tokens equal transformers' (fp32, alone and batched, prompts longer than
 the sliding windows), `quantkit.load` gives transformers' logits (float and int4, and
 transformers reads the symmetric checkpoint with compressed-tensors), every method runs,
-AWQ folding keeps the float function through Gemma's (1 + w) norms and Phi-3's fused
-projections, and the KV-cache hooks leave the function unchanged until they quantize."""
+AWQ folding keeps the float function through Gemma's (1 + w) norms, Phi-3's fused
+projections and the routers of the mixtures of experts (Mixtral, Qwen2-MoE with its shared
+expert and a dense layer, Qwen3-MoE), and the KV-cache hooks leave the function unchanged
+until they quantize."""
 
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from quantkit.calibration.method import Calibration
 from quantkit.calibration.registry import METHODS
 from quantkit.calibration.runner import run_blocks
 from quantkit.models import kv_cache
-from quantkit.models.arch import arch_for
+from quantkit.models.arch import arch_for, get_module
+from quantkit.models.loading import load_float_model
 from quantkit.pipeline.quantize import quantize
 from quantkit.runtime.engine import LLM
 from quantkit.runtime.sequence import SamplingParams
@@ -70,8 +73,10 @@ def test_every_method_runs_and_the_engine_serves_it(family, tiny_corpus, tmp_pat
     if method == "gptq":
         scheme = scheme.replace(kv_cache=kv_args("fp8"))
     prov = quantize(str(path), scheme, tmp_path / "q", method, Calibration(str(tiny_corpus), 4, 32))
-    spec = arch_for(AutoModelForCausalLM.from_pretrained(path).config)
-    assert prov["quantized_linears"] == 2 * len(spec.linears), name
+    model = load_float_model(path)[0]
+    spec = arch_for(model.config)
+    linears = sum(len(spec.for_block(b).linears) for b in get_module(model, spec.blocks))
+    assert prov["quantized_linears"] == linears > 2 * len(spec.sequential[0]), name
     outputs = LLM(str(tmp_path / "q"), num_blocks=32).generate(PROMPTS[:2], GREEDY)
     assert all(len(o.token_ids) == 8 for o in outputs)
     with torch.no_grad():
@@ -81,8 +86,7 @@ def test_every_method_runs_and_the_engine_serves_it(family, tiny_corpus, tmp_pat
 def test_awq_folding_keeps_the_float_function(family, monkeypatch):
     name, path = family
     monkeypatch.setattr(rtn, "quantize_weight", lambda w, args, dt: (w, torch.ones(1), None))
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
-    float_model = AutoModelForCausalLM.from_pretrained(path).eval()
+    model, float_model = load_float_model(path)[0], load_float_model(path)[0]  # experts one linear each
     spec, method = arch_for(model.config), METHODS["awq"]
     scheme = preset("w4a16").with_group_size(32)
     options = method.options(clip=False)
@@ -93,6 +97,11 @@ def test_awq_folding_keeps_the_float_function(family, monkeypatch):
     assert any("layernorm" in n for n in changed), name  # scales went into the norms
     if name == "phi3":  # and into the v rows of qkv_proj / the up half of gate_up_proj
         assert {"model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.gate_up_proj.weight"} <= set(changed)
+    if spec.moe is not None:  # the router (and the shared expert's gate) read the scaled norm: compensated
+        readers = [f"model.layers.0.{spec.moe.router}.weight"] + [
+            f"model.layers.0.{spec.moe.shared_gate}.weight"
+        ] * bool(spec.moe.shared_gate)
+        assert set(readers) <= set(changed), name
 
 
 def test_kv_hooks_keep_the_function_until_they_quantize(family):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from conftest import make_family_model, make_tiny_model
 
 from quantkit.calibration.kv import kv_args
 from quantkit.calibration.registry import method as method_entry
@@ -65,16 +65,23 @@ def same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
 
 
+def source(path, family=None, **kwargs):
+    """A tiny Llama, or a tiny model of conftest.FAMILIES."""
+    return make_family_model(path, family, **kwargs) if family else make_tiny_model(path, **kwargs)
+
+
 @pytest.mark.parametrize(
-    "dtype, shard, method, kv",
+    "dtype, shard, method, kv, family",
     [
-        (torch.float32, None, "gptq", True),
-        (torch.bfloat16, "20KB", "awq", False),
-        (torch.float16, "30KB", "rtn", True),
+        (torch.float32, None, "gptq", True, None),
+        (torch.bfloat16, "20KB", "awq", False, None),
+        (torch.float16, "30KB", "rtn", True, None),
+        (torch.float32, "40KB", "awq", False, "qwen2-moe"),  # experts, a shared expert, a dense layer
+        (torch.bfloat16, None, "gptq", False, "mixtral"),
     ],
 )
-def test_streaming_equals_the_in_memory_pipeline(tmp_path, tiny_corpus, dtype, shard, method, kv):
-    src = make_tiny_model(tmp_path / "src", dtype=dtype, num_hidden_layers=3)
+def test_streaming_equals_the_in_memory_pipeline(tmp_path, tiny_corpus, dtype, shard, method, kv, family):
+    src = source(tmp_path / "src", family, dtype=dtype, num_hidden_layers=3)
     if shard:  # the source itself sharded
         from transformers import AutoModelForCausalLM
 
@@ -87,8 +94,9 @@ def test_streaming_equals_the_in_memory_pipeline(tmp_path, tiny_corpus, dtype, s
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q", "src"]  # no partial folder left
 
 
-def test_one_block_in_memory_at_a_time(tmp_path, tiny_corpus, monkeypatch):
-    src = make_tiny_model(tmp_path / "src", num_hidden_layers=4)
+@pytest.mark.parametrize("family", [None, "mixtral"])  # one block's experts at a time, not all of them
+def test_one_block_in_memory_at_a_time(tmp_path, tiny_corpus, monkeypatch, family):
+    src = source(tmp_path / "src", family, num_hidden_layers=4)
     seen, models = [], []
     opened = pipeline.open_float_model
 
@@ -151,10 +159,17 @@ quantize(sys.argv[3], s, sys.argv[4], sys.argv[5], Calibration(sys.argv[6], 8, 3
 
 
 @pytest.mark.parametrize(
-    "where, n, method", [("add", 3, "gptq"), ("add", 40, "gptq"), ("commit", 3, "gptq"), ("add", 30, "awq")]
+    "where, n, method, family",
+    [
+        ("add", 3, "gptq", None),
+        ("add", 40, "gptq", None),
+        ("commit", 3, "gptq", None),
+        ("add", 30, "awq", None),
+        ("commit", 4, "gptq", "qwen3-moe"),  # the expert token counts of the blocks done are carried
+    ],
 )
-def test_killed_run_resumes_byte_identical(tmp_path, tiny_corpus, where, n, method):
-    src = make_tiny_model(tmp_path / "src", num_hidden_layers=4)
+def test_killed_run_resumes_byte_identical(tmp_path, tiny_corpus, where, n, method, family):
+    src = source(tmp_path / "src", family, num_hidden_layers=4)
     options = {"save_search": str(tmp_path / "search-{}.safetensors")} if method == "awq" else {}
     s = scheme(kv=True)
 
@@ -188,6 +203,11 @@ def test_killed_run_resumes_byte_identical(tmp_path, tiny_corpus, where, n, meth
     assert any(n.startswith("model-00002-of-") for n in names)  # several shards
     for name in names:
         assert (tmp_path / "straight" / name).read_bytes() == (tmp_path / "resumed" / name).read_bytes(), name
+    if family:
+        tokens = [
+            json.loads((tmp_path / x / "quantkit.json").read_text())["expert_tokens"] for x in ("straight", "resumed")
+        ]
+        assert tokens[0] == tokens[1] and len(tokens[0]) == 4
     if method == "awq":  # the search carried from block to block was restored
         a, b = (read_tensors_file(tmp_path / f"search-{x}.safetensors") for x in "ab")
         assert same(a, b) and len(a) > 0
