@@ -57,8 +57,42 @@ def linear_shapes(config: dict) -> dict[str, tuple[int, int]]:
     }
 
 
+def _moe(config: dict) -> dict | None:
+    """A mixture-of-experts config's experts (Mixtral, Qwen2-MoE, Qwen3-MoE): how many, how
+    many a token uses, their width, the shared expert's width (0: none) and how many layers
+    are sparse (Qwen's mlp_only_layers and decoder_sparse_step leave some dense); None: dense."""
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    if not experts:
+        return None
+    layers, step = config["num_hidden_layers"], config.get("decoder_sparse_step") or 1
+    dense = set(config.get("mlp_only_layers") or ())
+    return {
+        "experts": experts,
+        "top_k": config["num_experts_per_tok"],
+        "width": config.get("moe_intermediate_size") or config["intermediate_size"],
+        "shared": config.get("shared_expert_intermediate_size") or 0,
+        "layers": sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0),
+    }
+
+
+def block_linears(config: dict) -> list[tuple[int, int, int, int]]:
+    """(out, in, how many the model has, how many one token reads) of every kind of block
+    linear: attention, dense MLPs, and in sparse layers every expert (top-k read per token)
+    and the shared expert."""
+    h, layers, shapes = config["hidden_size"], config["num_hidden_layers"], linear_shapes(config)
+    moe = _moe(config)
+    sparse = moe["layers"] if moe else 0
+    rows = [(*shapes[n], layers, layers) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    rows += [(*shapes[n], layers - sparse, layers - sparse) for n in ("gate_proj", "up_proj", "down_proj")]
+    if moe:
+        e, k, w, s = moe["experts"], moe["top_k"], moe["width"], moe["shared"]
+        rows += [(o, i, sparse * e, sparse * k) for o, i in ((w, h), (w, h), (h, w))]
+        rows += [(o, i, sparse, sparse) for o, i in ((s, h), (s, h), (h, s)) if s]
+    return [r for r in rows if r[2]]
+
+
 def _float_params(config: dict) -> int:
-    """Parameters that stay in float: embeddings, lm_head, norms, biases."""
+    """Parameters that stay in float: embeddings, lm_head, norms, biases, routers."""
     h, vocab, shapes = config["hidden_size"], config["vocab_size"], linear_shapes(config)
     biased = set()
     if config.get("attention_bias") or config.get("model_type") == "qwen2":
@@ -67,13 +101,15 @@ def _float_params(config: dict) -> int:
         biased |= {"gate_proj", "up_proj", "down_proj"}
     per_block = 2 * h + sum(shapes[n][0] for n in biased)  # two norms + biases
     heads = 1 if config.get("tie_word_embeddings", False) else 2
-    return config["num_hidden_layers"] * per_block + h + heads * vocab * h
+    moe = _moe(config)
+    routers = moe["layers"] * (moe["experts"] + (1 if moe["shared"] else 0)) * h if moe else 0  # and shared gates
+    return config["num_hidden_layers"] * per_block + h + heads * vocab * h + routers
 
 
-def param_count(config: dict) -> int:
-    """All parameters of the model described by `config` (HF config.json dict)."""
-    linear = sum(o * i for o, i in linear_shapes(config).values())
-    return config["num_hidden_layers"] * linear + _float_params(config)
+def param_count(config: dict, active: bool = False) -> int:
+    """All parameters of the model described by `config` (HF config.json dict); with
+    `active`, those one token reads (a mixture of experts' top-k experts, not all)."""
+    return sum(o * i * (a if active else n) for o, i, n, a in block_linears(config)) + _float_params(config)
 
 
 def linear_bytes(
@@ -90,11 +126,12 @@ def linear_bytes(
     return total
 
 
-def weight_bytes(config: dict, scheme: str) -> float:
-    """Bytes of all weights with the block linears quantized per `scheme`."""
+def weight_bytes(config: dict, scheme: str, active: bool = False) -> float:
+    """Bytes of all weights with the block linears quantized per `scheme`; with `active`,
+    of those one token reads."""
     args, static_input = _scheme_args(scheme)
-    block = sum(linear_bytes(o, i, args, static_input) for o, i in linear_shapes(config).values())
-    return config["num_hidden_layers"] * block + _float_params(config) * FLOAT_BYTES
+    linears = sum(linear_bytes(o, i, args, static_input) * (a if active else n) for o, i, n, a in block_linears(config))
+    return linears + _float_params(config) * FLOAT_BYTES
 
 
 def kv_bytes_per_token(config: dict, kv_cache: str | None = None) -> int:
@@ -139,9 +176,10 @@ def plan(
     max_num_seqs: int | None = None,
 ) -> list[dict]:
     """One row per scheme: memory, sequences of `context` tokens that fit in
-    `memory_utilization` of the GPU, and lower bounds on decode TPOT (all weights, and
-    at full batch all KV too, read once per step), throughput and cost per 1K output
-    tokens at full batch; `prefill_ms` is the compute bound on one `context`-token prompt.
+    `memory_utilization` of the GPU, and lower bounds on decode TPOT (the weights a token
+    reads at batch 1: a mixture of experts' top-k experts; all weights, and all KV, at full
+    batch), throughput and cost per 1K output tokens at full batch; `prefill_ms` is the
+    compute bound on one `context`-token prompt.
     `memory` (bytes) and `bandwidth` (bytes/s) override the GPU table; `max_num_seqs`
     caps the batch as an engine's scheduler would."""
     config = {**config, **(config.get("text_config") or {})}
@@ -150,6 +188,7 @@ def plan(
         raise QuantkitError(f"need context >= 1 and 0 < memory utilization <= 1, got {context}, {memory_utilization}.")
     try:
         params, kv_token = param_count(config), kv_bytes_per_token(config, kv_cache)
+        active = param_count(config, active=True)
     except KeyError as e:
         raise QuantkitError(f"config.json lacks {e.args[0]!r}; planning needs a decoder-only LM config.") from None
     memory, bandwidth = memory or spec.memory, bandwidth or spec.bandwidth
@@ -162,7 +201,7 @@ def plan(
         args, _ = _scheme_args(scheme)
         fp8_math = args is not None and args.type == "float" and spec.fp8_tflops is not None
         attention = 2 * config["num_hidden_layers"] * context**2 * linear_shapes(config)["q_proj"][0]  # causal QK, PV
-        flops = 2 * params * context + attention
+        flops = 2 * active * context + attention
         tpot_full = (weights + seqs * context * kv_token) / bandwidth if seqs else None
         tokens_s = seqs / tpot_full if seqs else None
         rows.append(
@@ -172,13 +211,14 @@ def plan(
                 "context": context,
                 "kv_cache": kv_cache or "bf16",
                 "params": params,
+                "active_params": active,
                 "weight_bytes": weights,
                 "kv_bytes_per_token": kv_token,
                 "kv_bytes_per_seq": kv_token * context,
                 "max_seqs": seqs,
                 "fits": seqs > 0,
                 "weights_fit": weights <= memory * memory_utilization,
-                "tpot_ms_batch1": weights / bandwidth * 1e3,
+                "tpot_ms_batch1": weight_bytes(config, scheme, active=True) / bandwidth * 1e3,
                 "tpot_ms_full": tpot_full * 1e3 if seqs else None,
                 "tokens_per_s_full": tokens_s,
                 "prefill_ms": flops / ((spec.fp8_tflops if fp8_math else spec.bf16_tflops) * 1e12) * 1e3,
@@ -229,6 +269,7 @@ FP32_TFLOPS = {"h100-80gb": 67, "a100-80gb": 19.5, "h200": 67, "l40s": 91.6, "l4
 # small forwards, rounding, searches and GPTQ's column loop. Fitted on smollm2 (64 × 512,
 # 2026-12-01: AWQ 300 s, GPTQ with range search 317 s, against a measured 120 GFLOP/s).
 EFFICIENCY = {"gptq": 0.58, "awq": 0.63}
+HESSIAN_BYTES = 1 << 30  # as calibration/gptq.py: expert Hessians gathered in one pass
 _FILE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -246,7 +287,9 @@ def calibration_plan(
     fp32 + the calibration activations (a block's inputs and outputs) + the method's
     working set, or the embeddings while block 0's inputs are captured, whichever is
     larger; never the whole model. `gflops` is the device's fp32 matmul rate. Also the
-    checkpoint's size on disk (w4a16, `group_size`)."""
+    checkpoint's size on disk (w4a16, `group_size`). In a mixture of experts the block is a
+    sparse one (all its experts), each expert sees its top-k share of the tokens, and GPTQ
+    holds up to HESSIAN_BYTES of expert Hessians at once."""
     if method not in EFFICIENCY:
         raise QuantkitError(f"--calibrate {method!r} is not planned; use awq or gptq.")
     if samples < 1 or seq_len < 1 or gflops <= 0:
@@ -265,21 +308,33 @@ def calibration_plan(
     file_bytes = _FILE_BYTES.get(str(config.get("torch_dtype") or config.get("dtype") or "float32"), 4)
     tokens = samples * seq_len
     attn_width = shapes["o_proj"][1]
-    block_params = sum(o * i for o, i in shapes.values()) + 2 * h
+    # per group of linears that share an input: (in, out summed, share of the tokens it sees)
+    groups = [(h, shapes["q_proj"][0] + shapes["k_proj"][0] + shapes["v_proj"][0], 1.0), (attn_width, h, 1.0)]
+    moe = _moe(config)
+    if moe:
+        e, w, s, share = moe["experts"], moe["width"], moe["shared"], moe["top_k"] / moe["experts"]
+        groups += [(h, 2 * w, share)] * e + [(w, h, share)] * e + ([(h, 2 * s, 1.0), (s, h, 1.0)] if s else [])
+        inter = moe["top_k"] * w + s  # intermediate width a token computes
+    else:
+        groups += [(h, 2 * inter, 1.0), (inter, h, 1.0)]
+    block_params = sum(i * o for i, o, _ in groups) + 2 * h + (moe["experts"] * h if moe else 0)
     block = 4 * block_params + (file_bytes * block_params if file_bytes != 4 else 0)  # fp32, plus the read copy
     activations = 2 * tokens * h * 4  # the block's inputs and outputs, fp32
     heads = config["num_attention_heads"]
     forward = BATCH * seq_len * (3 * inter + 4 * h) * 4  # one batch's intermediates inside the block
     forward += BATCH * heads * seq_len**2 * 4  # and its attention scores
     if method == "gptq":
-        widest = max(shapes.values(), key=lambda s: s[1] ** 2)  # the largest Hessian: down_proj's
-        out_rows = sum(o for o, i in shapes.values() if i == widest[1])
+        widest = max(i for i, _, _ in groups)  # the largest Hessian: down_proj's
+        out_rows = max(o for i, o, _ in groups if i == widest)
+        held = sum(1 for i, _, _ in groups if i == widest)  # a pass over experts keeps one Hessian each
+        held = min(held, max(1, HESSIAN_BYTES // (4 * widest**2)))
         # H, its act-order permuted copy and two factors; the stacked weights, permuted, Q and the error
-        working = 4 * widest[1] ** 2 * 4 + 4 * out_rows * widest[1] * 4
+        working = (3 + held) * widest**2 * 4 + 4 * out_rows * widest * 4
     else:
         kept = min(tokens, SEARCH_TOKENS)
-        working = kept * (2 * h + attn_width + inter) * 4  # every linear input of the block, kept for the search
-        working += 2 * kept * max(o for o, _ in shapes.values()) * 4  # one candidate's outputs and reference
+        # every group's input of the block (and a sparse MLP's own), kept for the search
+        working = kept * (sum(i * share for i, _, share in groups) + (h if moe else 0)) * 4
+        working += 2 * kept * max(o for _, o, _ in groups) * 4  # one candidate's outputs and reference
     embed = vocab * h * (4 + (file_bytes if file_bytes != 4 else 0))
     capture = embed + tokens * h * 4
     block_phase = block + activations + working + forward
@@ -287,25 +342,19 @@ def calibration_plan(
     host = LIBRARY_BYTES + (max(block, tokens * h * 4) if on_device else max(capture, block_phase))
     device_peak = max(capture, block_phase - (file_bytes * block_params if file_bytes != 4 else 0)) if on_device else 0
     # time: every matmul the method runs, at `EFFICIENCY` of the device's rate. Per group of
-    # linears that share an input [in, out summed]: GPTQ accumulates XᵀX, factors it and runs
-    # its column loop; AWQ forms XᵀX once and scores `grid` scale candidates with it, then
-    # scores clipping ranges per group from second moments.
-    groups = [
-        (h, shapes["q_proj"][0] + shapes["k_proj"][0] + shapes["v_proj"][0]),
-        (attn_width, h),
-        (h, 2 * inter),
-        (inter, h),
-    ]
-    block_forward = 2 * tokens * sum(o * i for o, i in shapes.values()) + 2 * tokens * seq_len * attn_width
+    # linears that share an input: GPTQ accumulates XᵀX, factors it and runs its column
+    # loop; AWQ forms XᵀX once and scores `grid` scale candidates with it, then scores
+    # clipping ranges per group from second moments.
+    block_forward = 2 * tokens * sum(o * i * share for i, o, share in groups) + 2 * tokens * seq_len * attn_width
     if method == "gptq":
-        per_block = 2 * block_forward + sum(2 * tokens * i * i + i**3 / 3 + 2 * o * i * i for i, o in groups)
+        per_block = 2 * block_forward + sum(2 * tokens * t * i * i + i**3 / 3 + 2 * o * i * i for i, o, t in groups)
     else:
         kept = min(tokens, SEARCH_TOKENS)
-        per_block = 2 * block_forward + sum(2 * kept * i * i + 20 * 2 * o * i * i for i, o in groups)
-        per_block += sum(2 * kept * i * group_size + 40 * o * i * group_size for i, o in groups)
+        per_block = 2 * block_forward + sum(2 * kept * t * i * i + 20 * 2 * o * i * i for i, o, t in groups)
+        per_block += sum(2 * kept * t * i * group_size + 40 * o * i * group_size for i, o, t in groups)
     seconds = layers * per_block / (gflops * 1e9 * EFFICIENCY[method])
     args = QuantArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group_size)
-    output = layers * sum(linear_bytes(o, i, args, float_bytes=file_bytes) for o, i in shapes.values())
+    output = sum(linear_bytes(o, i, args, float_bytes=file_bytes) * n for o, i, n, _ in block_linears(config))
     output += _float_params(config) * file_bytes
     return {
         "method": method,

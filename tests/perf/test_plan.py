@@ -159,3 +159,72 @@ def test_calibration_plan_grows_with_width_not_depth():
     assert deep["seconds"] == pytest.approx(shallow["seconds"] * 80 / 32)
     with pytest.raises(QuantkitError, match="--calibrate 'rtn' is not planned; use awq or gptq"):
         calibration_plan(LLAMA2_7B, "rtn")
+
+
+MIXTRAL_8X7B = LLAMA2_7B | {
+    "model_type": "mixtral",
+    "intermediate_size": 14336,
+    "num_key_value_heads": 8,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+}
+QWEN3_30B_A3B = {
+    "model_type": "qwen3_moe",
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "tie_word_embeddings": False,
+}
+QWEN15_MOE_A27B = {  # a shared expert beside 60 routed ones
+    "model_type": "qwen2_moe",
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "moe_intermediate_size": 1408,
+    "shared_expert_intermediate_size": 5632,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "num_experts": 60,
+    "num_experts_per_tok": 4,
+    "tie_word_embeddings": False,
+}
+
+
+@pytest.mark.parametrize(
+    "config, total, active",
+    [(MIXTRAL_8X7B, 46.70e9, 12.88e9), (QWEN3_30B_A3B, 30.53e9, 3.35e9), (QWEN15_MOE_A27B, 14.32e9, 2.69e9)],
+    ids=["mixtral-8x7b", "qwen3-30b-a3b", "qwen1.5-moe-a2.7b"],
+)
+def test_mixture_of_experts_parameters_match_the_model_cards(config, total, active):
+    # the cards: Mixtral 46.7B (12.9B per token), Qwen3 30.5B (3.3B activated), Qwen1.5-MoE 14.3B (2.7B)
+    assert param_count(config) == pytest.approx(total, rel=2e-3)
+    assert param_count(config, active=True) == pytest.approx(active, rel=2e-3)
+    row = plan(config, ["bf16"])[0]
+    assert row["active_params"] == param_count(config, active=True)
+    # batch 1 reads the top-k experts; a full batch reads them all
+    assert row["tpot_ms_batch1"] == pytest.approx(weight_bytes(config, "bf16", active=True) / 3.35e12 * 1e3)
+    assert weight_bytes(config, "bf16", active=True) < weight_bytes(config, "bf16") / 2
+
+
+def test_dense_layers_count_and_calibration_holds_one_sparse_block():
+    from quantkit.perf.plan import calibration_plan
+
+    # Qwen's mlp_only_layers are dense: their MLP is the intermediate_size one
+    half = QWEN15_MOE_A27B | {"mlp_only_layers": list(range(12))}
+    dense_mlp, expert = 3 * 5632 * 2048, 3 * 1408 * 2048
+    routers = 60 * 2048 + 2048  # and the shared expert's gate
+    assert param_count(QWEN15_MOE_A27B) - param_count(half) == 12 * (60 * expert + dense_mlp + routers - dense_mlp)
+    r = calibration_plan(MIXTRAL_8X7B | {"torch_dtype": "bfloat16"}, "gptq", samples=128, seq_len=512)
+    block_params = 2 * 4096**2 + 2 * 1024 * 4096 + 8 * 3 * 14336 * 4096 + 2 * 4096 + 8 * 4096  # all 8 experts, router
+    assert r["breakdown"]["block_weights"] == block_params * (4 + 2)
+    # each down_proj Hessian is 14336² fp32 (822 MB): one per pass, plus the three of the one being quantized
+    assert r["breakdown"]["working_set"] == 4 * 14336**2 * 4 + 4 * 4096 * 14336 * 4
+    assert 16 * 2**30 < r["host_peak_bytes"] < 17 * 2**30  # a 47B model (87 GiB in bf16): one block is 8.5 GB
