@@ -156,3 +156,33 @@ def test_every_expert_is_quantized_counted_and_served_though_two_get_no_token(sk
         shown = CliRunner().invoke(app, ["inspect", str(out)], terminal_width=200)
         assert shown.exit_code == 0 and "expert coverage" in shown.output
         assert f"{prefix}" in shown.output and " ".join(map(str, counts)) in shown.output
+
+
+def test_eval_against_the_float_model_and_serve(skewed, tiny_corpus, tmp_path):
+    from fastapi.testclient import TestClient
+
+    from quantkit.calibration.kv import kv_args
+    from quantkit.serve.app import create_app
+    from quantkit.serve.async_engine import AsyncEngine
+
+    name, path = skewed
+    out = tmp_path / "q"
+    scheme = preset("w4a16").with_group_size(32).replace(kv_cache=kv_args("fp8"))
+    quantize(str(path), scheme, out, "gptq", Calibration(str(tiny_corpus), 8, 32))
+    shown = CliRunner().invoke(
+        app, ["eval", str(out), "--ppl", str(tiny_corpus), "--seq-len", "32", "--limit", "4", "--baseline", str(path)]
+    )
+    assert shown.exit_code == 0, shown.output
+    report = json.loads((out / "quantkit.json").read_text())["evaluations"][-1]
+    rows = {r["metric"]: r["candidate"] for r in report["rows"]}
+    assert list(rows) == ["ppl", "kld", "kld_p99", "top1_agreement"] and all(v >= 0 for v in rows.values()), name
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = LLM(str(out), num_blocks=32).generate(["The quick brown fox"], params)[0].text
+    engine = AsyncEngine(LLM(str(out), num_blocks=32), max_queue=4)
+    try:
+        with TestClient(create_app(engine, "moe", None, 1 << 20)) as http:
+            body = {"model": "moe", "prompt": "The quick brown fox", "max_tokens": 6, "temperature": 0}
+            got = http.post("/v1/completions", json=body | {"ignore_eos": True})
+    finally:
+        engine.stop()
+    assert got.status_code == 200 and got.json()["choices"][0]["text"] == want, name
