@@ -1,9 +1,11 @@
 """Peak memory of calibration against the float weights, on random Llamas saved to disk.
 
-    python benchmarks/memory.py [--algorithm gptq] [--out /tmp/qk-memory] [--layers 22 6]
+    python benchmarks/memory.py [--algorithm gptq] [--out /tmp/qk-memory] [--layers 22 6] [--moe]
 
 Builds (once) a random Llama of TinyLlama-1.1B's shapes (hidden 2048, intermediate 5632,
-32 heads / 4 KV heads, vocab 32000) per --layers count, in fp32 with a tiny tokenizer,
+32 heads / 4 KV heads, vocab 32000) per --layers count, or with --moe a random Mixtral
+(hidden 1024, 8 experts of width 2816, 2 per token, 16 heads / 4 KV heads, vocab 32000),
+in fp32 with a tiny tokenizer,
 then quantizes each (w4a16 group 128; GPTQ with act-order static) in a fresh process,
 calibrated on `news` 16 × 256 tokens, while this process samples that one's resident
 memory every 0.2 s from /proc. Prints per model the float weights' size, the peak RSS and
@@ -30,22 +32,24 @@ quantize(sys.argv[1], scheme, sys.argv[2], sys.argv[3], Calibration("news", 16, 
 """
 
 
-def build(path: Path, layers: int) -> None:
+def build(path: Path, layers: int, moe: bool = False) -> None:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    cfg = LlamaConfig(
+    shape = {"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 32, "num_key_value_heads": 4}
+    if moe:
+        shape = {"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16, "num_key_value_heads": 4}
+        shape |= {"num_local_experts": 8, "num_experts_per_tok": 2}
+    cfg = AutoConfig.for_model(
+        "mixtral" if moe else "llama",
         vocab_size=32000,
-        hidden_size=2048,
-        intermediate_size=5632,
         num_hidden_layers=layers,
-        num_attention_heads=32,
-        num_key_value_heads=4,
         max_position_embeddings=2048,
+        **shape,
     )
     torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(path)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
     tok.train_from_iterator(
@@ -93,12 +97,13 @@ def main() -> None:
     p.add_argument("--algorithm", default="gptq", choices=["gptq", "awq", "rtn"])
     p.add_argument("--out", type=Path, default=Path("/tmp/qk-memory"))
     p.add_argument("--layers", type=int, nargs="+", default=[22, 6])
+    p.add_argument("--moe", action="store_true", help="A random Mixtral instead of a Llama.")
     a = p.parse_args()
     rows = []
     for layers in a.layers:
-        model = a.out / f"llama-{layers}-layers"
+        model = a.out / f"{'mixtral' if a.moe else 'llama'}-{layers}-layers"
         if not (model / "config.json").exists():
-            build(model, layers)  # in this process: its memory is not the one measured
+            build(model, layers, a.moe)  # in this process: its memory is not the one measured
         rows.append((layers, *measure(model, a.out / f"{a.algorithm}-{layers}", a.algorithm)))
     base = min(rows)  # the fewest layers
     print(f"\n| layers | float weights | {a.algorithm} peak RSS | peak / {base[0]}-layer peak | wall |")

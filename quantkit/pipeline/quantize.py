@@ -106,6 +106,29 @@ def routers(model: nn.Module) -> list[str]:
     return [f"{spec.blocks}.{i}.{s.moe.router}" for i, b in enumerate(blocks) if (s := spec.for_block(b)).moe]
 
 
+def vllm_moe_note(scheme: QuantScheme) -> str | None:
+    """Why vLLM's fused-MoE kernels may refuse a mixture of experts quantized with `scheme`
+    (their int4 path takes symmetric weights per group, without act-order groups), or None."""
+    w = scheme.weights
+    if w is None or w.type != "int":
+        return None
+    problems = [
+        what
+        for what, bad in (
+            ("asymmetric weights", not w.symmetric),
+            (f"per-{w.strategy} scales", w.strategy != "group"),
+            ("act-order groups (g_idx)", w.actorder == "group"),
+        )
+        if bad
+    ]
+    if not problems:
+        return None
+    return (
+        f"the experts get {' and '.join(problems)}: quantkit and transformers run that, but vLLM's fused-MoE "
+        "int4 kernels take symmetric per-group weights without act-order groups (use w4a16 to serve it on vLLM)"
+    )
+
+
 def _observe_kv_after(step, spec: ArchSpec):
     """Record K/V maxima only in the runner's pass over the quantized block, not in the
     algorithm's own forwards."""
@@ -265,6 +288,8 @@ def quantize(
     model, tokenizer, source, weights, dtype = open_float_model(model_name, log)
     spec = arch_for(model.config)
     scheme = _fit_groups(model, spec, scheme, log)
+    if log and spec.moe is not None and (note := vllm_moe_note(scheme)):
+        log(note)
     linears = list(quantized_linears(model, spec, scheme))  # validates group sizes before any work
     if any(x.folds_scales for x in (m, *(t for t, _ in transforms))):
         check_scaled_together(model, spec, linears)

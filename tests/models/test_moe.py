@@ -186,3 +186,14 @@ def test_eval_against_the_float_model_and_serve(skewed, tiny_corpus, tmp_path):
     finally:
         engine.stop()
     assert got.status_code == 200 and got.json()["choices"][0]["text"] == want, name
+
+
+def test_a_scheme_vllm_cannot_run_on_experts_is_named(tmp_path, tiny_corpus):
+    from quantkit.pipeline.quantize import vllm_moe_note
+
+    assert vllm_moe_note(preset("w4a16").with_group_size(32)) is None
+    assert vllm_moe_note(preset("fp8-dynamic")) is None
+    path = make_family_model(tmp_path / "m", "mixtral")
+    notes = []
+    quantize(str(path), preset("w4a16-asym").with_group_size(32), tmp_path / "q", "rtn", log=notes.append)
+    assert any("the experts get asymmetric weights" in n and "use w4a16 to serve it on vLLM" in n for n in notes)
