@@ -29,6 +29,7 @@ from quantkit.calibration.hooks import (
     owner,
     scaled_inputs,
     targets,
+    weight_args,
 )
 from quantkit.calibration.method import QParams
 from quantkit.errors import QuantkitError
@@ -325,7 +326,7 @@ def awq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_
     measured better) and quantize with them. With `load_search` nothing is searched and
     no calibration data is needed; with `save_search` the search is written when the
     last block is done (`step.finish()`)."""
-    args, o = scheme.weights, options
+    o = options
     loaded = _read_search(Path(o.load_search)) if o.load_search else None
     record = {} if o.save_search else None
 
@@ -353,7 +354,7 @@ def awq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_
                 scales = search_scales(
                     x,
                     [lin.weight.data for lin in linears],
-                    args,
+                    weight_args(scheme, prefix, m.linears[0]),  # one for the mapping (checked by the pipeline)
                     o.grid,
                     o.duo,
                     output_fn,
@@ -368,7 +369,18 @@ def awq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_
         for name in names:
             full = f"{prefix}.{name}"
             _quantize_clipped(
-                block, bspec, name, full, feats, summed, loaded, record, o.clip, args, scale_dtype, results
+                block,
+                bspec,
+                name,
+                full,
+                feats,
+                summed,
+                loaded,
+                record,
+                o.clip,
+                weight_args(scheme, prefix, name),
+                scale_dtype,
+                results,
             )
 
     if record is not None:  # carried from block to block: a resumed run restores it
@@ -390,9 +402,9 @@ def _quantize_clipped(block, spec, name, full, feats, summed, loaded, record, cl
                 )
         else:
             first = owner(spec, name)
-            if first not in summed:
-                summed[first] = clip_inputs(feats[first], args, name=full)
-            ranges = search_clip(w, summed[first], args, scale_dtype=scale_dtype, name=full)
+            if (first, args) not in summed:  # the second moments depend on the group size
+                summed[first, args] = clip_inputs(feats[first], args, name=full)
+            ranges = search_clip(w, summed[first, args], args, scale_dtype=scale_dtype, name=full)
     if ranges is None:
         q, scale, zero = rtn.quantize_weight(w, args, scale_dtype)
     else:

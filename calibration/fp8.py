@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from quantkit.calibration.hooks import input_amax, targets
+from quantkit.calibration.hooks import input_amax, targets, weight_args
 from quantkit.calibration.method import QParams
 from quantkit.calibration.registry import static_activations
 from quantkit.models.arch import ArchSpec, get_module
@@ -25,8 +25,9 @@ def fp8_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_
         names = targets(scheme, prefix, spec.for_block(block).linears)
         for name in names:
             linear = get_module(block, name)
-            scale, _ = compute_qparams(linear.weight.data, scheme.weights, torch.float32)
-            linear.weight.data.copy_(fake_quantize(linear.weight.data, scheme.weights, scale))
+            args = weight_args(scheme, prefix, name)
+            scale, _ = compute_qparams(linear.weight.data, args, torch.float32)
+            linear.weight.data.copy_(fake_quantize(linear.weight.data, args, scale))
             results[f"{prefix}.{name}"] = QParams(scale)
         if static_activations(scheme):
             amax = input_amax(block, {f"{prefix}.{n}": get_module(block, n) for n in names}, inputs)

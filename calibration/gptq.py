@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from quantkit.calibration.awq import ClipInputs, clip_qparams, search_clip
-from quantkit.calibration.hooks import Replay, reduce_each, reduce_inputs, targets
+from quantkit.calibration.hooks import Replay, by_args, reduce_each, reduce_inputs, targets
 from quantkit.calibration.method import QParams
 from quantkit.errors import QuantkitError
 from quantkit.models.arch import ArchSpec, get_module
@@ -273,9 +273,9 @@ def gptq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale
                     H = _finite(hessians.pop(names[0]), f"{prefix}.{names[0]}")
                     # the rows of linears that share H are quantized independently, so one call on
                     # their stacked weights gives each one's result with one factorisation and loop
-                    parts = [[n] for n in names] if scheme.weights.strategy == "tensor" else [names]
-                    for part in parts:
-                        _quantize_part(block, part, prefix, H, scheme, options, results, scale_dtype, log)
+                    for args, same in by_args(scheme, prefix, names).items():
+                        for part in [[n] for n in same] if args.strategy == "tensor" else [same]:
+                            _quantize_part(block, part, prefix, H, args, options, results, scale_dtype, log)
 
     return step
 
@@ -308,12 +308,12 @@ def _finite(H, name):
     return H
 
 
-def _quantize_part(block, part, prefix, H, scheme, options, results, scale_dtype, log):
+def _quantize_part(block, part, prefix, H, args, options, results, scale_dtype, log):
     linears = [get_module(block, n) for n in part]
     r = quantize_weight(
         torch.cat([lin.weight.data for lin in linears]),
         H,
-        scheme.weights,
+        args,
         options.block_size,
         options.damp,
         scale_dtype=scale_dtype,

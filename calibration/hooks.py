@@ -27,6 +27,20 @@ def targets(scheme: QuantScheme, prefix: str, names) -> list[str]:
     return [name for name in names if not scheme.is_ignored(f"{prefix}.{name}")]
 
 
+def weight_args(scheme: QuantScheme, prefix: str, name: str):
+    """The weight args the linear `name` of the block at `prefix` is quantized with: the
+    scheme's, or those of the override (per-module scheme) that targets it."""
+    return scheme.scheme_for(f"{prefix}.{name}").weights
+
+
+def by_args(scheme: QuantScheme, prefix: str, names) -> dict:
+    """`names` split by the weight args each is quantized with (args -> names, in order)."""
+    parts = {}
+    for name in names:
+        parts.setdefault(weight_args(scheme, prefix, name), []).append(name)
+    return parts
+
+
 def owner(spec: ArchSpec, name: str) -> str:
     """The first linear of the sequential group `name` is in (the group reads one input)."""
     return next(g[0] for g in spec.sequential if name in g)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from quantkit.calibration.hooks import targets
+from quantkit.calibration.hooks import targets, weight_args
 from quantkit.calibration.method import QParams
 from quantkit.models.arch import ArchSpec, get_module
 from quantkit.primitives import compute_qparams, fake_quantize
@@ -25,7 +25,7 @@ def rtn_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_
     def step(index: int, prefix: str, block: nn.Module, inputs) -> None:
         for name in targets(scheme, prefix, spec.for_block(block).linears):
             linear = get_module(block, name)
-            w, scale, zero = quantize_weight(linear.weight.data, scheme.weights, scale_dtype)
+            w, scale, zero = quantize_weight(linear.weight.data, weight_args(scheme, prefix, name), scale_dtype)
             linear.weight.data.copy_(w)  # in place: see quantkit.malloc
             results[f"{prefix}.{name}"] = QParams(scale, zero)
 

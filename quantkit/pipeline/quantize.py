@@ -142,9 +142,10 @@ def _observe_kv_after(step, spec: ArchSpec):
     return wrapped
 
 
-def check_scaled_together(model: nn.Module, spec: ArchSpec, linears: list[str]) -> None:
+def check_scaled_together(model: nn.Module, spec: ArchSpec, scheme: QuantScheme, linears: list[str]) -> None:
     """AWQ and SmoothQuant fold one scale into the op before each mapping's linears and
-    compensate only the quantized ones, so a mapping must be quantized whole or not at all."""
+    compensate only the quantized ones, and search it for one grid, so a mapping must be
+    quantized whole or not at all, and with one set of weight args."""
     for i, block in enumerate(get_module(model, spec.blocks)):
         for m in spec.for_block(block).awq:
             names = [f"{spec.blocks}.{i}.{n}" for n in m.linears]
@@ -155,6 +156,14 @@ def check_scaled_together(model: nn.Module, spec: ArchSpec, linears: list[str]) 
                     f"{spec.blocks}.{i}.{m.prev} with {', '.join(m.linears)}; with awq or fp8 "
                     "smoothing ignore all of them or none."
                 )
+            args = [scheme.scheme_for(n).weights for n in names if n in linears]
+            if any(a != args[0] for a in args):
+                other = next(n for n, a in zip(names, args) if a != args[0])
+                raise QuantkitError(
+                    f"{other} gets other weight args than {names[0]} but shares the scales folded into "
+                    f"{spec.blocks}.{i}.{m.prev} with it; with awq or fp8 smoothing give a mapping's "
+                    f"linears ({', '.join(m.linears)}) one scheme."
+                )
 
 
 def check_method(
@@ -163,13 +172,6 @@ def check_method(
     """A `QuantkitError` when the scheme (or a per-module override) does not fit the weight
     method or a transform run before it; `path` (a recipe key) names where the mistake is."""
     where = path or "scheme"
-    folding = [m.name for m in (method, *(t for t, _ in transforms)) if m.folds_scales]
-    if scheme.overrides and folding:
-        raise QuantkitError(
-            f"{where}.overrides: {folding[0]} folds one scale into the op before several linears, so "
-            "it cannot give some of them other args; use rtn, gptq or fp8 without smoothing, or "
-            "only ignore: true overrides."
-        )
     for p, s in [(where, scheme)] + [(f"{where}.overrides[{i}]", o) for i, o in enumerate(scheme.overrides)]:
         if s.weights is None or s.format != method.format:
             fits = " or ".join(name for name, ps in PRESETS.items() if ps.weights and ps.format == method.format)
@@ -212,30 +214,14 @@ def _make_step(
     transforms,
     spec: ArchSpec,
     scheme: QuantScheme,
-    linears: list[str],
     dtype,
     results: dict,
     log,
 ):
-    """The runner step: each transform's step, then the method's; with per-module overrides,
-    one method step per scheme, each blind to the other schemes' linears."""
+    """The runner step: each transform's step, then the method's (which quantizes each
+    linear with its own scheme: the scheme's, or a per-module override's)."""
     steps = [t.make_step(spec, scheme, o, results, dtype, log) for t, o in transforms]
-    if not scheme.overrides:
-        steps.append(method.make_step(spec, scheme, options, results, dtype, log))
-    else:
-        parts = [(s, [n for n in linears if scheme.scheme_for(n) is s]) for s in (scheme, *scheme.overrides)]
-        steps += [
-            method.make_step(
-                spec,
-                s.replace(ignore=scheme.ignore + tuple(n for n in linears if n not in names), overrides=()),
-                options,
-                results,
-                dtype,
-                log,
-            )
-            for s, names in parts
-            if names
-        ]
+    steps.append(method.make_step(spec, scheme, options, results, dtype, log))
 
     def step(index, prefix, block, inputs):
         for s in steps:
@@ -292,10 +278,10 @@ def quantize(
         log(note)
     linears = list(quantized_linears(model, spec, scheme))  # validates group sizes before any work
     if any(x.folds_scales for x in (m, *(t for t, _ in transforms))):
-        check_scaled_together(model, spec, linears)
+        check_scaled_together(model, spec, scheme, linears)
     results: dict[str, QParams] = {}
     kv = scheme.kv_cache
-    step = _make_step(m, options, transforms, spec, scheme, linears, dtype, results, log)
+    step = _make_step(m, options, transforms, spec, scheme, dtype, results, log)
     expert_tokens: dict[str, list[int]] = {}  # block -> tokens routed to each expert (sparse blocks)
 
     def carried():  # what a resumed run needs of the blocks already done

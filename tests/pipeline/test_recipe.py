@@ -258,7 +258,7 @@ def test_overrides_reach_the_checkpoint_and_the_loaders(tiny_llama, tmp_path):
         torch.testing.assert_close(theirs(IDS).logits, ours(IDS).logits, rtol=1e-6, atol=1e-6)
 
 
-def test_gptq_honours_overrides_and_awq_refuses_them(tiny_llama, tiny_corpus, tmp_path):
+def test_gptq_and_awq_honour_overrides_and_awq_keeps_a_mapping_on_one_scheme(tiny_llama, tiny_corpus, tmp_path):
     raw = {
         "model": str(tiny_llama),
         "scheme": OVERRIDES | {"actorder": "static"},
@@ -273,11 +273,17 @@ def test_gptq_honours_overrides_and_awq_refuses_them(tiny_llama, tiny_corpus, tm
     assert "model.layers.1.self_attn.o_proj.weight" in tensors
     assert quantkit.load(tmp_path / "g").model.layers[1].mlp.down_proj.args.group_size == 64
 
-    with pytest.raises(QuantkitError, match="scheme.overrides: awq folds one scale into the op before several"):
-        from_dict(raw | {"scheme": OVERRIDES, "steps": ["awq"]})
-    with pytest.raises(QuantkitError, match="awq folds one scale into the op before several linears"):
-        quantize(str(tiny_llama), build_scheme(from_dict(raw).scheme), tmp_path / "a", "awq")
-    assert not (tmp_path / "a").exists()
+    # AWQ: down_proj alone in its up -> down mapping, so it may take other args
+    prov = run_recipe(from_dict(raw | {"scheme": OVERRIDES, "steps": ["awq"]}), tmp_path / "a")
+    assert prov["quantized_linears"] == 13
+    tensors = load_file(tmp_path / "a" / "model.safetensors")
+    assert tensors["model.layers.0.mlp.down_proj.weight_scale"].shape == (64, 128 // 64)
+    assert tensors["model.layers.0.mlp.up_proj.weight_scale"].shape == (128, 64 // 32)
+    # but not q_proj apart from k and v: they share the scales folded into input_layernorm
+    split = OVERRIDES | {"overrides": [{"targets": r"re:.*q_proj$", "group_size": 64}]}
+    with pytest.raises(QuantkitError, match="k_proj gets other weight args than .*q_proj but shares the scales folded"):
+        quantize(str(tiny_llama), build_scheme(from_dict(raw | {"scheme": split}).scheme), tmp_path / "b", "awq")
+    assert not (tmp_path / "b").exists()
 
 
 def test_kv_alone_runs_and_records_its_recipe(tiny_llama, tiny_corpus, tmp_path):
