@@ -121,6 +121,23 @@ def int4_gemm_cpu(x, weight) -> torch.Tensor:
     return cpu.int4_gemm_cpu(x, weight)
 
 
+def int8_cpu_weight(q, scales):
+    """A symmetric per-channel int8 weight (int8 [N, K], scales [N] or [N, 1]) for
+    `int8_gemm_cpu`, or None when that kernel cannot take its shape; see `quantkit.kernels.cpu`."""
+    from quantkit.kernels import cpu
+
+    if not cpu.supports_int8(*q.shape):
+        return None
+    return cpu.repack_int8_cpu(q, scales)
+
+
+def int8_gemm_cpu(x, weight) -> torch.Tensor:
+    """W8A16 on the CPU through torch's int8-weight kernel (computes in x's dtype)."""
+    from quantkit.kernels import cpu
+
+    return cpu.int8_gemm_cpu(x, weight)
+
+
 def float_cpu_weight(weight):
     """A bf16 linear weight reordered once for `float_gemm_cpu`, or None when the dtype or
     the torch build does not allow it; see `quantkit.kernels.cpu`."""

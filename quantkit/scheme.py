@@ -174,6 +174,9 @@ _FP8_TENSOR = QuantArgs(num_bits=8, type="float", strategy="tensor", group_size=
 PRESETS: dict[str, QuantScheme] = {
     "w4a16": QuantScheme("w4a16", _W4),
     "w4a16-asym": QuantScheme("w4a16-asym", dataclasses.replace(_W4, symmetric=False)),
+    "w8a16": QuantScheme(
+        "w8a16", QuantArgs(num_bits=8, type="int", symmetric=True, strategy="channel", group_size=None)
+    ),
     "fp8-dynamic": QuantScheme(
         "fp8-dynamic",
         _FP8_CHANNEL,

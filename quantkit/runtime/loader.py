@@ -27,11 +27,11 @@ from quantkit.models.loading import (
     missing_and_unexpected,
     resolve_model,
 )
-from quantkit.runtime.qlinear import Fp8Linear, PackedInt4Linear
+from quantkit.runtime.qlinear import Fp8Linear, PackedInt4Linear, PackedInt8Linear
 from quantkit.scheme import CheckpointConfig, from_quantization_config
 
 SUPPORTED = (
-    "compressed-tensors pack-quantized (int4)",
+    "compressed-tensors pack-quantized (int4, int8)",
     "compressed-tensors float-quantized (fp8)",
     "AutoAWQ GEMM (int4)",
     "GPTQ v1 (int4)",
@@ -51,6 +51,8 @@ def _quantized_linear(linear: nn.Linear, scheme, dtype: torch.dtype, path: Path)
         return Fp8Linear(*shape, w, acts is not None and not acts.dynamic, dtype)
     if w.num_bits == 4 and acts is None:
         return PackedInt4Linear(*shape, w, dtype)
+    if w.num_bits == 8 and acts is None:
+        return PackedInt8Linear(*shape, w, dtype)
     raise QuantkitError(
         f"{path} quantizes weights to int{w.num_bits}"
         f"{' with quantized activations' if acts else ''}; quantkit loads {', '.join(SUPPORTED)}."

@@ -8,6 +8,7 @@ from torch import nn
 
 from quantkit import ops, packing
 from quantkit.formats import float_quantized, pack_quantized
+from quantkit.primitives import dequantize
 from quantkit.scheme import QuantArgs
 
 
@@ -54,6 +55,50 @@ class PackedInt4Linear(nn.Module):
         a = self.args
         return (
             f"in={self.in_features}, out={self.out_features}, int4 {a.strategy} {a.group_size or ''} sym={a.symmetric}"
+        )
+
+
+class PackedInt8Linear(nn.Module):
+    """A linear with compressed-tensors `pack-quantized` int8 weights (w8a16; buffers named as
+    in the checkpoint). Symmetric per-channel weights on the CPU compute through torch's
+    int8-weight GEMM (`ops.int8_gemm_cpu`, built on the first call); any other layout or
+    device dequantizes its weight once, into the activations' dtype."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, args: QuantArgs, dtype: torch.dtype):
+        super().__init__()
+        if args.num_bits != 8 or args.type != "int":
+            raise ValueError("PackedInt8Linear holds int8 weights only")
+        self.in_features, self.out_features, self.args = in_features, out_features, args
+        for name, (shape, dt) in pack_quantized.param_info(out_features, in_features, args, dtype).items():
+            self.register_buffer(name, torch.empty(shape, dtype=dt, device="meta"))
+        self.weight_zero_point = getattr(self, "weight_zero_point", None)
+        self.weight_g_idx = getattr(self, "weight_g_idx", None)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device="meta")) if bias else None
+        self._cpu_weight = None  # torch's int8-weight layout, built on the first CPU call (False: cannot)
+        self._dense = None  # the dequantized weight, for layouts or devices the int8 GEMM does not take
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.args
+        if x.device.type == "cpu" and a.symmetric and a.strategy == "channel" and self._cpu_weight is not False:
+            if self._cpu_weight is None:
+                self._cpu_weight = ops.int8_cpu_weight(self._ints(), self.weight_scale) or False
+            if self._cpu_weight:
+                y = ops.int8_gemm_cpu(x, self._cpu_weight)
+                return y if self.bias is None else y + self.bias.to(y.dtype)
+        if self._dense is None or self._dense.dtype != x.dtype or self._dense.device != x.device:
+            zeros = self.weight_zero_point
+            zeros = None if zeros is None else packing.unpack(zeros, self.out_features, 8, dim=0)
+            self._dense = dequantize(self._ints(), self.weight_scale, zeros, a, self.weight_g_idx).to(x.dtype)
+        y = torch.nn.functional.linear(x, self._dense)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def _ints(self) -> torch.Tensor:
+        return packing.unpack(self.weight_packed, self.in_features, 8)  # int8 [out, in]
+
+    def extra_repr(self) -> str:
+        a = self.args
+        return (
+            f"in={self.in_features}, out={self.out_features}, int8 {a.strategy} {a.group_size or ''} sym={a.symmetric}"
         )
 
 

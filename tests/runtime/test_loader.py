@@ -78,3 +78,26 @@ def test_bf16_on_cpu_takes_torchs_int4pack_path(checkpoint):
     assert isinstance(model.model.layers[0].mlp.up_proj._cpu_weight, Int4CpuWeight)
     # bf16 activations and scales against the fp32 twin: a bf16-sized difference, no more
     assert (fast - ref).pow(2).mean().sqrt() < 0.03 * ref.pow(2).mean().sqrt()
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq", "awq"])
+def test_int8_per_channel_weights_load_as_transformers_reads_them(tiny_llama, tiny_corpus, tmp_path, method):
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.calibration.method import Calibration
+    from quantkit.kernels.cpu import Int8CpuWeight
+    from quantkit.runtime.qlinear import PackedInt8Linear
+
+    quantize(str(tiny_llama), preset("w8a16"), tmp_path / "q", method, Calibration(str(tiny_corpus), 4, 32))
+    ids = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(0))
+    ours = quantkit.load(tmp_path / "q")
+    with torch.no_grad():
+        theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "q").eval()(ids).logits  # compressed-tensors
+        torch.testing.assert_close(ours(ids).logits, theirs, rtol=1e-5, atol=1e-5)
+        down = ours.model.layers[0].mlp.down_proj
+        assert isinstance(down, PackedInt8Linear) and isinstance(down._cpu_weight, Int8CpuWeight)
+        # the dequantize-once path (other devices, other layouts) computes the same
+        x = torch.randn(3, down.in_features)
+        fast = down(x)
+        down._cpu_weight = False
+        torch.testing.assert_close(down(x), fast, rtol=1e-5, atol=1e-5)
