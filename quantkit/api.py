@@ -27,6 +27,7 @@ def quantize(
     overwrite: bool = False,
     resume: bool = False,
     max_shard_size: int | str = "5GB",
+    target_bits: float | None = None,
     device: str = "cpu",
     track: Track = no_progress,
     log: Callable[[str], None] | None = None,
@@ -42,7 +43,9 @@ def quantize(
     ("fp8"/"int8") also calibrates KV-cache scales; `smooth` runs SmoothQuant first (fp8).
     The model streams block by block from its files; `resume` continues a run that was
     interrupted (same arguments) from its last finished block; the checkpoint is written in
-    safetensors shards of at most `max_shard_size` (e.g. "5GB", "500MB").
+    safetensors shards of at most `max_shard_size` (e.g. "5GB", "500MB"). `target_bits` (rtn,
+    awq, gptq) gives each layer group its own format (int4 per group of 128/64/32, int8 per
+    channel, float) from its measured sensitivity, averaging at most that many bits per weight.
 
         quantkit.quantize("smollm2-135m", "out/awq", "awq", "w4a16-asym", group_size=64)
     """
@@ -66,7 +69,7 @@ def quantize(
         "output": str(output),
         "device": device,
         "max_shard_size": str(max_shard_size),
-    }
+    } | ({"target_bits": target_bits} if target_bits is not None else {})
     return run_recipe(from_dict(raw), overwrite=overwrite, track=track, log=log, resume=resume)
 
 

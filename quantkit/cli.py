@@ -142,6 +142,11 @@ RESUME = typer.Option(
     False, help="Continue an interrupted run from its last finished block (same arguments), byte-identical."
 )
 MAX_SHARD_SIZE = typer.Option("5GB", help="Largest safetensors shard of the checkpoint, e.g. 5GB or 500MB.")
+TARGET_BITS = typer.Option(
+    None,
+    help="Mixed precision: give each layer group int4 (group 128/64/32), int8 or float, chosen by its measured "
+    "sensitivity, averaging at most this many bits per weight (as inspect counts them).",
+)
 
 
 def _int4_scheme():
@@ -203,6 +208,7 @@ def _weights_recipe(
     before=(),
     max_shard_size="5GB",
     min_expert_tokens=Calibration.min_expert_tokens,
+    target_bits=None,
 ) -> dict:
     """The recipe dict a quantizing command means, so each command and `quantkit run` share one path."""
     if kv_cache is not None and kv_cache not in KV_DTYPES:
@@ -218,7 +224,7 @@ def _weights_recipe(
         "output": None if output is None else str(output),
         "device": device,
         "max_shard_size": max_shard_size,
-    }
+    } | ({"target_bits": target_bits} if target_bits is not None else {})
 
 
 def _command_recipe(
@@ -322,6 +328,7 @@ def rtn(
     overwrite: bool = OVERWRITE,
     resume: bool = RESUME,
     max_shard_size: str = MAX_SHARD_SIZE,
+    target_bits: Optional[float] = TARGET_BITS,
     device: str = DEVICE,
     print_recipe: bool = PRINT_RECIPE,
     json_path: Optional[Path] = JSON,
@@ -344,6 +351,7 @@ def rtn(
             device,
             max_shard_size=max_shard_size,
             min_expert_tokens=min_expert_tokens,
+            target_bits=target_bits,
         ),
         overwrite,
         print_recipe,
@@ -378,6 +386,7 @@ def awq(
     overwrite: bool = OVERWRITE,
     resume: bool = RESUME,
     max_shard_size: str = MAX_SHARD_SIZE,
+    target_bits: Optional[float] = TARGET_BITS,
     device: str = DEVICE,
     print_recipe: bool = PRINT_RECIPE,
     json_path: Optional[Path] = JSON,
@@ -408,6 +417,7 @@ def awq(
             device,
             max_shard_size=max_shard_size,
             min_expert_tokens=min_expert_tokens,
+            target_bits=target_bits,
         ),
         overwrite,
         print_recipe,
@@ -498,6 +508,7 @@ def gptq(
     overwrite: bool = OVERWRITE,
     resume: bool = RESUME,
     max_shard_size: str = MAX_SHARD_SIZE,
+    target_bits: Optional[float] = TARGET_BITS,
     device: str = DEVICE,
     print_recipe: bool = PRINT_RECIPE,
     json_path: Optional[Path] = JSON,
@@ -523,6 +534,7 @@ def gptq(
             {"actorder": act_order} if act_order != "none" else None,
             max_shard_size=max_shard_size,
             min_expert_tokens=min_expert_tokens,
+            target_bits=target_bits,
         ),
         overwrite,
         print_recipe,
@@ -1091,6 +1103,44 @@ def _size(n: float) -> str:
 
 
 @command
+def sensitivity(
+    model: str = typer.Argument(..., help="Built-in name, local folder or hub id of the float model."),
+    scheme: str = _int4_scheme(),
+    calib: str = CALIB,
+    samples: int = typer.Option(8, help="Calibration windows the cost is measured on."),
+    seq_len: int = typer.Option(256, help="Tokens per window."),
+    seed: int = SEED,
+    top: int = typer.Option(20, help="Rows shown, most sensitive first (the JSON has them all)."),
+    plot: Optional[Path] = typer.Option(None, help="Also plot the costs, group by group (PNG)."),
+    json_path: Optional[Path] = JSON,
+):
+    """The KL divergence from the float model (nats per token) of quantizing each fusion group
+    alone (q/k/v, o, gate/up, down) to each format --target-bits chooses among (int4 per
+    group of 128, 64, 32; int8 per channel), rounded to nearest, on a few calibration
+    windows; most sensitive first. Cached, so --target-bits reuses it."""
+    from quantkit.pipeline import mixed
+    from quantkit.scheme import preset
+
+    calibration = Calibration(dataset=calib, samples=samples, seq_len=seq_len, seed=seed)
+    with _progress() as track:
+        result = mixed.sensitivity(model, preset(scheme), calibration, track, log=lambda m: console.print(m))
+    _write_json(json_path, result)
+    if plot:
+        mixed.plot(result, plot)
+    names = [c for c in mixed.candidates(preset(scheme)) if c != mixed.FLOAT]
+    rows = sorted(result["units"], key=lambda r: -max(r["kld"].get(c, 0.0) for c in names))
+    table = _new_table(
+        f"sensitivity of {model} ({scheme}): KL per token (nats) with one group quantized",
+        ("group", "weights", *names),
+    )
+    for r in rows[:top]:
+        table.add_row(r["label"], f"{r['params']:,}", *(f"{r['kld'][c]:.2e}" if c in r["kld"] else "—" for c in names))
+    out.print(table)
+    if len(rows) > top:
+        out.print(f"{len(rows) - top} more groups in the JSON (--json).")
+
+
+@command
 def inspect(
     checkpoint: str = typer.Argument(..., help="A checkpoint folder (or any model)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the report to this JSON file."),
@@ -1125,11 +1175,18 @@ def inspect(
     if info["bits_per_weight"]:
         rows.append(("bits per quantized weight", f"{info['bits_per_weight']:.3f}"))
     for key, value in (info["provenance"] or {}).items():
-        if key != "expert_tokens":  # shown as its own table
+        if key not in ("expert_tokens", "mixed_precision"):  # shown as tables of their own
             rows.append((f"made: {key}", json.dumps(value) if isinstance(value, (dict, list)) else value))
     out.print(_table(f"inspect {info['path']}", rows))
     if info["experts"]:
         out.print(_coverage_table(info["experts"]))
+    mixed = (info["provenance"] or {}).get("mixed_precision")
+    if mixed:
+        title = f"mixed precision: {mixed['bits_per_weight']:.3f} bits per weight (target {mixed['target_bits']:g})"
+        table = _new_table(title, ("layer group", "format"))
+        for label, chosen in mixed["choice"].items():
+            table.add_row(label, chosen)
+        out.print(table)
 
 
 def _coverage_table(experts: dict) -> Table:

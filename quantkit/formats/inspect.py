@@ -48,6 +48,7 @@ def describe(model_name: str) -> dict:
     groups = qc.get("config_groups") or (
         {"group_0": {"weights": _int4_args(qc)}} if qc.get("quant_method") in ("awq", "gptq") else {}
     )
+    bits = _bits_of(qc, groups)
     q_bytes = q_params = 0
     float_total = 0
     for key, (shape, dtype) in shapes.items():
@@ -60,7 +61,7 @@ def describe(model_name: str) -> dict:
             if key.endswith(".weight_shape"):
                 continue
             if key.endswith(packed):  # int32 words of 32 // num_bits values, whatever the layout
-                numel = shape[0] * shape[1] * 32 // int(groups["group_0"]["weights"]["num_bits"])
+                numel = shape[0] * shape[1] * 32 // bits(module)
                 q_params += numel
                 float_total += numel * float_bytes
         else:
@@ -97,6 +98,16 @@ def expert_coverage(provenance: dict | None) -> dict | None:
         block: {"tokens": tokens, "all_tokens": [e for e, n in enumerate(tokens) if n < least]}
         for block, tokens in counts.items()
     }
+
+
+def _bits_of(qc: dict, groups: dict):
+    """module name -> the bits per value of its packed weight (the config group that targets it)."""
+    if qc.get("quant_method") == "compressed-tensors":
+        from quantkit.scheme import from_quantization_config
+
+        ckpt = from_quantization_config(qc)
+        return lambda module: ckpt.scheme_for(module).weights.num_bits
+    return lambda module: int(groups["group_0"]["weights"]["num_bits"])
 
 
 def _int4_args(qc: dict) -> dict:

@@ -249,6 +249,7 @@ def quantize(
     transforms: list[tuple[str, dict | object]] = (),
     resume: bool = False,
     max_shard_size: int | str = SHARD_BYTES,
+    target_bits: float | None = None,
 ) -> dict:
     """Quantize `model_name` with `method` (rtn, awq, gptq, fp8; see the registry) and write
     the checkpoint to `out`. `options` are the method's (a dict or its options dataclass);
@@ -259,7 +260,11 @@ def quantize(
     The model streams: each block's float weights are read from the model's files when
     its turn comes and released once its packed tensors are written (into shards of
     `max_shard_size` bytes), so memory holds one block, not the model. A run that was
-    killed continues from its last finished block with `resume`."""
+    killed continues from its last finished block with `resume`.
+
+    With `target_bits`, each fusion group gets its own format (int4 per group of 128, 64 or
+    32, int8 per channel, or float) chosen from its measured sensitivity so the average bits
+    per weight stay at most `target_bits` (`pipeline.mixed`); the provenance records the choice."""
     m = method_entry(method)
     if m.role != "weights":
         raise QuantkitError(f"{method} does not quantize weights; use rtn, awq, gptq or fp8.")
@@ -271,6 +276,9 @@ def quantize(
     out = Path(out)
     check_output(out, overwrite)
     start = time.perf_counter()
+    mixed = None
+    if target_bits is not None:
+        scheme, mixed = _mixed_precision(model_name, m, scheme, calibration, target_bits, track, log)
     model, tokenizer, source, weights, dtype = open_float_model(model_name, log)
     spec = arch_for(model.config)
     scheme = _fit_groups(model, spec, scheme, log)
@@ -298,6 +306,7 @@ def quantize(
         "calibration": dataclasses.asdict(calibration) if needs_data or kv is not None else None,
         "device": device,
         "max_shard_size": max_shard_bytes,
+        "target_bits": target_bits,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     run = PartialRun(out, args, overwrite=overwrite, resume=resume, max_shard_bytes=max_shard_bytes, log=log)
@@ -344,6 +353,7 @@ def quantize(
             "options": dataclasses.asdict(options),
             "transforms": {t.name: dataclasses.asdict(o) for t, o in transforms},
             "quantized_linears": len(linears),
+            **({"mixed_precision": mixed} if mixed else {}),
             **({"expert_tokens": expert_tokens} if expert_tokens else {}),
             "wall_time_s": round(time.perf_counter() - start, 2),
             "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
@@ -363,6 +373,38 @@ def quantize(
             ) from None
         raise
     return provenance
+
+
+SENSITIVITY_WINDOWS = (8, 256)  # calibration rows × tokens that --target-bits measures sensitivity on
+
+
+def _mixed_precision(model_name, method: Method, scheme: QuantScheme, calibration, target_bits, track, log):
+    """(the mixed scheme, what the provenance records of it) for `--target-bits`."""
+    from quantkit.pipeline import mixed
+
+    if method.name not in ("rtn", "awq", "gptq"):
+        raise QuantkitError(f"--target-bits chooses int4/int8 formats for rtn, awq and gptq, not {method.name}.")
+    if scheme.overrides:
+        raise QuantkitError("--target-bits chooses the per-layer formats itself; drop the scheme's overrides.")
+    rows_n, seq_len = SENSITIVITY_WINDOWS
+    windows = dataclasses.replace(calibration, samples=rows_n, seq_len=seq_len)
+    sens = mixed.sensitivity(model_name, scheme, windows, track, log)
+    choice = mixed.choose(sens["units"], target_bits)
+    achieved = mixed.achieved_bits(sens["units"], choice)
+    if log:
+        counts = {c: sum(1 for v in choice.values() if v == c) for c in dict.fromkeys(choice.values())}
+        log(
+            f"mixed precision at {achieved:.3f} bits per weight (target {target_bits:g}): "
+            + ", ".join(f"{n} × {c}" for c, n in counts.items())
+        )
+    record = {
+        "target_bits": target_bits,
+        "bits_per_weight": achieved,
+        "sensitivity": {"calibration": sens["calibration"], "scheme": sens["scheme"]},
+        "choice": choice,
+        "kld_sum": sum(r["kld"][choice[r["label"]]] for r in sens["units"]),
+    }
+    return mixed.mixed_scheme(scheme, sens["units"], choice), record
 
 
 class _Stream(InMemory):

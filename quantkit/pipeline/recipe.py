@@ -16,6 +16,7 @@ command's `--print-recipe`, and stored in the checkpoint's `quantkit.json`.
     calibration: {dataset: news, samples: 64, seq_len: 512, seed: 0}
     eval: {ppl: wiki, limit: 8, max_ppl_increase: 0.05}
     output: out/smollm2-awq
+    target_bits: 4.56             # optional: mixed precision, a format per layer under this average
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ EVAL: dict[str, tuple[object, Kind]] = {  # the keyword arguments of quantkit.ev
     "max_kld": (None, _optional(NUMBER)),
     "min_top1": (None, _optional((lambda v: FRACTION[0](v) and v <= 1, "a fraction in (0, 1], e.g. 0.9"))),
 }
-TOP = ("model", "scheme", "steps", "calibration", "eval", "output", "device", "max_shard_size")
+TOP = ("model", "scheme", "steps", "calibration", "eval", "output", "device", "max_shard_size", "target_bits")
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,7 @@ class Recipe:
     output: str | None = None
     device: str = "cpu"
     max_shard_size: str = "5GB"  # the checkpoint's safetensors shards, at most
+    target_bits: float | None = None  # mixed precision: average bits per weight, at most
 
     def replace(self, **changes) -> Recipe:
         return dataclasses.replace(self, **changes)
@@ -176,7 +178,8 @@ class Recipe:
         d["calibration"] = dataclasses.asdict(self.calibration)
         if self.eval is not None:
             d["eval"] = {k: list(v) if isinstance(v, tuple) else v for k, v in self.eval.items()}
-        return d | {"output": self.output, "device": self.device, "max_shard_size": self.max_shard_size}
+        d |= {"output": self.output, "device": self.device, "max_shard_size": self.max_shard_size}
+        return d | ({"target_bits": self.target_bits} if self.target_bits is not None else {})
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
@@ -375,7 +378,18 @@ def from_dict(d) -> Recipe:
         output=None if d.get("output") is None else str(_check("output", d["output"], TEXT)),
         device=_check("device", d.get("device", "cpu"), TEXT),
         max_shard_size=_shard_size(d.get("max_shard_size", "5GB")),
+        target_bits=_target_bits(d.get("target_bits"), steps),
     )
+
+
+def _target_bits(value, steps) -> float | None:
+    if value is None:
+        return None
+    _check("target_bits", value, (FRACTION[0], "a number of bits per weight, e.g. 4.5"))
+    weights = [s.name for s in steps if METHODS[s.name].role == "weights"]
+    if weights and weights[0] not in ("rtn", "awq", "gptq"):
+        raise _bad("target_bits", value, f"null with the {weights[0]} step (it mixes int4/int8 for rtn, awq, gptq)")
+    return float(value)
 
 
 def _shard_size(value) -> str:
@@ -499,6 +513,7 @@ def run_recipe(
             transforms=[(t.name, dict(t.options)) for t in transforms],
             resume=resume,
             max_shard_size=recipe.max_shard_size,
+            target_bits=recipe.target_bits,
         )
     if recipe.eval is not None:
         from quantkit.eval.gates import evaluate_gates

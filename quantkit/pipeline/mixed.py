@@ -1,0 +1,321 @@
+"""Mixed precision under a bit budget.
+
+A *unit* is what gets one format: a fusion group of a block (q/k/v together, gate/up
+together, each other linear; in a sparse block every expert's gate/up together and every
+down together), which keeps each AWQ mapping on one scheme and lets vLLM fuse what it fuses.
+
+`sensitivity` measures, for every unit and every candidate format (int4 per group of 128,
+64 or 32 with the requested scheme's symmetry, int8 per channel, float), the mean KL
+divergence per token of the model's next-token distribution from the float model's when
+only that unit is rounded to nearest in that format, on a few calibration windows. Each
+measurement reruns the blocks from the unit's one onward from the float model's cached
+inputs. The result is cached on disk by model and settings.
+
+`choose` picks one candidate per unit minimising the summed costs (additive, the usual
+assumption) with the average bits per weight of all units' linears (packed values, scales,
+zero points and shape, as `quantkit inspect` counts them; float at the stored dtype's
+width) at most the target: a multiple-choice knapsack, solved by dynamic programming.
+`mixed_scheme` makes the choice a scheme with one override per format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from quantkit.errors import QuantkitError
+from quantkit.perf.plan import linear_bytes
+from quantkit.progress import Track, no_progress
+from quantkit.scheme import QuantArgs, QuantScheme
+
+FLOAT = "float"
+
+
+def candidates(scheme: QuantScheme) -> dict[str, QuantArgs | None]:
+    """The formats a unit can get: int4 per group of 128 / 64 / 32 (the scheme's symmetry and
+    act-order), int8 per channel (symmetric, w8a16), float."""
+    w = scheme.weights
+    if w is None or w.type != "int" or w.num_bits != 4:
+        raise QuantkitError(f"--target-bits mixes int4 schemes; {scheme.name!r} is not one (use w4a16 or w4a16-asym).")
+
+    def int4(group: int) -> QuantArgs:
+        return dataclasses.replace(w, strategy="group", group_size=group)
+
+    int8 = QuantArgs(num_bits=8, type="int", symmetric=True, strategy="channel", group_size=None, actorder=w.actorder)
+    return {"int4-g128": int4(128), "int4-g64": int4(64), "int4-g32": int4(32), "int8": int8, FLOAT: None}
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One fusion group: its linears' full names and [out, in] shapes."""
+
+    block: int
+    linears: tuple[str, ...]
+    shapes: tuple[tuple[int, int], ...]
+
+    @property
+    def params(self) -> int:
+        return sum(o * i for o, i in self.shapes)
+
+    @property
+    def label(self) -> str:
+        if len(self.linears) == 1:
+            return self.linears[0]
+        prefix = self.linears[0].rsplit(".", 1)[0]
+        if len(self.linears) <= 4 and all(n.rsplit(".", 1)[0] == prefix for n in self.linears):
+            return f"{prefix}.{'+'.join(n.rsplit('.', 1)[1] for n in self.linears)}"
+        return f"{self.linears[0]} (+{len(self.linears) - 1} more)"
+
+    def fits(self, args: QuantArgs | None) -> bool:
+        return args is None or args.strategy != "group" or all(i % args.group_size == 0 for _, i in self.shapes)
+
+    def bits(self, args: QuantArgs | None, float_bytes: int) -> float:
+        """Bits per weight of the unit's linears in a format, as `quantkit inspect` counts them."""
+        if args is None:
+            return 8.0 * float_bytes
+        stored = sum(linear_bytes(o, i, args, float_bytes=float_bytes) + 16 for o, i in self.shapes)  # + weight_shape
+        return 8 * stored / self.params
+
+
+def units(model, spec) -> list[Unit]:
+    """The fusion groups of every block, in order (`ArchSpec.stages`: one per pass)."""
+    from quantkit.models.arch import get_module
+
+    found = []
+    for i, block in enumerate(get_module(model, spec.blocks)):
+        for stage in spec.for_block(block).stages:
+            names = [n for group in stage for n in group]
+            mods = [get_module(block, n) for n in names]
+            shapes = tuple((m.out_features, m.in_features) for m in mods)
+            found.append(Unit(i, tuple(f"{spec.blocks}.{i}.{n}" for n in names), shapes))
+    return found
+
+
+def sensitivity(
+    model_name: str,
+    scheme: QuantScheme,
+    calibration,
+    track: Track = no_progress,
+    log: Callable[[str], None] | None = None,
+    cache: Path | None = None,
+) -> dict:
+    """Per unit and candidate: the mean KL(float ‖ that unit alone rounded to the candidate)
+    per token, in nats, on `calibration`'s windows (see the module's docstring). Returns
+    {"model", "scheme", "calibration", "float_bytes", "units": [{"label", "block", "linears",
+    "params", "kld": {candidate: nats}, "bits": {candidate: bits per weight}}]}; a candidate a
+    unit's widths do not fit is left out. Cached in `cache` (default: quantkit's cache)."""
+    from quantkit.models.loading import resolve_model
+
+    path = resolve_model(model_name)
+    key = _cache_key(path, scheme, calibration)
+    file = (cache or _cache_dir()) / f"{key}.json"
+    if file.is_file():
+        if log:
+            log(f"sensitivity of {model_name} from the cache ({file})")
+        return json.loads(file.read_text())
+    result = _measure(path, scheme, calibration, track)
+    result["model"] = str(model_name)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = file.with_suffix(".partial")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(file)
+    return result
+
+
+def _cache_dir() -> Path:
+    from quantkit import assets
+
+    return assets.cache_dir() / "sensitivity"
+
+
+def _cache_key(path: Path, scheme: QuantScheme, calibration) -> str:
+    files = {f.name: f.stat().st_size for f in sorted(Path(path).glob("*.safetensors"))}
+    what = {
+        "model": str(Path(path).resolve()),
+        "files": files,
+        "candidates": {k: v and dataclasses.asdict(v) for k, v in candidates(scheme).items()},
+        "calibration": dataclasses.asdict(calibration),
+        "version": 1,
+    }
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _measure(path: Path, scheme: QuantScheme, calibration, track: Track) -> dict:
+    import torch
+
+    from quantkit.calibration import rtn
+    from quantkit.calibration.datasets import calibration_samples, load_documents
+    from quantkit.calibration.runner import BlockInputs, capture_block_inputs
+    from quantkit.eval.kld import divergence
+    from quantkit.kernels import reference
+    from quantkit.models.arch import arch_for, get_module
+    from quantkit.models.loading import load_float_model
+
+    model, tokenizer, _ = load_float_model(path, owned=True)
+    float_bytes = model.dtype.itemsize
+    model.float()
+    spec = arch_for(model.config)
+    c = calibration
+    samples = calibration_samples(tokenizer, load_documents(c.dataset, "calib"), c.samples, c.seq_len, c.seed)
+    blocks = get_module(model, spec.blocks)
+    final_norm, lm_head = get_module(model, spec.final_norm), get_module(model, spec.lm_head)
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    with torch.no_grad():
+        hidden, kwargs = capture_block_inputs(model, spec, samples, c.batch_size, torch.device("cpu"))
+        inputs = [hidden]  # inputs[i]: block i's inputs per batch, from the float model
+        for i, block in enumerate(blocks):
+            inputs.append(BlockInputs(inputs[i], kwargs[i]).run(block))
+
+        def logits(hs):
+            return [reference.cap(lm_head(final_norm(h)).float(), softcap) for h in hs]
+
+        base = [x.log_softmax(-1) for x in logits(inputs[-1])]
+        cands = candidates(scheme)
+        rows = []
+        found = units(model, spec)
+        for unit in track(found, "sensitivity (fusion groups)", len(found)):
+            mods = [get_module(model, n) for n in unit.linears]
+            kld = {FLOAT: 0.0}
+            for name, args in cands.items():
+                if args is None or not unit.fits(args):
+                    continue
+                saved = [m.weight.data.clone() for m in mods]
+                for m in mods:
+                    m.weight.data.copy_(rtn.quantize_weight(m.weight.data, args)[0])
+                h = inputs[unit.block]
+                for j in range(unit.block, len(blocks)):
+                    h = BlockInputs(h, kwargs[j]).run(blocks[j])
+                per_token = torch.cat([divergence(b, q).flatten() for b, q in zip(base, logits(h))])
+                kld[name] = per_token.mean().item()
+                for m, w in zip(mods, saved):
+                    m.weight.data.copy_(w)
+            bits = {n: unit.bits(a, float_bytes) for n, a in cands.items() if n in kld}
+            rows.append(
+                {
+                    "label": unit.label,
+                    "block": unit.block,
+                    "linears": list(unit.linears),
+                    "params": unit.params,
+                    "kld": kld,
+                    "bits": bits,
+                }
+            )
+    return {
+        "scheme": scheme.name,
+        "calibration": dataclasses.asdict(calibration),
+        "float_bytes": float_bytes,
+        "units": rows,
+    }
+
+
+def choose(rows: list[dict], target_bits: float, resolution: int = 20000) -> dict[str, str]:
+    """label -> candidate for each unit (`sensitivity`'s rows), minimising the summed KL costs
+    with the average bits per weight over all units at most `target_bits`: the multiple-choice
+    knapsack, solved by dynamic programming over the bits left once every unit has its
+    smallest format, cut into `resolution` steps. Each choice's extra bits are rounded up to
+    a step, so the answer always fits; it is the best among the choices that still fit with
+    one step per unit to spare."""
+    import torch
+
+    total = sum(r["params"] for r in rows)
+    budget = target_bits * total
+    options = [[(c, r["kld"][c], r["bits"][c] * r["params"]) for c in r["kld"]] for r in rows]
+    least = sum(min(b for _, _, b in opts) for opts in options)
+    if least > budget * (1 + 1e-9):
+        raise QuantkitError(
+            f"--target-bits {target_bits:g} is below what the smallest formats take "
+            f"({least / total:.3f} bits per weight); ask for at least that."
+        )
+    # bits above each unit's smallest format, against the budget left once every unit has that
+    floor = [min(b for _, _, b in opts) for opts in options]
+    spare = budget - least
+    if spare <= 0:  # only the smallest formats fit: the cheapest of those per unit
+        return {
+            r["label"]: min((o for o in opts if o[2] == f), key=lambda o: o[1])[0]
+            for r, opts, f in zip(rows, options, floor)
+        }
+    step = spare / resolution
+    inf = float("inf")
+    best = torch.zeros(resolution + 1, dtype=torch.float64)  # best[b]: least cost of the units so far within b steps
+    picks, weights = [], []
+    for opts, f in zip(options, floor):
+        w = [math.ceil((bits - f) / step - 1e-9) for _, _, bits in opts]
+        new = torch.full_like(best, inf)
+        pick = torch.zeros(resolution + 1, dtype=torch.int64)
+        for k, (_, cost, _) in enumerate(opts):
+            if w[k] > resolution:
+                continue
+            shifted = torch.full_like(best, inf)
+            shifted[w[k] :] = best[: resolution + 1 - w[k]] + cost
+            better = shifted < new
+            new = torch.where(better, shifted, new)
+            pick = torch.where(better, torch.tensor(k), pick)
+        best = new
+        picks.append(pick)
+        weights.append(w)
+    choice, b = [], resolution
+    for opts, pick, w in zip(reversed(options), reversed(picks), reversed(weights)):
+        k = int(pick[b])
+        choice.append(opts[k][0])
+        b -= w[k]
+    return {r["label"]: c for r, c in zip(rows, reversed(choice))}
+
+
+def mixed_scheme(scheme: QuantScheme, rows: list[dict], choice: dict[str, str]) -> QuantScheme:
+    """`scheme` with each unit's chosen format: one override per int format (targets: the
+    unit's linears by name), float units in `ignore`. The format most weights get becomes
+    the scheme's own, so the config lists the fewest names."""
+    cands = candidates(scheme)
+    members: dict[str, list[str]] = {}
+    weights: dict[str, int] = {}
+    for r in rows:
+        c = choice[r["label"]]
+        members.setdefault(c, []).extend(r["linears"])
+        weights[c] = weights.get(c, 0) + r["params"]
+    ints = [c for c in members if c != FLOAT]
+    if not ints:
+        raise QuantkitError("the choice keeps every layer in float; ask for fewer --target-bits.")
+    main = max(ints, key=lambda c: weights[c])
+    overrides = tuple(
+        QuantScheme(f"{scheme.name}:{c}", cands[c], targets=tuple(members[c])) for c in cands if c in ints and c != main
+    )
+    ignore = scheme.ignore + tuple(members.get(FLOAT, ()))
+    return scheme.replace(
+        name=f"{scheme.name}-mixed", weights=cands[main], overrides=overrides, ignore=ignore, auto_group_size=False
+    )
+
+
+def achieved_bits(rows: list[dict], choice: dict[str, str]) -> float:
+    """The average bits per weight of all units' linears under `choice`."""
+    return sum(r["bits"][choice[r["label"]]] * r["params"] for r in rows) / sum(r["params"] for r in rows)
+
+
+def plot(result: dict, path) -> Path:
+    """A PNG of every unit's KL cost per candidate format, block by block (log scale)."""
+    import os
+
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise QuantkitError("--plot needs matplotlib; install it with `pip install matplotlib`.") from None
+    rows = result["units"]
+    fig = Figure(figsize=(12, 4.5), layout="constrained")
+    ax = fig.subplots()
+    names = [c for c in dict.fromkeys(c for r in rows for c in r["kld"]) if c != FLOAT]
+    for c in names:
+        points = [(i, r["kld"][c]) for i, r in enumerate(rows) if c in r["kld"]]
+        ax.plot([i for i, _ in points], [max(k, 1e-9) for _, k in points], marker=".", label=c)
+    ax.set(yscale="log", xlabel="fusion group (in model order)", ylabel="mean KL per token (nats)")
+    ax.set_title(f"sensitivity of {result['model']}: each group alone, rounded to nearest")
+    ax.legend()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial.png")
+    fig.savefig(tmp, dpi=120)
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,138 @@
+"""Mixed precision (`quantkit.pipeline.mixed`): the knapsack choice against brute force, the
+sensitivity against a direct computation with transformers, and `--target-bits` end to
+end: one config group per format, the bits as inspect counts them within the target, and
+the checkpoint loads in quantkit and transformers to the same logits."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import pytest
+import torch
+from conftest import make_tiny_model
+from transformers import AutoModelForCausalLM
+from typer.testing import CliRunner
+
+import quantkit
+from quantkit.calibration import rtn
+from quantkit.calibration.method import Calibration
+from quantkit.cli import app
+from quantkit.errors import QuantkitError
+from quantkit.eval.kld import divergence
+from quantkit.formats.inspect import describe
+from quantkit.pipeline import mixed
+from quantkit.pipeline.quantize import quantize
+from quantkit.scheme import preset
+
+torch.set_num_threads(1)
+IDS = torch.tensor([list(range(3, 43)), list(range(100, 140))])
+
+
+def random_rows(rng: random.Random, n: int) -> list[dict]:
+    rows = []
+    for u in range(n):
+        params = rng.choice([1000, 4000, 9000])
+        kld = {"int4-g128": rng.uniform(0.5, 2), "int4-g32": rng.uniform(0.1, 0.5), "int8": rng.uniform(0, 0.05)}
+        kld["float"] = 0.0
+        bits = {"int4-g128": 4.3, "int4-g32": 5.1, "int8": 8.1, "float": 16.0}
+        rows.append({"label": f"u{u}", "params": params, "kld": kld, "bits": bits})
+    return rows
+
+
+def test_the_choice_is_the_best_within_the_budget():
+    rng = random.Random(0)
+    for trial in range(30):
+        rows = random_rows(rng, 6)
+        target = rng.uniform(4.4, 9.0)
+        total = sum(r["params"] for r in rows)
+        choice = mixed.choose(rows, target)
+        assert mixed.achieved_bits(rows, choice) <= target + 1e-9
+        cost = sum(r["kld"][choice[r["label"]]] for r in rows)
+        best = min(  # brute force over every combination
+            sum(r["kld"][c] for r, c in zip(rows, combo))
+            for combo in itertools.product(*(list(r["kld"]) for r in rows))
+            if sum(r["bits"][c] * r["params"] for r, c in zip(rows, combo)) <= target * total
+        )
+        # exact up to the budget's discretisation: the best choice may need the last few
+        # of its 20,000 steps, which rounding each unit's bits up can put out of reach
+        assert cost <= best + 1e-12 or mixed.achieved_bits(rows, choice) > target - 6 * target / 20000, trial
+
+
+def test_more_bits_never_cost_more_and_too_few_are_refused():
+    rows = random_rows(random.Random(1), 8)
+    costs = [sum(r["kld"][mixed.choose(rows, t)[r["label"]]] for r in rows) for t in (4.3, 5.0, 6.0, 8.0, 16.01)]
+    assert costs == sorted(costs, reverse=True) and costs[-1] == 0.0
+    with pytest.raises(QuantkitError, match=r"--target-bits 4 is below what the smallest formats take \(4.300"):
+        mixed.choose(rows, 4.0)
+
+
+def test_sensitivity_equals_a_direct_computation(tmp_path, tiny_corpus):
+    from quantkit.calibration.datasets import calibration_samples, load_documents
+    from quantkit.models.loading import load_tokenizer
+
+    path = make_tiny_model(tmp_path / "m")
+    calib = Calibration(str(tiny_corpus), 4, 32)
+    scheme = preset("w4a16-asym")
+    result = mixed.sensitivity(str(path), scheme, calib, cache=tmp_path / "cache")
+    row = next(r for r in result["units"] if r["label"] == "model.layers.0.mlp.gate_proj+up_proj")
+    assert set(row["kld"]) == {"int4-g64", "int4-g32", "int8", "float"}  # in 64: no groups of 128
+    ids = calibration_samples(load_tokenizer(path), load_documents(str(tiny_corpus), "calib"), 4, 32, 0)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        base = model(ids).logits.log_softmax(-1)
+        for name in ("gate_proj", "up_proj"):
+            w = getattr(model.model.layers[0].mlp, name).weight
+            w.copy_(rtn.quantize_weight(w, mixed.candidates(scheme)["int4-g32"])[0])
+        direct = divergence(base, model(ids).logits).mean().item()
+    assert row["kld"]["int4-g32"] == pytest.approx(direct, rel=1e-4)
+    assert row["kld"]["int8"] < row["kld"]["int4-g32"] < row["kld"]["int4-g64"]
+    # cached: the same answer without measuring again
+    assert mixed.sensitivity(str(path), scheme, calib, cache=tmp_path / "cache") == result
+
+
+@pytest.mark.parametrize("method", ["rtn", "awq", "gptq"])
+def test_target_bits_end_to_end(tmp_path, tiny_corpus, method, monkeypatch):
+    from quantkit import assets
+
+    monkeypatch.setattr(assets, "cache_dir", lambda: tmp_path / "cache")
+    path = make_tiny_model(tmp_path / "m")
+    scheme = preset("w4a16")  # symmetric: transformers reads it (docs/formats.md)
+    calib = Calibration(str(tiny_corpus), 4, 32)
+    prov = quantize(str(path), scheme, tmp_path / "q", method, calib, target_bits=5.0)
+    mp = prov["mixed_precision"]
+    info = describe(str(tmp_path / "q"))
+    assert mp["bits_per_weight"] <= 5.0 and info["bits_per_weight"] == pytest.approx(mp["bits_per_weight"], rel=1e-9)
+    assert len(set(mp["choice"].values())) > 1  # a real mix
+    groups = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["config_groups"]
+    assert len(groups) == len({c for c in mp["choice"].values() if c != "float"})
+    with torch.no_grad():
+        ours = quantkit.load(tmp_path / "q")(IDS).logits
+        theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "q").eval()(IDS).logits  # compressed-tensors
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    shown = CliRunner().invoke(app, ["inspect", str(tmp_path / "q")], terminal_width=200)
+    assert "mixed precision" in shown.output and next(iter(mp["choice"])) in shown.output
+
+
+def test_the_sensitivity_command_and_refusals(tmp_path, tiny_corpus, monkeypatch):
+    from quantkit import assets
+
+    monkeypatch.setattr(assets, "cache_dir", lambda: tmp_path / "cache")
+    path = make_tiny_model(tmp_path / "m")
+    calib = ["--calib", str(tiny_corpus), "--samples", "4", "--seq-len", "32"]
+    r = CliRunner().invoke(
+        app,
+        ["sensitivity", str(path), *calib, "--json", str(tmp_path / "s.json"), "--plot", str(tmp_path / "s.png")],
+        env={"COLUMNS": "250"},
+    )
+    assert r.exit_code == 0, r.output
+    rows = json.loads((tmp_path / "s.json").read_text())["units"]
+    assert len(rows) == 2 * 4 and (tmp_path / "s.png").stat().st_size > 0
+    worst = max(rows, key=lambda x: max(v for k, v in x["kld"].items() if k.startswith("int4")))["label"]
+    assert r.output.index(worst) < min(r.output.index(x["label"]) for x in rows if x["label"] != worst)
+    r = CliRunner().invoke(app, ["fp8", "-m", str(path), "-o", str(tmp_path / "f"), "--target-bits", "5"])
+    assert r.exit_code == 2 and "No such option" in r.output
+    r = CliRunner().invoke(app, ["rtn", "-m", str(path), "-o", str(tmp_path / "r"), "--target-bits", "3", *calib])
+    assert r.exit_code == 2 and "is below what the smallest formats take" in r.output
+    assert not (tmp_path / "r").exists()
