@@ -5,12 +5,16 @@
 A run is one of
   rtn|awq|gptq:SCHEME:GROUP   INT4 weights (GPTQ with act-order static and range search, the
                               CLI's defaults; gptq:SCHEME:GROUP:minmax takes min-max group ranges)
+  rtn|awq|gptq:SCHEME:GROUP:bits=B  mixed precision at B bits per weight (--target-bits),
+                              compared with RTN on SCHEME:GROUP
   fp8:fp8-dynamic|fp8[:smooth] FP8 weights and activations (smooth: SmoothQuant first)
   kv:fp8|int8[:head]           KV-cache scales added to the float model (head: per KV head)
 Calibration: `news`, --samples x --seq-len, seed 0; perplexity: `wiki`, --windows x 2048
-(the papers' protocol). Prints a markdown table (ppl, increase over float, for INT4 the
-increase relative to RTN's on the same scheme and group, calibration wall time and peak
-memory) and keeps results.json beside the checkpoints, so an interrupted run resumes.
+(the papers' protocol); KL divergence from the float model and top-1 agreement on the first
+--kld-windows of those windows. Prints a markdown table (ppl, increase over float, for INT4
+the increase relative to RTN's on the same scheme and group, KL and top-1, bits per weight
+as inspect counts them, calibration wall time and peak memory) and keeps results.json
+beside the checkpoints, so an interrupted run resumes.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ import json
 from pathlib import Path
 
 from quantkit.calibration.kv import kv_args
+from quantkit.eval.gates import evaluate_gates
 from quantkit.eval.run import evaluate
+from quantkit.formats.inspect import describe
 from quantkit.pipeline.kv import add_kv_scales
 from quantkit.pipeline.quantize import Calibration, quantize
 from quantkit.scheme import preset
@@ -40,7 +46,8 @@ def make(run: str, model: str, out: Path, calib: Calibration) -> dict:
     if algorithm == "gptq":
         qscheme = qscheme.replace(weights=dataclasses.replace(qscheme.weights, actorder="static"))
         options = {"range_search": "minmax" not in rest[1:]}
-    return quantize(model, qscheme, out, algorithm, calib, options)
+    bits = next((float(r.removeprefix("bits=")) for r in rest[1:] if r.startswith("bits=")), None)
+    return quantize(model, qscheme, out, algorithm, calib, options, target_bits=bits)
 
 
 def main() -> None:
@@ -50,6 +57,7 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=64)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--windows", type=int, default=32)
+    p.add_argument("--kld-windows", type=int, default=8)
     p.add_argument("--out", type=Path, default=Path("out/bench"))
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
@@ -63,25 +71,36 @@ def main() -> None:
             results_path.write_text(json.dumps(results, indent=2))
         return results[model]["ppl"]
 
+    def kld(model: str) -> tuple[float, float]:
+        key = f"{model} kld {a.kld_windows}"
+        if key not in results:
+            report = evaluate_gates(model, a.model, ppl="wiki", limit=a.kld_windows, seq_len=2048)
+            results[key] = {r["metric"]: r["candidate"] for r in report["rows"]}
+            results_path.write_text(json.dumps(results, indent=2))
+        return results[key]["kld"], results[key]["top1_agreement"]
+
     base = ppl(a.model)
     rows = []
     for run in a.runs:
-        out = a.out / run.replace(":", "-")
+        out = a.out / run.replace(":", "-").replace("=", "")
         prov = make(run, a.model, out, calib) if not out.exists() else json.loads((out / "quantkit.json").read_text())
         prov = prov.get("kv_cache", prov) if run.startswith("kv:") else prov
-        rows.append((run, ppl(str(out)), prov))
+        rows.append((run, ppl(str(out)), prov, *kld(str(out)), describe(str(out))["bits_per_weight"]))
 
     print(f"\nfloat {a.model}: ppl {base:.4f} (wiki, {a.windows} × 2048)\n")
-    print("| run | wiki ppl | Δ vs float | Δ / Δ(RTN) | calibration time | peak RSS |")
-    print("|---|---|---|---|---|---|")
-    for run, value, prov in rows:
+    print(
+        f"| run | wiki ppl | Δ vs float | Δ / Δ(RTN) | KL ({a.kld_windows} windows) | top-1 | bits/weight "
+        "| calibration time | peak RSS |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for run, value, prov, kl, top1, bits in rows:
         _, scheme, *rest = run.split(":")
-        rtn = next((v for r, v, _ in rows if r == f"rtn:{scheme}:{rest[0]}"), None) if rest[:1] != [] else None
+        rtn = next((v for r, v, *_ in rows if r == f"rtn:{scheme}:{rest[0]}"), None) if rest[:1] != [] else None
         ratio = f"{(value - base) / (rtn - base):.2f}" if rtn is not None and rtn != base else "–"
         peak = f"{prov['peak_rss_mib']:.0f} MiB" if "peak_rss_mib" in prov else "–"
         print(
             f"| {run} | {value:.4f} | {value - base:+.4f} ({100 * (value - base) / base:+.2f}%) | {ratio} | "
-            f"{prov['wall_time_s']:.0f} s | {peak} |"
+            f"{kl:.4f} | {top1:.4f} | {f'{bits:.3f}' if bits else '–'} | {prov['wall_time_s']:.0f} s | {peak} |"
         )
 
 

@@ -151,7 +151,6 @@ def _measure(path: Path, scheme: QuantScheme, calibration, track: Track) -> dict
     from quantkit.calibration import rtn
     from quantkit.calibration.datasets import calibration_samples, load_documents
     from quantkit.calibration.runner import BlockInputs, capture_block_inputs
-    from quantkit.eval.kld import divergence
     from quantkit.kernels import reference
     from quantkit.models.arch import arch_for, get_module
     from quantkit.models.loading import load_float_model
@@ -174,7 +173,21 @@ def _measure(path: Path, scheme: QuantScheme, calibration, track: Track) -> dict
         def logits(hs):
             return [reference.cap(lm_head(final_norm(h)).float(), softcap) for h in hs]
 
-        base = [x.log_softmax(-1) for x in logits(inputs[-1])]
+        # KL(p ‖ q) = Σ p log p - Σ p log q: the float model's side once, per position
+        probs, plogp = [], []
+        for x in logits(inputs[-1]):
+            logp = x.log_softmax(-1)
+            p = logp.exp()
+            plogp.append(torch.where(p > 0, p * logp, 0.0).sum(-1))
+            probs.append(p)
+            del logp
+
+        def kl(hs) -> float:
+            parts = [
+                c - torch.einsum("...v,...v->...", p, q.log_softmax(-1)) for p, c, q in zip(probs, plogp, logits(hs))
+            ]
+            return torch.cat([x.flatten() for x in parts]).mean().item()
+
         cands = candidates(scheme)
         rows = []
         found = units(model, spec)
@@ -190,8 +203,7 @@ def _measure(path: Path, scheme: QuantScheme, calibration, track: Track) -> dict
                 h = inputs[unit.block]
                 for j in range(unit.block, len(blocks)):
                     h = BlockInputs(h, kwargs[j]).run(blocks[j])
-                per_token = torch.cat([divergence(b, q).flatten() for b, q in zip(base, logits(h))])
-                kld[name] = per_token.mean().item()
+                kld[name] = kl(h)
                 for m, w in zip(mods, saved):
                     m.weight.data.copy_(w)
             bits = {n: unit.bits(a, float_bytes) for n, a in cands.items() if n in kld}
