@@ -47,7 +47,8 @@ def make(run: str, model: str, out: Path, calib: Calibration) -> dict:
     if algorithm == "gptq":
         qscheme = qscheme.replace(weights=dataclasses.replace(qscheme.weights, actorder="static"))
         options = {"range_search": "minmax" not in rest[1:]}
-        options |= {"damp": float(r.removeprefix("damp=")) for r in rest[1:] if r.startswith("damp=")}
+        damp = next((float(r.removeprefix("damp=")) for r in rest[1:] if r.startswith("damp=")), None)
+        options |= {} if damp is None else {"damp": damp}
     bits = next((float(r.removeprefix("bits=")) for r in rest[1:] if r.startswith("bits=")), None)
     return quantize(model, qscheme, out, algorithm, calib, options, target_bits=bits)
 
