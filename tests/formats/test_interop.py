@@ -175,7 +175,7 @@ def with_quantization_config(src, dst, qc):
 
 
 LOADS = (
-    "quantkit loads compressed-tensors pack-quantized (int4), compressed-tensors float-quantized (fp8), "
+    "quantkit loads compressed-tensors pack-quantized (int4, int8), compressed-tensors float-quantized (fp8), "
     "AutoAWQ GEMM (int4), GPTQ v1 (int4)."
 )
 
