@@ -37,7 +37,7 @@ class AWQOptions:
 
 @dataclass(frozen=True)
 class GPTQOptions:
-    damp: float = option(0.01, "Hessian dampening, as a fraction of its mean diagonal.", min=0)
+    damp: float = option(0.05, "Hessian dampening, as a fraction of its mean diagonal.", min=0)
     block_size: int = option(128, "Columns per lazy-update block.", min=1)
     range_search: bool = option(
         True,
