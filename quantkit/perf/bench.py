@@ -514,11 +514,9 @@ def sweep(
 
 def plot_sweep(reports: list[dict], path: str | os.PathLike) -> Path:
     """A PNG of TTFT, TPOT and end-to-end latency (p50/p90/p99) against output tokens/s."""
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise QuantkitError("--plot needs matplotlib; install it with `pip install matplotlib`.") from None
-    fig = Figure(figsize=(15, 4.5), layout="constrained")
+    from quantkit import figures
+
+    fig = figures.figure(figsize=(15, 4.5))
     x = [r["output_tokens_per_s"] for r in reports]
     for ax, key in zip(fig.subplots(1, 3), ("ttft_ms", "tpot_ms", "e2e_ms")):
         for p in ("p50", "p90", "p99"):
@@ -527,9 +525,4 @@ def plot_sweep(reports: list[dict], path: str | os.PathLike) -> Path:
             ax.annotate(f"{r.get('rate')} req/s", (xi, r[key]["p50"] or 0), fontsize=7)
         ax.set(xlabel="output tokens/s", ylabel=key.replace("_ms", " (ms)"), title=key.split("_")[0].upper())
         ax.legend()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial.png")
-    fig.savefig(tmp, dpi=120)
-    os.replace(tmp, path)
-    return path
+    return figures.save(fig, path)
