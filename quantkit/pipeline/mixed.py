@@ -184,7 +184,7 @@ def _measure(path: Path, scheme: QuantScheme, calibration, track: Track) -> dict
 
         def kl(hs) -> float:
             parts = [
-                c - torch.einsum("...v,...v->...", p, q.log_softmax(-1)) for p, c, q in zip(probs, plogp, logits(hs))
+                e - torch.einsum("...v,...v->...", p, q.log_softmax(-1)) for p, e, q in zip(probs, plogp, logits(hs))
             ]
             return torch.cat([x.flatten() for x in parts]).mean().item()
 
@@ -309,14 +309,10 @@ def achieved_bits(rows: list[dict], choice: dict[str, str]) -> float:
 
 def plot(result: dict, path) -> Path:
     """A PNG of every unit's KL cost per candidate format, block by block (log scale)."""
-    import os
+    from quantkit import figures
 
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise QuantkitError("--plot needs matplotlib; install it with `pip install matplotlib`.") from None
     rows = result["units"]
-    fig = Figure(figsize=(12, 4.5), layout="constrained")
+    fig = figures.figure(figsize=(12, 4.5))
     ax = fig.subplots()
     names = [c for c in dict.fromkeys(c for r in rows for c in r["kld"]) if c != FLOAT]
     for c in names:
@@ -325,9 +321,4 @@ def plot(result: dict, path) -> Path:
     ax.set(yscale="log", xlabel="fusion group (in model order)", ylabel="mean KL per token (nats)")
     ax.set_title(f"sensitivity of {result['model']}: each group alone, rounded to nearest")
     ax.legend()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial.png")
-    fig.savefig(tmp, dpi=120)
-    os.replace(tmp, path)
-    return path
+    return figures.save(fig, path)
