@@ -60,21 +60,27 @@ class Experts(nn.ModuleList):
         self.dense: frozenset[int] = frozenset()  # calibration: run on every token, for statistics
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        out = torch.zeros_like(hidden_states)
-        routed = {e: (tokens, slots) for e, tokens, slots in route(top_k_index, len(self))}
-        for e, expert in enumerate(self):
-            if e in self.dense:
-                y = expert(hidden_states)  # every token: the hooks see them all
-                if e not in routed:
-                    continue
-                y = y[routed[e][0]]
-            elif e in routed:
-                y = expert(hidden_states[routed[e][0]])
-            else:
+        return mix(hidden_states, top_k_index, top_k_weights, self, self.dense)
+
+
+def mix(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, experts, dense=frozenset()):
+    """Σ over each token's top-k experts of weight · expert(token), hidden [T, H] -> [T, H]:
+    each routed expert called once on its tokens (`route`), the outputs added in expert
+    order. An expert in `dense` is called on every token (its hooks see them all) and gives
+    its routed rows."""
+    out = torch.zeros_like(hidden)
+    routed = {e: (tokens, slots) for e, tokens, slots in route(top_k_index, len(experts))}
+    for e in sorted(routed.keys() | dense):
+        if e in dense:
+            y = experts[e](hidden)
+            if e not in routed:
                 continue
-            tokens, slots = routed[e]
-            out.index_add_(0, tokens, (y * top_k_weights[tokens, slots, None]).to(out.dtype))
-        return out
+            y = y[routed[e][0]]
+        else:
+            y = experts[e](hidden[routed[e][0]])
+        tokens, slots = routed[e]
+        out.index_add_(0, tokens, (y * top_k_weights[tokens, slots, None]).to(out.dtype))
+    return out
 
 
 def install(model: nn.Module, spec: ArchSpec) -> None:

@@ -130,10 +130,7 @@ class _SparseMLP:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         _, weights, index = self.router(x)
-        out = torch.zeros_like(x)
-        for e, tokens, slots in moe.route(index, len(self.experts)):
-            y = self.experts[e](x[tokens]) * weights[tokens, slots, None]
-            out.index_add_(0, tokens, y.to(out.dtype))
+        out = moe.mix(x, index, weights, self.experts)
         if self.shared is not None:
             out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
         return out
