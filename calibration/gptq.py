@@ -18,6 +18,7 @@ from torch import nn
 from quantkit.calibration.awq import ClipInputs, clip_qparams, search_clip
 from quantkit.calibration.hooks import Replay, by_args, reduce_each, reduce_inputs, targets
 from quantkit.calibration.method import QParams
+from quantkit.calibration.registry import HESSIAN_BYTES
 from quantkit.errors import QuantkitError
 from quantkit.models.arch import ArchSpec, get_module
 from quantkit.primitives import check_group_size, compute_qparams
@@ -242,9 +243,6 @@ def _current(Wt, W1, Err1, Hinv, cols, i1, k):
     return vals.T
 
 
-HESSIAN_BYTES = 1 << 30  # Hessians gathered in one pass over a block's experts, at most about
-
-
 def gptq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_dtype, log: Callable | None = None):
     """Runner step, true-sequential inside the block: each group of linears that share an
     input (q,k,v → o → gate,up → down) is quantized on inputs recomputed after the groups
@@ -265,7 +263,8 @@ def gptq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale
             for chunk in _chunks(block, groups):
                 if len(stage) == 1:
                     names = chunk[0]
-                    hessians = {names[0]: _group_hessian(block, names[0], inputs, prefix, replay)}
+                    first, full = get_module(block, names[0]), f"{prefix}.{names[0]}"
+                    hessians = {names[0]: reduce_inputs(block, first, inputs, full, accumulate_hessian, replay)}
                 else:
                     firsts = {names[0]: get_module(block, names[0]) for names in chunk}
                     hessians = reduce_each(block, firsts, inputs, accumulate_hessian, prefix, replay)
@@ -292,11 +291,6 @@ def _chunks(block, groups: list[list[str]]):
         size += 4 * width * width
     if chunk:
         yield chunk
-
-
-def _group_hessian(block, name, inputs, prefix, replay):
-    """H = 2·XᵀX / n of the inputs of the linear `name` over all calibration batches."""
-    return reduce_inputs(block, get_module(block, name), inputs, f"{prefix}.{name}", accumulate_hessian, replay)
 
 
 def _finite(H, name):

@@ -35,6 +35,9 @@ class AWQOptions:
     load_search: str | None = option(None, "Apply a saved search instead of calibrating.", kind="text")
 
 
+HESSIAN_BYTES = 1 << 30  # GPTQ: Hessians gathered in one pass over a block's experts, at most about
+
+
 @dataclass(frozen=True)
 class GPTQOptions:
     damp: float = option(0.05, "Hessian dampening, as a fraction of its mean diagonal.", min=0)

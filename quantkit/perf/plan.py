@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from quantkit.calibration.registry import HESSIAN_BYTES
 from quantkit.errors import QuantkitError
 from quantkit.scheme import PRESETS, QuantArgs
 
@@ -269,7 +270,6 @@ FP32_TFLOPS = {"h100-80gb": 67, "a100-80gb": 19.5, "h200": 67, "l40s": 91.6, "l4
 # small forwards, rounding, searches and GPTQ's column loop. Fitted on smollm2 (64 × 512,
 # 2026-12-01: AWQ 300 s, GPTQ with range search 317 s, against a measured 120 GFLOP/s).
 EFFICIENCY = {"gptq": 0.58, "awq": 0.63}
-HESSIAN_BYTES = 1 << 30  # as calibration/gptq.py: expert Hessians gathered in one pass
 _FILE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 

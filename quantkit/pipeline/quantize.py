@@ -4,6 +4,7 @@ write the checkpoint. What a method needs and makes comes from its registry entr
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import errno
@@ -382,7 +383,7 @@ def _mixed_precision(model_name, method: Method, scheme: QuantScheme, calibratio
     """(the mixed scheme, what the provenance records of it) for `--target-bits`."""
     from quantkit.pipeline import mixed
 
-    if method.name not in ("rtn", "awq", "gptq"):
+    if method.format != "pack-quantized":
         raise QuantkitError(f"--target-bits chooses int4/int8 formats for rtn, awq and gptq, not {method.name}.")
     if scheme.overrides:
         raise QuantkitError("--target-bits chooses the per-layer formats itself; drop the scheme's overrides.")
@@ -392,7 +393,7 @@ def _mixed_precision(model_name, method: Method, scheme: QuantScheme, calibratio
     choice = mixed.choose(sens["units"], target_bits)
     achieved = mixed.achieved_bits(sens["units"], choice)
     if log:
-        counts = {c: sum(1 for v in choice.values() if v == c) for c in dict.fromkeys(choice.values())}
+        counts = collections.Counter(choice.values())
         log(
             f"mixed precision at {achieved:.3f} bits per weight (target {target_bits:g}): "
             + ", ".join(f"{n} × {c}" for c, n in counts.items())

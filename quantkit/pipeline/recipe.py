@@ -387,7 +387,7 @@ def _target_bits(value, steps) -> float | None:
         return None
     _check("target_bits", value, (FRACTION[0], "a number of bits per weight, e.g. 4.5"))
     weights = [s.name for s in steps if METHODS[s.name].role == "weights"]
-    if weights and weights[0] not in ("rtn", "awq", "gptq"):
+    if weights and METHODS[weights[0]].format != "pack-quantized":
         raise _bad("target_bits", value, f"null with the {weights[0]} step (it mixes int4/int8 for rtn, awq, gptq)")
     return float(value)
 
