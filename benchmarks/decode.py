@@ -35,8 +35,8 @@ def linear_bytes(module: nn.Module) -> int:
     """Weight bytes one call of a (fused) linear reads."""
     tensors = []
     if isinstance(module, PackedInt4Linear):
-        if module._cpu_weight:
-            return module._cpu_weight.nbytes
+        if module.runtime_weight is not None:
+            return module.runtime_weight.nbytes
         tensors = [module.weight_packed, module.weight_scale]
     elif isinstance(module, Fp8Linear):
         tensors = [module.weight, module.weight_scale]

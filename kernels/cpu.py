@@ -45,6 +45,12 @@ _HAS_PREPACK = (
 )
 
 
+def native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively through oneDNN (AVX512-BF16 or AMX): bf16 GEMMs are
+    then about twice as fast as fp32; on AVX2-only CPUs they are several times slower."""
+    return _HAS_PREPACK
+
+
 @dataclass(frozen=True, slots=True)
 class Int4CpuWeight:
     """An int4 linear weight [N, K] in the layout of torch's CPU int4pack kernel.
@@ -89,13 +95,27 @@ def _act_order_perm(g_idx: torch.Tensor, group_size: int) -> torch.Tensor | None
     return perm if torch.equal(g_idx[perm], expected) else None
 
 
+def int4_unsupported(
+    out_features: int, in_features: int, group_size: int | None, g_idx: torch.Tensor | None = None
+) -> str | None:
+    """Why `int4_gemm_cpu` cannot run an [out, in] int4 weight with these group settings
+    (group_size None: per-channel scales), or None when it can."""
+    g = _group_for(in_features, group_size)
+    if not _HAS_INT4:
+        return "this torch has no CPU int4pack kernel"
+    if g not in INT4_GROUP_SIZES or in_features % g:
+        return f"torch's CPU int4 kernel takes groups of {', '.join(map(str, INT4_GROUP_SIZES))}, not {group_size}"
+    if out_features % 16:
+        return f"torch's CPU int4 kernel needs a multiple of 16 outputs, not {out_features}"
+    if g_idx is not None and (g_idx.numel() != in_features or _act_order_perm(g_idx, g) is None):
+        return "its act-order groups are not contiguous runs of the group size"
+    return None
+
+
 def supports(out_features: int, in_features: int, group_size: int | None, g_idx: torch.Tensor | None = None) -> bool:
     """True when `int4_gemm_cpu` can run an [out, in] int4 weight with these group settings
     (group_size None: per-channel scales); False sends the caller to the torch twin."""
-    g = _group_for(in_features, group_size)
-    if not _HAS_INT4 or g not in INT4_GROUP_SIZES or in_features % g or out_features % 16:
-        return False
-    return g_idx is None or (g_idx.numel() == in_features and _act_order_perm(g_idx, g) is not None)
+    return int4_unsupported(out_features, in_features, group_size, g_idx) is None
 
 
 def repack_int4_cpu(

@@ -297,7 +297,7 @@ def _run_recipe(
             output,
             overwrite,
             track,
-            log=lambda message: console.print(f"[yellow]note:[/] {escape(message)}"),
+            log=_note,
             resume=resume,
         )
     _write_json(json_path, prov)
@@ -754,7 +754,25 @@ def kv(
     )
 
 
-DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+DTYPE = typer.Option(
+    "auto",
+    help="auto (the checkpoint's; float32 and float16 run in bfloat16 where the CPU computes it natively), "
+    "float32, bfloat16 or float16.",
+)
+
+
+def _note(message: str) -> None:
+    console.print(f"[yellow]note:[/] {escape(message)}")
+
+
+def _engine(model: str, dtype: str, **kwargs):
+    """The engine on `model`, its notes (dtype, kernels) printed once."""
+    from quantkit.runtime.engine import LLM
+
+    llm = LLM(model, dtype=dtype, **kwargs)
+    for note in llm.notes:
+        _note(note)
+    return llm
 
 
 @command
@@ -767,18 +785,13 @@ def generate(
     top_k: int = typer.Option(0, help="Keep the k most likely tokens (0: all)."),
     seed: Optional[int] = typer.Option(None, help="Seed for sampling."),
     chat: bool = typer.Option(False, help="Wrap the prompt in the tokenizer's chat template."),
-    dtype: str = typer.Option("auto", help="auto (the checkpoint's), float32, bfloat16 or float16."),
+    dtype: str = DTYPE,
     json_path: Optional[Path] = JSON,
 ):
     """Stream a completion to the terminal through the engine, then print TTFT, TPOT and tokens/s."""
-    import torch
-
-    from quantkit.runtime.engine import LLM
     from quantkit.runtime.sequence import SamplingParams
 
-    if dtype not in DTYPES:
-        raise QuantkitError(f"--dtype {dtype!r} is unknown; use one of {', '.join(DTYPES)}.")
-    llm = LLM(model, dtype=getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else None, max_num_seqs=1)
+    llm = _engine(model, dtype, max_num_seqs=1)
     if chat:
         if not getattr(llm.tokenizer, "chat_template", None):
             raise QuantkitError(f"{model} has no chat template; drop --chat.")
@@ -862,15 +875,11 @@ def serve(
     max_queue: int = typer.Option(256, help="Requests that may wait beyond those running; more get 429."),
     kv_cache_memory: float = typer.Option(1 << 30, help="KV-cache bytes (or a fraction of free memory)."),
     served_model_name: Optional[str] = typer.Option(None, help="The model name clients use (default: MODEL)."),
-    dtype: str = typer.Option("auto", help="auto, float32, bfloat16 or float16."),
+    dtype: str = DTYPE,
 ):
     """An OpenAI-compatible HTTP server (completions, chat, streaming, /metrics) on quantkit's engine."""
-    import torch
-
     from quantkit.serve.server import serve as run_server
 
-    if dtype not in DTYPES:
-        raise QuantkitError(f"--dtype {dtype!r} is unknown; use one of {', '.join(DTYPES)}.")
     run_server(
         model,
         host,
@@ -880,7 +889,8 @@ def serve(
         max_queue,
         kv_cache_memory,
         served_model_name,
-        getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else None,
+        dtype,
+        log=_note,
     )
 
 
@@ -905,7 +915,7 @@ def bench(
     compare: Optional[str] = typer.Option(
         None, help="hf: also run transformers (one at a time, static batches of 16)."
     ),
-    dtype: str = typer.Option("auto", help="auto, float32, bfloat16 or float16."),
+    dtype: str = DTYPE,
     max_num_seqs: int = typer.Option(64, help="Engine: sequences per step at most."),
     kv_cache_memory: float = typer.Option(1 << 30, help="Engine: KV-cache bytes (or a fraction of free memory)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the report here."),
@@ -920,7 +930,6 @@ def bench(
 ):
     """Throughput, TTFT, TPOT, latency percentiles, goodput and cost of serving a model;
     `quantkit bench kernels` times the kernels instead."""
-    import torch
 
     if model == "kernels":
         return _bench_kernels(device, quick, threads, json_path)
@@ -928,11 +937,8 @@ def bench(
     from quantkit.models.loading import load_tokenizer, resolve_model
     from quantkit.perf import bench as b
 
-    if dtype not in DTYPES:
-        raise QuantkitError(f"--dtype {dtype!r} is unknown; use one of {', '.join(DTYPES)}.")
     if compare not in (None, "hf"):
         raise QuantkitError(f"--compare {compare!r} is unknown; use hf.")
-    torch_dtype = getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else None
     slo = {"slo_ttft_ms": slo_ttft, "slo_tpot_ms": slo_tpot, "cost_per_hour": gpu_cost_per_hour}
     tokenizer = load_tokenizer(resolve_model(model))
     requests = (
@@ -944,16 +950,14 @@ def bench(
         if url:
             report = b.run_http(url, requests, rate, concurrency, model, track, seed, **slo)
         else:
-            from quantkit.runtime.engine import LLM
-
-            llm = LLM(model, dtype=torch_dtype, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs)
+            llm = _engine(model, dtype, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs)
             if plot:
                 rates = [r for r in (0.5, 1, 2, 4, 8) if r < rate] + ([rate] if rate != float("inf") else [])
                 reports = b.sweep(llm, requests, rates, track, seed, **slo)
                 b.plot_sweep(reports, plot)
             report = b.run(llm, requests, mode, rate, concurrency, track, seed, **slo)
             if compare == "hf":
-                report["compare"] = b.compare_hf(model, requests, report, torch_dtype, track=track)
+                report["compare"] = b.compare_hf(model, requests, report, llm.runner.dtype, track=track)
     if json_path:
         _write_json(json_path, report)
     out.print(_table(f"bench {model} ({report['mode']})", _report_rows(report)))

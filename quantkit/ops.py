@@ -6,6 +6,7 @@ for the paged KV cache and the torch twin (`quantkit.kernels.reference`) for the
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 
 import torch
 
@@ -15,10 +16,23 @@ from quantkit.kernels import cpu_attention, reference
 BACKENDS = ("auto", "triton", "torch")
 
 
-def _triton(backend: str, module: str, x: torch.Tensor):
-    """The Triton launcher module to use, or None for a torch path."""
+@dataclass(frozen=True, slots=True)
+class Kernel:
+    """The kernel a layer was given at load: its name, and why it is not the fast one (None
+    when it is)."""
+
+    name: str
+    why: str | None = None
+
+
+def check_backend(backend: str) -> None:
     if backend not in BACKENDS:
         raise QuantkitError(f"backend {backend!r} is unknown; use one of {', '.join(BACKENDS)}.")
+
+
+def _triton(backend: str, module: str, x: torch.Tensor):
+    """The Triton launcher module to use, or None for a torch path."""
+    check_backend(backend)
     if backend == "torch" or (backend == "auto" and not x.is_cuda):
         return None
     try:
@@ -49,6 +63,17 @@ def _cache_path(backend: str, module: str, x: torch.Tensor):
     if k is not None:
         return k
     return cpu_attention if backend == "auto" and not x.is_cuda else reference
+
+
+def attention_kernel(device: torch.device | str, kv_dtype: torch.dtype, backend: str = "auto") -> Kernel:
+    """The paged-attention kernels `paged_attention`/`paged_prefill`/`kv_store` take for a cache of
+    `kv_dtype` on `device` with `backend` (what the engine reports at load)."""
+    check_backend(backend)
+    if backend == "triton" or (backend == "auto" and torch.device(device).type == "cuda"):
+        return Kernel("paged_attention and kv_store (Triton), prefill on gathered blocks (SDPA)")
+    if backend == "torch":
+        return Kernel("the attention twins (torch, a sequence at a time)", "backend torch")
+    return Kernel("batched paged attention (torch CPU: gathered blocks + SDPA)")
 
 
 def paged_attention(
@@ -88,8 +113,7 @@ def paged_prefill(
     """Causal attention of the new tokens of several sequences over their cached blocks
     (gathered blocks + SDPA; on a GPU the twin's path), with an optional sliding window and
     softcap as `paged_attention`; see `quantkit.kernels.reference.paged_prefill`."""
-    if backend not in BACKENDS:
-        raise QuantkitError(f"backend {backend!r} is unknown; use one of {', '.join(BACKENDS)}.")
+    check_backend(backend)
     reference.check_window_softcap("paged_prefill", window, softcap)
     m = cpu_attention if backend == "auto" and not q.is_cuda else reference
     return m.paged_prefill(
@@ -114,6 +138,13 @@ def int4_cpu_weight(w_packed, scales, zeros, group_size, g_idx=None):
     return cpu.repack_int4_cpu(w_packed, scales, zeros, group_size, g_idx)
 
 
+def int4_cpu_unsupported(out_features, in_features, group_size, g_idx=None) -> str | None:
+    """Why torch's CPU int4pack kernel cannot take this weight, or None when it can."""
+    from quantkit.kernels import cpu
+
+    return cpu.int4_unsupported(out_features, in_features, group_size, g_idx)
+
+
 def int4_gemm_cpu(x, weight) -> torch.Tensor:
     """W4A16 on the CPU through torch's int4pack kernel (computes in bf16)."""
     from quantkit.kernels import cpu
@@ -131,11 +162,33 @@ def int8_cpu_weight(q, scales):
     return cpu.repack_int8_cpu(q, scales)
 
 
+def int8_cpu_unsupported(out_features, in_features) -> str | None:
+    """Why torch's CPU int8-weight kernel cannot take an [out, in] weight, or None when it can."""
+    from quantkit.kernels import cpu
+
+    return (
+        None
+        if cpu.supports_int8(out_features, in_features)
+        else f"torch's CPU int8-weight kernel needs K % 16 == 0, not {in_features}"
+    )
+
+
 def int8_gemm_cpu(x, weight) -> torch.Tensor:
     """W8A16 on the CPU through torch's int8-weight kernel (computes in x's dtype)."""
     from quantkit.kernels import cpu
 
     return cpu.int8_gemm_cpu(x, weight)
+
+
+def native_bf16(device: torch.device | str = "cpu") -> bool:
+    """Whether `device` computes bf16 natively (a GPU that supports it; a CPU with AVX512-BF16
+    or AMX, through oneDNN)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    from quantkit.kernels import cpu
+
+    return cpu.native_bf16()
 
 
 def float_cpu_weight(weight):

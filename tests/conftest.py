@@ -14,6 +14,15 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidi
 import pytest
 import torch
 
+
+@pytest.fixture(autouse=True)
+def _auto_dtype_is_float32(monkeypatch):
+    """The engine's --dtype auto runs a float32 model in bf16 on CPUs with native bf16; tests
+    compare with transformers in float32, so "auto" keeps float32 here on every CPU alike
+    (`tests/runtime/test_loader.py` tests both cases)."""
+    monkeypatch.setattr("quantkit.kernels.cpu.native_bf16", lambda: False)
+
+
 TEXT = [
     "The quick brown fox jumps over the lazy dog near the river bank.",
     "Quantization maps floating point weights to a small grid of integers.",

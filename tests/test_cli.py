@@ -194,7 +194,7 @@ def test_generate_streams_and_reports_timings(tiny_llama):
     text = " ".join(r.stdout.split())
     assert "TTFT" in text and "TPOT" in text and "tokens/s" in text and "generated" in text
     r = runner.invoke(app, ["generate", str(tiny_llama), "--prompt", "x", "--dtype", "int3"])
-    assert r.exit_code == 2 and "--dtype 'int3' is unknown" in " ".join(r.output.split())
+    assert r.exit_code == 2 and "dtype 'int3' is unknown" in " ".join(r.output.split())
     r = runner.invoke(app, ["generate", str(tiny_llama), "--prompt", "x", "--max-tokens", "0"])
     assert r.exit_code == 2 and "max_tokens must be at least 1" in " ".join(r.output.split())
 

@@ -18,10 +18,10 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.malloc import keep_freed_memory
-from quantkit.models.loading import load_tokenizer, resolve_model
+from quantkit.models.loading import check_causal_lm, load_tokenizer, resolve_model
 from quantkit.progress import Track, no_progress
 from quantkit.runtime.block_manager import BlockManager
-from quantkit.runtime.loader import load
+from quantkit.runtime.loader import load, parse_dtype, serving_dtype
 from quantkit.runtime.model_runner import Batch, ModelRunner, check_supported, kv_bytes_per_block, kv_cache_dtype
 from quantkit.runtime.sampling import Sampler
 from quantkit.runtime.scheduler import Scheduler, SchedulerOutput
@@ -80,27 +80,34 @@ def _slots(block_table: list[int], start: int, end: int, block_size: int) -> lis
 class LLM:
     """Offline engine over a float model or a quantkit checkpoint. On the CPU it calls
     `keep_freed_memory` (process-wide) and runs on torch's threads (`torch.set_num_threads`
-    or OMP_NUM_THREADS; torch's default, one per core, suits a machine of its own)."""
+    or OMP_NUM_THREADS; torch's default, one per core, suits a machine of its own).
+    `dtype` None or "auto": `loader.serving_dtype`. Each layer's kernel is chosen once, at
+    load (`backend` "auto", or "triton"/"torch" to force one everywhere); `notes` says how the
+    model runs where it is not the fast way, and why."""
 
     def __init__(
         self,
         model: str,
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | str | None = None,
         kv_cache_memory: float = 1 << 30,
         block_size: int = 16,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
         num_blocks: int | None = None,
+        backend: str = "auto",
     ):
         path = resolve_model(model)
+        dtype, note = serving_dtype(check_causal_lm(path), parse_dtype(dtype))
+        self.notes = [note] if note else []  # what a user should know about how the model runs
         self.model = load(path, dtype)
         check_supported(self.model)
         self.tokenizer = load_tokenizer(path)
         num_blocks = num_blocks or num_blocks_for(
             self.model.config, kv_cache_memory, block_size, kv_cache_dtype(self.model)
         )
-        self.runner = ModelRunner(self.model, num_blocks, block_size)
+        self.runner = ModelRunner(self.model, num_blocks, block_size, backend)
+        self.notes += self.runner.kernel_notes()
         if self.runner.device.type == "cpu":
             keep_freed_memory()
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)

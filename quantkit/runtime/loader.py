@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from quantkit import ops
 from quantkit.errors import QuantkitError
 from quantkit.formats import interop
 from quantkit.formats.checkpoint import read_tensors
@@ -37,6 +38,38 @@ SUPPORTED = (
     "GPTQ v1 (int4)",
 )
 FORMATS = ("pack-quantized", "float-quantized", "dense")  # dense: float weights (e.g. KV-cache scales only)
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """A torch dtype from a dtype or one of `DTYPES`; None for "auto" (or None)."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise QuantkitError(f"dtype {dtype!r} is unknown; use one of {', '.join(DTYPES)}.")
+    return None if dtype == "auto" else getattr(torch, dtype)
+
+
+def serving_dtype(config, dtype: torch.dtype | None, device: str = "cpu") -> tuple[torch.dtype, str | None]:
+    """The dtype the engine runs a checkpoint in, and a note when it is not the checkpoint's.
+    An explicit `dtype` is kept. "auto" follows vLLM: the checkpoint's dtype, except that a
+    float32 or float16 checkpoint runs in bfloat16 where the device computes it natively (a GPU,
+    or a CPU with AVX512-BF16 or AMX; on AVX2-only CPUs float32 stays the fast one, and float16
+    becomes float32 there)."""
+    if dtype is not None:
+        return dtype, None
+    saved = getattr(config, "dtype", None) or torch.float32
+    saved = getattr(torch, saved) if isinstance(saved, str) else saved
+    if saved == torch.bfloat16:
+        return saved, None
+    fast = torch.bfloat16 if ops.native_bf16(device) else torch.float32
+    if fast == saved:
+        return saved, None
+    name = lambda d: str(d).removeprefix("torch.")  # noqa: E731
+    return fast, (
+        f"the {name(saved)} checkpoint runs in {name(fast)}, the faster of the two on this {device} "
+        f"(--dtype {name(saved)} keeps it)."
+    )
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:

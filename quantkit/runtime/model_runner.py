@@ -14,6 +14,7 @@ runs each routed expert once on its tokens (`_SparseMLP`).
 from __future__ import annotations
 
 import inspect
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -187,8 +188,9 @@ class ModelRunner:
     linears on the CPU are reordered once for oneDNN (`prepack`; their weights in the model
     become meta tensors, so the model's own forward no longer runs)."""
 
-    def __init__(self, model: nn.Module, num_blocks: int, block_size: int = 16):
-        self.model, self.config = model, model.config
+    def __init__(self, model: nn.Module, num_blocks: int, block_size: int = 16, backend: str = "auto"):
+        ops.check_backend(backend)
+        self.model, self.config, self.backend = model, model.config, backend
         self.spec = arch_for(model.config)
         blocks = list(get_module(model, self.spec.blocks))
         c = self.config
@@ -211,6 +213,28 @@ class ModelRunner:
         self.k_cache = [torch.zeros(shape, dtype=kv_dtype, device=self.device) for _ in blocks]
         self.v_cache = [torch.zeros(shape, dtype=kv_dtype, device=self.device) for _ in blocks]
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.kernels = self._choose_kernels()
+
+    def _choose_kernels(self) -> list[tuple[str, ops.Kernel]]:
+        """Each quantized linear's kernel, chosen once here for the runner's dtype, device and
+        backend (vLLM's way, not per call), and the attention's: [(what, kernel)]."""
+        chosen = []
+        for layer in self.layers:
+            mlps = [layer.mlp] if isinstance(layer.mlp, _MLP) else [*layer.mlp.experts, layer.mlp.shared]
+            for m in [layer.qkv, layer.o_proj, *(x for mlp in mlps if mlp for x in (mlp.gate_up, mlp.down))]:
+                if hasattr(m, "prepare"):
+                    chosen.append((type(m).__name__, m.prepare(self.dtype, self.device, self.backend)))
+        kv_dtype = self.k_cache[0].dtype
+        chosen.append(("attention", ops.attention_kernel(self.device, kv_dtype, self.backend)))
+        return chosen
+
+    def kernel_notes(self) -> list[str]:
+        """One line per kind of layer that does not get the fast kernel, saying why."""
+        counts = Counter((what, k) for what, k in self.kernels if k.why)
+        return [
+            f"{n} {what} {'layers run' if n > 1 else 'layer runs'} on {k.name}: {k.why}."
+            for (what, k), n in counts.items()
+        ]
 
     def _layer(self, block: nn.Module) -> _Layer:
         spec = self.spec.for_block(block)
@@ -280,11 +304,23 @@ class ModelRunner:
                     ks,
                     vs,
                     **extra,
+                    backend=self.backend,
                 )
             )
         if P < T:
             parts.append(
-                ops.paged_attention(q[P:], kc, vc, b.decode_tables, b.decode_seq_lens, layer.scale, ks, vs, **extra)
+                ops.paged_attention(
+                    q[P:],
+                    kc,
+                    vc,
+                    b.decode_tables,
+                    b.decode_seq_lens,
+                    layer.scale,
+                    ks,
+                    vs,
+                    **extra,
+                    backend=self.backend,
+                )
             )
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -301,7 +337,9 @@ class ModelRunner:
             k = layer.k_norm(qkv[:, H * D : (H + KV) * D].view(T, KV, D))
             q, k = _rope(q, cos, sin).to(qkv.dtype), _rope(k, cos, sin).to(qkv.dtype)
             v = qkv[:, (H + KV) * D :].view(T, KV, D)
-            ops.kv_store(k, v, self.k_cache[i], self.v_cache[i], b.slot_mapping, layer.k_scale, layer.v_scale)
+            ops.kv_store(
+                k, v, self.k_cache[i], self.v_cache[i], b.slot_mapping, layer.k_scale, layer.v_scale, self.backend
+            )
             x = x + layer.post_attention_norm(layer.o_proj(self._attention(b, q, i, layer).view(T, H * D)))
             x = x + layer.post_mlp_norm(layer.mlp(layer.pre_mlp_norm(x)))
         logits = self.lm_head(self.final_norm(x[b.logits_indices]))

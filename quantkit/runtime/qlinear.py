@@ -12,6 +12,10 @@ from quantkit.primitives import dequantize
 from quantkit.scheme import QuantArgs
 
 
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 class PackedInt4Linear(nn.Module):
     """A linear with compressed-tensors `pack-quantized` int4 weights (buffers named
     as in the checkpoint, so its state dict loads as is)."""
@@ -27,7 +31,9 @@ class PackedInt4Linear(nn.Module):
         self.weight_zero_point = getattr(self, "weight_zero_point", None)
         self.weight_g_idx = getattr(self, "weight_g_idx", None)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device="meta")) if bias else None
-        self._cpu_weight = None  # torch's int4pack layout, built on the first bf16 call on the CPU
+        self.kernel: ops.Kernel | None = None  # chosen once, by `prepare`
+        self.runtime_weight = None  # the kernel's own layout of the weight, built by `prepare`
+        self._prepared_for = None
         self._zeros = None  # the unpacked zero points, built on the first call
 
     def zeros(self) -> torch.Tensor | None:
@@ -37,18 +43,40 @@ class PackedInt4Linear(nn.Module):
             self._zeros = packing.unpack(self.weight_zero_point, self.out_features, 4, dim=0)
         return self._zeros
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def prepare(self, dtype: torch.dtype, device: torch.device | str, backend: str = "auto") -> ops.Kernel:
+        """Choose the kernel once, for activations of `dtype` on `device` (what the engine does at
+        load; a first call does it otherwise): torch's CPU int4pack kernel for bf16 on the CPU when
+        it takes this shape, the Triton kernel on a GPU (or with backend "triton"), else the torch
+        twin, which dequantizes the weight on every call. `self.kernel` says which, and why."""
         group = self.args.group_size if self.args.strategy == "group" else None
-        if x.device.type == "cpu" and x.dtype == torch.bfloat16:  # torch's fast CPU path needs bf16
-            if self._cpu_weight is None:
-                self._cpu_weight = (
-                    ops.int4_cpu_weight(self.weight_packed, self.weight_scale, self.zeros(), group, self.weight_g_idx)
-                    or False
+        device = torch.device(device)
+        ops.check_backend(backend)
+        self._prepared_for = (dtype, device)
+        if backend == "auto" and device.type == "cpu":
+            why = ops.int4_cpu_unsupported(self.out_features, self.in_features, group, self.weight_g_idx)
+            if dtype != torch.bfloat16:
+                why = f"its activations are {_name(dtype)} and torch's CPU int4 kernel takes bfloat16"
+            if why is None:
+                weight = ops.int4_cpu_weight(
+                    self.weight_packed, self.weight_scale, self.zeros(), group, self.weight_g_idx
                 )
-            if self._cpu_weight:
-                y = ops.int4_gemm_cpu(x, self._cpu_weight)
-                return y if self.bias is None else y + self.bias.to(y.dtype)
-        y = ops.int4_gemm(x, self.weight_packed, self.weight_scale, self.zeros(), group, self.weight_g_idx)
+                self._run = lambda x: ops.int4_gemm_cpu(x, weight)
+                self.runtime_weight = weight
+                self.kernel = ops.Kernel("int4pack (torch CPU)")
+                return self.kernel
+        else:
+            why = None if backend == "triton" or device.type == "cuda" else f"backend {backend}"
+        self.runtime_weight = None
+        args = (self.weight_packed, self.weight_scale, self.zeros(), group, self.weight_g_idx)
+        self._run = lambda x: ops.int4_gemm(x, *args, backend=backend)
+        fast = backend != "torch" and device.type == "cuda" or backend == "triton"
+        self.kernel = ops.Kernel("int4_gemm (Triton)" if fast else "int4 twin (dequantizes on every call)", why)
+        return self.kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._prepared_for != (x.dtype, x.device):
+            self.prepare(x.dtype, x.device)
+        y = self._run(x)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
@@ -74,22 +102,36 @@ class PackedInt8Linear(nn.Module):
         self.weight_zero_point = getattr(self, "weight_zero_point", None)
         self.weight_g_idx = getattr(self, "weight_g_idx", None)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device="meta")) if bias else None
-        self._cpu_weight = None  # torch's int8-weight layout, built on the first CPU call (False: cannot)
-        self._dense = None  # the dequantized weight, for layouts or devices the int8 GEMM does not take
+        self.kernel: ops.Kernel | None = None  # chosen once, by `prepare`
+        self._prepared_for = None
+
+    def prepare(self, dtype: torch.dtype, device: torch.device | str, backend: str = "auto") -> ops.Kernel:
+        """Choose the kernel once (see `PackedInt4Linear.prepare`): torch's int8-weight GEMM for
+        symmetric per-channel weights on the CPU, else the weight dequantized once into `dtype`."""
+        a, device = self.args, torch.device(device)
+        ops.check_backend(backend)
+        self._prepared_for = (dtype, device)
+        why = "its weights are not symmetric per-channel" if not (a.symmetric and a.strategy == "channel") else None
+        if device.type != "cpu":
+            why = "torch's int8-weight kernel runs on the CPU"
+        if why is None:
+            why = ops.int8_cpu_unsupported(self.out_features, self.in_features)
+        if why is None:
+            weight = ops.int8_cpu_weight(self._ints(), self.weight_scale)
+            self._run = lambda x: ops.int8_gemm_cpu(x, weight)
+            self.kernel = ops.Kernel("int8pack (torch CPU)")
+            return self.kernel
+        zeros = self.weight_zero_point
+        zeros = None if zeros is None else packing.unpack(zeros, self.out_features, 8, dim=0)
+        dense = dequantize(self._ints(), self.weight_scale, zeros, a, self.weight_g_idx).to(dtype)
+        self._run = lambda x: torch.nn.functional.linear(x, dense)
+        self.kernel = ops.Kernel(f"dequantized once to {_name(dtype)}", why)
+        return self.kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = self.args
-        if x.device.type == "cpu" and a.symmetric and a.strategy == "channel" and self._cpu_weight is not False:
-            if self._cpu_weight is None:
-                self._cpu_weight = ops.int8_cpu_weight(self._ints(), self.weight_scale) or False
-            if self._cpu_weight:
-                y = ops.int8_gemm_cpu(x, self._cpu_weight)
-                return y if self.bias is None else y + self.bias.to(y.dtype)
-        if self._dense is None or self._dense.dtype != x.dtype or self._dense.device != x.device:
-            zeros = self.weight_zero_point
-            zeros = None if zeros is None else packing.unpack(zeros, self.out_features, 8, dim=0)
-            self._dense = dequantize(self._ints(), self.weight_scale, zeros, a, self.weight_g_idx).to(x.dtype)
-        y = torch.nn.functional.linear(x, self._dense)
+        if self._prepared_for != (x.dtype, x.device):
+            self.prepare(x.dtype, x.device)
+        y = self._run(x)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def _ints(self) -> torch.Tensor:
@@ -116,8 +158,21 @@ class Fp8Linear(nn.Module):
         self.input_scale = getattr(self, "input_scale", None)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device="meta")) if bias else None
 
+        self.kernel: ops.Kernel | None = None
+        self._backend = "auto"
+
+    def prepare(self, dtype: torch.dtype, device: torch.device | str, backend: str = "auto") -> ops.Kernel:
+        """Choose the kernel once (see `PackedInt4Linear.prepare`): the Triton fp8 GEMM on a GPU
+        (or with backend "triton"), else the torch twin."""
+        ops.check_backend(backend)
+        self._backend = backend
+        fast = backend == "triton" or (backend == "auto" and torch.device(device).type == "cuda")
+        why = None if fast else ("quantkit has no fp8 GEMM for the CPU" if backend == "auto" else f"backend {backend}")
+        self.kernel = ops.Kernel("fp8_gemm (Triton)" if fast else "fp8 twin (dequantizes on every call)", why)
+        return self.kernel
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = ops.fp8_gemm(x, self.weight, self.weight_scale, self.input_scale)
+        y = ops.fp8_gemm(x, self.weight, self.weight_scale, self.input_scale, backend=self._backend)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from collections.abc import Callable
 
 import torch
 
-from quantkit.errors import QuantkitError
 from quantkit.runtime.engine import LLM
 from quantkit.serve.app import create_app
 from quantkit.serve.async_engine import AsyncEngine
@@ -27,21 +27,20 @@ def serve(
     max_body_bytes: int = 1 << 20,
     drain_timeout: float = 30.0,
     log_level: str = "info",
+    log: Callable[[str], None] = print,
 ) -> None:
     """Serve `model` (built-in name, folder, hub id or quantkit checkpoint) on an OpenAI-compatible
     API until SIGINT/SIGTERM; then take no new connections, let the requests in flight finish for
     up to `drain_timeout` seconds, abort the rest, stop the engine and return (exit code 0).
     `api_key` (or the QUANTKIT_API_KEY environment variable) guards the /v1 routes;
     `kv_cache_memory` is bytes when > 1, else a fraction of the free memory; `dtype` a torch
-    dtype or its name ("auto" or None: the checkpoint's)."""
+    dtype or its name ("auto" or None: `runtime.loader.serving_dtype`); `log` gets the engine's notes."""
     import uvicorn
 
-    if isinstance(dtype, str):
-        name, dtype = dtype, None if dtype == "auto" else getattr(torch, dtype, None)
-        if name != "auto" and not isinstance(dtype, torch.dtype):
-            raise QuantkitError(f"dtype {name!r} is unknown; use auto, float32, bfloat16 or float16.")
     api_key = api_key or os.environ.get("QUANTKIT_API_KEY") or None
     llm = LLM(model, dtype=dtype, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs)
+    for note in llm.notes:
+        log(note)
     engine = AsyncEngine(llm, max_queue=max_queue)
     app = create_app(engine, served_model_name or model, api_key, max_body_bytes)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_timeout)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import quantkit
+from quantkit import ops
 from quantkit.errors import QuantkitError
 from quantkit.pipeline.quantize import quantize
 from quantkit.scheme import preset
@@ -75,7 +76,8 @@ def test_bf16_on_cpu_takes_torchs_int4pack_path(checkpoint):
         ref = model(ids).logits
         model.to(torch.bfloat16)
         fast = model(ids).logits.float()
-    assert isinstance(model.model.layers[0].mlp.up_proj._cpu_weight, Int4CpuWeight)
+    up = model.model.layers[0].mlp.up_proj
+    assert up.kernel.name == "int4pack (torch CPU)" and isinstance(up.runtime_weight, Int4CpuWeight)
     # bf16 activations and scales against the fp32 twin: a bf16-sized difference, no more
     assert (fast - ref).pow(2).mean().sqrt() < 0.03 * ref.pow(2).mean().sqrt()
 
@@ -85,7 +87,6 @@ def test_int8_per_channel_weights_load_as_transformers_reads_them(tiny_llama, ti
     from transformers import AutoModelForCausalLM
 
     from quantkit.calibration.method import Calibration
-    from quantkit.kernels.cpu import Int8CpuWeight
     from quantkit.runtime.qlinear import PackedInt8Linear
 
     quantize(str(tiny_llama), preset("w8a16"), tmp_path / "q", method, Calibration(str(tiny_corpus), 4, 32))
@@ -95,9 +96,48 @@ def test_int8_per_channel_weights_load_as_transformers_reads_them(tiny_llama, ti
         theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "q").eval()(ids).logits  # compressed-tensors
         torch.testing.assert_close(ours(ids).logits, theirs, rtol=1e-5, atol=1e-5)
         down = ours.model.layers[0].mlp.down_proj
-        assert isinstance(down, PackedInt8Linear) and isinstance(down._cpu_weight, Int8CpuWeight)
+        assert isinstance(down, PackedInt8Linear) and down.kernel.name == "int8pack (torch CPU)"
         # the dequantize-once path (other devices, other layouts) computes the same
         x = torch.randn(3, down.in_features)
         fast = down(x)
-        down._cpu_weight = False
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr("quantkit.ops.int8_cpu_unsupported", lambda *_: "not here")
+            assert down.prepare(x.dtype, "cpu") == ops.Kernel("dequantized once to float32", "not here")
         torch.testing.assert_close(down(x), fast, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "saved, native, runs",
+    [
+        (torch.float32, True, torch.bfloat16),
+        (torch.float32, False, torch.float32),
+        (torch.float16, True, torch.bfloat16),
+        (torch.float16, False, torch.float32),
+        (torch.bfloat16, True, torch.bfloat16),
+        (torch.bfloat16, False, torch.bfloat16),
+    ],
+)
+def test_auto_dtype_follows_vllm(monkeypatch, saved, native, runs):
+    from types import SimpleNamespace
+
+    from quantkit.runtime.loader import serving_dtype
+
+    monkeypatch.setattr("quantkit.kernels.cpu.native_bf16", lambda: native)
+    dtype, note = serving_dtype(SimpleNamespace(dtype=saved), None)
+    assert dtype == runs
+    assert (note is None) == (runs == saved)
+    if note:
+        assert str(saved).removeprefix("torch.") in note and "--dtype" in note
+    assert serving_dtype(SimpleNamespace(dtype=saved), torch.float16) == (torch.float16, None)  # asked for: kept
+
+
+def test_engine_runs_auto_in_bf16_and_says_so(monkeypatch, tiny_llama):
+    from quantkit.runtime.engine import LLM
+
+    monkeypatch.setattr("quantkit.kernels.cpu.native_bf16", lambda: True)
+    llm = LLM(str(tiny_llama), num_blocks=16)
+    assert llm.runner.dtype == torch.bfloat16
+    assert any("runs in bfloat16" in n for n in llm.notes)
+    assert LLM(str(tiny_llama), dtype="float32", num_blocks=16).runner.dtype == torch.float32
+    with pytest.raises(QuantkitError, match="dtype 'fp7' is unknown"):
+        LLM(str(tiny_llama), dtype="fp7", num_blocks=16)
