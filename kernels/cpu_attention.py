@@ -1,10 +1,14 @@
-"""The paged KV cache on the CPU, batched in plain torch: what `quantkit.ops` runs for
-`kv_store`, `paged_attention` and `paged_prefill` when the tensors are not on a GPU.
-Same signatures, layout and results as the twins in `quantkit.kernels.reference` (the
-layout is spelled out in `quantkit.kernels.paged_attention`); tests hold them to the
-twins with a per-dtype tolerance.
+"""The paged KV cache on the CPU: what `quantkit.ops` runs for `kv_store`, `paged_attention`
+and `paged_prefill` when the tensors are not on a GPU. Same signatures, layout and results as
+the twins in `quantkit.kernels.reference` (the layout is spelled out in
+`quantkit.kernels.paged_attention`); tests hold them to the twins with a per-dtype tolerance.
 
-Decode attention does not loop over sequences one by one. Sequences are sorted by length
+Attention takes the C++ kernels of `kernels/csrc/attention.cpp` (`cpu_ext`), which read the
+blocks in place, when they are built and head_dim is a multiple of 16; prefill only for the
+sequences where they beat SDPA (`paged_prefill`). Otherwise, and with `QUANTKIT_NO_EXT=1`,
+the batched torch code below (`torch_paged_attention`, `torch_paged_prefill`).
+
+Decode attention in torch does not loop over sequences one by one. Sequences are sorted by length
 and taken in chunks of about `CHUNK_BYTES` of K+V; each chunk's blocks are gathered with
 one `index_select` per cache into a padded [n, max_len, kv_heads, head_dim] tensor (small
 enough to stay in the CPU's cache while it is used), its padding is zeroed, and one SDPA
@@ -34,9 +38,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from quantkit.kernels import cpu_ext
 from quantkit.kernels.reference import _quantize_kv, cap, visible
 
 CHUNK_BYTES = 2 << 20  # K+V gathered per SDPA call: about the size of one core's L2
+PREFILL_TILE = 16  # queries per work item of the C++ prefill
+PREFILL_EXT_WORK = 8192  # the C++ prefill takes a sequence when query_len * seq_len <= this (paged_prefill)
 
 
 def kv_store(
@@ -199,6 +206,13 @@ def _capped(
     return scores.softmax(dim=-1) @ v.float()
 
 
+def _ext(q: torch.Tensor):
+    """The C++ kernels (`cpu_ext`) when they are built and can take q, else None."""
+    if q.device.type != "cpu" or q.shape[-1] % 16 or q.stride(-1) != 1:
+        return None
+    return cpu_ext.load()
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -215,7 +229,28 @@ def paged_attention(
     one new token per sequence, over the first seq_lens[i] cached tokens of sequence i
     (block_tables int32 [num_seqs, max_blocks]), the last `window` of them with a window,
     scores soft-capped with a softcap; returns q's shape and dtype, zeros for a sequence of
-    length 0."""
+    length 0. The C++ kernel when it is available, else `torch_paged_attention`."""
+    ext = _ext(q)
+    if ext is not None:
+        return ext.paged_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, window or 0, softcap or 0.0
+        )
+    return torch_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, window, softcap)
+
+
+def torch_paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """`paged_attention` in plain torch: gathered chunks and SDPA (the module docstring)."""
     num_seqs, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads
@@ -259,15 +294,71 @@ def paged_prefill(
 ) -> torch.Tensor:
     """Causal attention of the new tokens of several sequences, as `reference.paged_prefill`
     (q [total_query_tokens, num_heads, head_dim], sequence i's last query_lens[i] of its
-    seq_lens[i] tokens back to back): one SDPA per sequence with grouped-query heads,
-    in q's dtype for float caches; with a window only the blocks from the first query's
-    first visible token on are read, with a softcap the scores go through `_capped`.
-    Returns q's shape and dtype."""
-    out = torch.empty_like(q)
+    seq_lens[i] tokens back to back); returns q's shape and dtype.
+
+    With the C++ kernels, a sequence with query_len * seq_len <= PREFILL_EXT_WORK is attended
+    by them, in place; a longer one by `torch_paged_prefill` (gathered blocks + SDPA's flash
+    kernel), in the same call. The C++ kernel costs ~5.5 ns per (query head, key) pair on one
+    thread, SDPA ~2 ns plus ~135 us per sequence and layer for the gather and the call, so
+    the C++ kernel wins only on short work. Against SDPA on 2048-token chunks of smollm2
+    prompts (benchmarks/attention.py, one thread, 30 layers, bf16; 2026-12-02): prompts of 32
+    tokens 2.0x, of 64 0.98x, of 128 0.58x, of 512 0.32x; the last 8 tokens after 24 cached
+    4.6x, 16 after 48 2.0x, 32 after 96 0.96x, 128 after 384 0.34x. Level between about 4096
+    and 8192 for query_len * seq_len."""
+    args = (q, k_cache, v_cache, block_tables, seq_lens, query_lens, scale, k_scale, v_scale, window, softcap)
+    ext = _ext(q)
+    work = [m * n for m, n in zip(query_lens.tolist(), seq_lens.tolist())] if ext is not None else []
+    if not any(0 < w <= PREFILL_EXT_WORK for w in work):
+        return torch_paged_prefill(*args)
+    out = ext.paged_prefill(
+        *args[:9], window or 0, softcap or 0.0, PREFILL_TILE, PREFILL_EXT_WORK
+    )  # leaves the longer sequences' rows
+    if max(work) <= PREFILL_EXT_WORK:
+        return out
+    return _sdpa_prefill(out, *args, min_work=PREFILL_EXT_WORK)
+
+
+def torch_paged_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_lens: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """`paged_prefill` in plain torch: one SDPA per sequence with grouped-query heads, in q's
+    dtype for float caches; with a window only the blocks from the first query's first
+    visible token on are read, with a softcap the scores go through `_capped`."""
+    args = (q, k_cache, v_cache, block_tables, seq_lens, query_lens, scale, k_scale, v_scale, window, softcap)
+    return _sdpa_prefill(torch.empty_like(q), *args)
+
+
+def _sdpa_prefill(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_lens: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    window: int | None,
+    softcap: float | None,
+    min_work: int = -1,
+) -> torch.Tensor:
+    """`torch_paged_prefill` into out, for the sequences with query_len * seq_len > min_work."""
     dtype = _compute_dtype(q, k_cache)
     bs, start = k_cache.shape[1], 0
     for i, (seq_len, q_len) in enumerate(zip(seq_lens.tolist(), query_lens.tolist())):
-        if q_len == 0:
+        start += q_len
+        if q_len == 0 or q_len * seq_len <= min_work:
             continue
         first = 0 if window is None else max(seq_len - q_len - window + 1, 0) // bs  # the first block read
         blocks = block_tables[i, first : -(-seq_len // bs)].long()
@@ -275,7 +366,7 @@ def paged_prefill(
             1, 2
         )  # [1, kv_heads, L, D]
         v = _gather(v_cache, blocks, 1, v_scale, dtype)[:, : seq_len - first * bs].transpose(1, 2)
-        qi = q[None, start : start + q_len].to(dtype).transpose(1, 2)  # [1, heads, q_len, D] (4-D: SDPA's fast path)
+        qi = q[None, start - q_len : start].to(dtype).transpose(1, 2)  # [1, heads, q_len, D] (4-D: SDPA's fast path)
         if window is not None or softcap is not None:
             pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
             mask = visible(pos, torch.arange(first * bs, seq_len, device=q.device), window)  # [q_len, L]
@@ -286,8 +377,7 @@ def paged_prefill(
             pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
             mask = torch.arange(seq_len, device=q.device)[None, :] <= pos[:, None]  # [q_len, L]
             o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[start : start + q_len] = o[0].transpose(0, 1).to(q.dtype)
-        start += q_len
+        out[start - q_len : start] = o[0].transpose(0, 1).to(q.dtype)
     return out
 
 

@@ -1,0 +1,610 @@
+// Paged attention on the CPU, reading K/V blocks where they lie (no gather): decode, one
+// query per sequence, and prefill, the new tokens of each sequence over its cached ones.
+// Same semantics as quantkit.kernels.reference.paged_attention / paged_prefill; built and
+// loaded by kernels/cpu_ext.py, called from kernels/cpu_attention.py.
+//
+// A work item is (sequence, KV head, tile of queries). Its rows are the (query, head) pairs
+// that share that KV head, so K/V are read once for all of them: a tile of up to W tokens at
+// a time, dequantised to fp32 into a scratch buffer, then folded into every row with an online
+// softmax (running max m, sum l, accumulator acc), all in fp32. Work items are handed out to
+// torch's threads (at::parallel_for) longest first, from a shared counter.
+//
+// Vectors are W fp32 lanes in GCC vector extensions: W = 16 (one register) where the compiler
+// targets AVX-512 (-march=native), else 8 (one AVX2 register). Loads of bf16/fp16/fp8/int8
+// use AVX-512 or AVX2/F16C intrinsics where there are such, plain loops elsewhere; with
+// AVX512-BF16 and bf16 queries the q · k dot products run in vdpbf16ps. head_dim 64 and 128
+// get unrolled loops, other multiples of 16 a generic one.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define QK_AVX512 1
+#if defined(__AVX512BF16__)
+#define QK_BF16DP 1
+#endif
+#endif
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+#ifdef QK_AVX512
+constexpr int W = 16;  // lanes of a vector, tokens of a K/V tile
+#else
+constexpr int W = 8;  // one AVX2 register; GCC would split 16 lanes through the stack
+#endif
+typedef float vf __attribute__((vector_size(W * 4)));
+typedef int32_t vi __attribute__((vector_size(W * 4)));
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+#define INLINE inline __attribute__((always_inline))
+
+INLINE vf ld(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+INLINE void st(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+INLINE vf splat(float x) { return vf{} + x; }
+
+INLINE float hsum(vf v) {
+#ifdef QK_AVX512
+  return _mm512_reduce_add_ps(v);
+#else
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+  return v[0] + v[1];
+#endif
+}
+
+INLINE float hmax(vf v) {
+#ifdef QK_AVX512
+  return _mm512_reduce_max_ps(v);
+#else
+  vf u = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v = v > u ? v : u;
+  u = __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+  v = v > u ? v : u;
+  return std::max(v[0], v[1]);
+#endif
+}
+
+// e^x, x <= 88: 2^n · e^r with n = round(x / ln 2), |r| <= ln 2 / 2, Cephes' expf polynomial
+// (about 1 ulp); 0 below -87 (and for -inf), NaN for NaN.
+INLINE vf vexp(vf x) {
+  vi tiny = x < splat(-87.f);
+  x = tiny ? splat(-87.f) : x;
+  vf n = (x * 1.44269504f + 12582912.f) - 12582912.f;  // round to nearest
+  vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.f;
+  vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf y = p * (vf)e;
+  return tiny ? splat(0.f) : y;
+}
+
+INLINE vf vtanh(vf x) {  // 1 - 2 / (e^2x + 1)
+  vf x2 = x + x;
+  vf e = vexp(x2 < splat(88.f) ? x2 : splat(88.f));
+  return 1.f - 2.f / (e + 1.f);
+}
+
+// W cache values -> fp32 (dequantisation scales are applied by the caller)
+template <typename C>
+INLINE vf loadw(const C* p) {
+  vf v;
+  for (int i = 0; i < W; i++) v[i] = static_cast<float>(p[i]);
+  return v;
+}
+template <>
+INLINE vf loadw(const float* p) {
+  return ld(p);
+}
+#ifdef QK_AVX512
+template <>
+INLINE vf loadw(const c10::BFloat16* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+template <>
+INLINE vf loadw(const c10::Half* p) {
+  return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+template <>
+INLINE vf loadw(const int8_t* p) {
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+template <>
+INLINE vf loadw(const c10::Float8_e4m3fn* p) {
+  // e4m3 bits s.eeee.mmm become the fp16 s.0eeee.mmm0000000, which is the value / 2^8
+  // (subnormals included); 0x7f / 0xff is NaN
+  __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  __m256i mag = _mm256_and_si256(x, _mm256_set1_epi16(0x7f));
+  __m256i sign = _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8);
+  __m512 f = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(_mm256_slli_epi16(mag, 7), sign)), _mm512_set1_ps(256.f));
+  __mmask16 nan = _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7f));
+  return (vf)_mm512_mask_blend_ps(nan, f, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+}
+#elif defined(__AVX2__)
+template <>
+INLINE vf loadw(const c10::BFloat16* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+template <>
+INLINE vf loadw(const int8_t* p) {
+  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+#ifdef __F16C__
+template <>
+INLINE vf loadw(const c10::Half* p) {
+  return (vf)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+template <>
+INLINE vf loadw(const c10::Float8_e4m3fn* p) {  // as the AVX-512 one
+  __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  __m128i mag = _mm_and_si128(x, _mm_set1_epi16(0x7f));
+  __m128i sign = _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x80)), 8);
+  __m256 f = _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(_mm_slli_epi16(mag, 7), sign)), _mm256_set1_ps(256.f));
+  __m256 nan = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f))));
+  return (vf)_mm256_blendv_ps(f, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()), nan);
+}
+#endif
+#endif
+
+// a row of q or out, [D] in its dtype <-> fp32
+void load_row(const void* p, at::ScalarType t, float* dst, int64_t n, float mul) {
+  switch (t) {
+    case at::kFloat:
+      for (int64_t i = 0; i < n; i++) dst[i] = static_cast<const float*>(p)[i] * mul;
+      break;
+    case at::kBFloat16:
+      for (int64_t i = 0; i < n; i++) dst[i] = static_cast<float>(static_cast<const c10::BFloat16*>(p)[i]) * mul;
+      break;
+    default:
+      for (int64_t i = 0; i < n; i++) dst[i] = static_cast<float>(static_cast<const c10::Half*>(p)[i]) * mul;
+  }
+}
+
+void store_row(void* p, at::ScalarType t, const float* src, int64_t n, float mul) {
+  switch (t) {
+    case at::kFloat:
+      for (int64_t i = 0; i < n; i++) static_cast<float*>(p)[i] = src[i] * mul;
+      break;
+    case at::kBFloat16:
+      for (int64_t i = 0; i < n; i++) static_cast<c10::BFloat16*>(p)[i] = c10::BFloat16(src[i] * mul);
+      break;
+    default:
+      for (int64_t i = 0; i < n; i++) static_cast<c10::Half*>(p)[i] = c10::Half(src[i] * mul);
+  }
+}
+
+struct Problem {
+  const char* q;  // [tokens, heads, D], strides in bytes
+  int64_t q_s0, q_s1;
+  at::ScalarType q_type;
+  char* out;  // [tokens, heads, D], contiguous, q's dtype
+  const char* k;  // [num_blocks, block_size, kv_heads, D], strides in elements
+  const char* v;
+  int64_t k_s[3], v_s[3];
+  const int32_t* tables;  // [num_seqs, max_blocks]
+  int64_t tables_s0, tables_s1, max_blocks, num_blocks, block_size;
+  int64_t heads, kv_heads, group, D;
+  const float* k_scale;  // [1] or [kv_heads], or null
+  const float* v_scale;
+  bool k_per_head, v_per_head;
+  float scale, softcap;  // softcap 0: none
+  int64_t window;  // 0: none
+};
+
+struct Item {  // sequence seq, KV head kh; queries q0.. q0 + nq - 1 of q, at positions pos0.. pos0 + nq - 1
+  int64_t seq, kh, q0, nq, pos0, cost;
+};
+
+struct Scratch {
+  std::vector<float> q, acc, m, l, k, v;  // l: each row's running sum, lane by lane
+  Scratch(int64_t rows, int64_t D) : q(rows * D), acc(rows * D), m(rows), l(rows * W), k(W * D), v(W * D) {}
+};
+
+// the K or V rows of KV head kh in a block, into the cache ahead of their use
+template <typename C>
+INLINE void prefetch_rows(const char* base, const int64_t* s, int64_t block, int64_t n, int64_t kh, int64_t D) {
+  const char* x = reinterpret_cast<const char*>(reinterpret_cast<const C*>(base) + block * s[0] + kh * s[2]);
+  for (int64_t t = 0; t < n; t++, x += s[1] * sizeof(C))
+    for (int64_t i = 0; i < D * int64_t(sizeof(C)); i += 64) __builtin_prefetch(x + i);
+}
+
+// NC: head_dim / W when fixed at compile time (loops unrolled, q and acc in registers), 0 for any
+
+// n rows of a tile (tokens of one block and KV head, row stride `stride`) -> dst [W, D] fp32, rows n.. zero
+template <typename C, int NC>
+INLINE void load_tile(const C* x, int64_t stride, int64_t n, int64_t D, float* dst) {
+  const int64_t d_end = NC ? NC * W : D;
+  for (int64_t t = 0; t < n; t++, x += stride, dst += d_end)
+    for (int64_t d = 0; d < d_end; d += W) st(dst + d, loadw(x + d));
+  std::fill(dst, dst + (W - n) * d_end, 0.f);
+}
+
+// [s_0 .. s_W-1] with s_t the sum of a[t]'s lanes: a shuffle-and-add tree (30 shuffles for 16 sums)
+INLINE vf reduce_w(const vf* a) {
+#ifdef QK_AVX512
+  vf b[8], c[4], d[2];
+  for (int i = 0; i < 8; i++)  // lanes 0-7: a[2i]'s partial sums, 8-15: a[2i+1]'s
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; i++)  // four lanes per a[4i + j]
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; i++)  // two lanes per a[8i + j]
+    d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else
+  vf b[4], c[2];
+  for (int i = 0; i < 4; i++)  // lanes 0-3: a[2i]'s partial sums, 4-7: a[2i+1]'s
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; i++)  // two lanes per a[4i + j]
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
+}
+
+template <int NC>
+INLINE vf scores(const float* qr, const float* sk, int64_t D) {  // [q · k_t for the W rows of sk]
+  vf a[W];
+  if constexpr (NC > 0) {
+    vf qv[NC];
+    for (int c = 0; c < NC; c++) qv[c] = ld(qr + c * W);
+    for (int t = 0; t < W; t++) {
+      a[t] = qv[0] * ld(sk + t * NC * W);
+      for (int c = 1; c < NC; c++) a[t] += qv[c] * ld(sk + t * NC * W + c * W);
+    }
+  } else {
+    for (int t = 0; t < W; t++) {
+      a[t] = vf{};
+      for (int64_t d = 0; d < D; d += W) a[t] += ld(qr + d) * ld(sk + t * D + d);
+    }
+  }
+  return reduce_w(a);
+}
+
+#ifdef QK_BF16DP
+// bf16 q (D = NC * 16 values) against n bf16 K rows in place, pairs of products summed in fp32 (vdpbf16ps)
+template <int NC>
+INLINE vf scores_bf16(const c10::BFloat16* qr, const c10::BFloat16* k, int64_t stride, int64_t n) {
+  static_assert(NC % 2 == 0, "bf16 dot products take 32 values at a time");
+  vf a[W];
+  __m512bh qv[NC / 2];
+  for (int c = 0; c < NC / 2; c++) qv[c] = (__m512bh)_mm512_loadu_si512(qr + c * 2 * W);
+  for (int t = 0; t < W; t++) {
+    __m512 x = _mm512_setzero_ps();
+    if (t < n)
+      for (int c = 0; c < NC / 2; c++) x = _mm512_dpbf16_ps(x, qv[c], (__m512bh)_mm512_loadu_si512(k + t * stride + c * 2 * W));
+    a[t] = (vf)x;
+  }
+  return reduce_w(a);
+}
+#endif
+
+#ifdef QK_BF16DP
+// n rows of fp8 / int8 K -> dst [n, NC * 16] bf16, exactly (at most 4 / 8 significant bits)
+template <typename C, int NC>
+INLINE const c10::BFloat16* load_tile_bf16(const C* x, int64_t stride, int64_t n, c10::BFloat16* dst) {
+  for (int64_t t = 0; t < n; t++, x += stride)
+    for (int c = 0; c < NC; c++)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + t * NC * W + c * W),
+                          (__m256i)_mm512_cvtneps_pbh(loadw(x + c * W)));
+  return dst;
+}
+#else
+template <typename C, int NC>
+INLINE const c10::BFloat16* load_tile_bf16(const C*, int64_t, int64_t, c10::BFloat16*) { return nullptr; }
+#endif
+
+// acc = acc · alpha + Σ_t p_t v_t over tile rows a..e-1 of sv
+template <int NC>
+INLINE void add_pv(float* acc, float alpha, vf p, const float* sv, int64_t a, int64_t e, int64_t D) {
+  if constexpr (NC > 0) {
+    vf o[NC];
+    for (int c = 0; c < NC; c++) o[c] = ld(acc + c * W) * alpha;
+    for (int64_t t = a; t < e; t++) {
+      const float pt = p[t];
+      for (int c = 0; c < NC; c++) o[c] += pt * ld(sv + t * NC * W + c * W);
+    }
+    for (int c = 0; c < NC; c++) st(acc + c * W, o[c]);
+  } else {
+    for (int64_t d = 0; d < D; d += W) {
+      vf o = ld(acc + d) * alpha;
+      for (int64_t t = a; t < e; t++) o += p[t] * ld(sv + t * D + d);
+      st(acc + d, o);
+    }
+  }
+}
+
+// one row: fold the scores s of tile rows a..e-1 into its running max m, sums l and acc
+template <int NC>
+INLINE void fold(const Problem& P, vf s, const float* sv, int64_t a, int64_t e, float& m, float* l, float* acc) {
+#ifdef QK_AVX512
+  const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#else
+  const vi lane = {0, 1, 2, 3, 4, 5, 6, 7};
+#endif
+  if (P.softcap > 0.f) s = P.softcap * vtanh(s * (1.f / P.softcap));
+  s = (lane >= int32_t(a)) & (lane < int32_t(e)) ? s : splat(NEG_INF);
+  const float top = hmax(s);
+  if (top == NEG_INF) return;  // every score -inf
+  float alpha = 1.f;
+  if (top > m) {
+    alpha = std::exp(m - top);  // 0 while m is -inf
+    m = top;
+    st(l, ld(l) * alpha);
+  }
+  const vf p = vexp(s - m);
+  st(l, ld(l) + p);
+  add_pv<NC>(acc, alpha, p, sv, a, e, P.D);
+}
+
+// DP (a CPU with AVX512-BF16, bf16 q): q · k in vdpbf16ps, from a bf16 cache in place or from
+// fp8 / int8 K converted exactly to bf16
+template <typename C, int NC, bool DP>
+void attend(const Problem& P, const Item& it, Scratch& s) {
+  const int64_t D = P.D, g = P.group, rows = it.nq * g, bs = P.block_size;
+  // row r = j * g + h: query it.q0 + j, head it.kh * g + h, position it.pos0 + j
+  const float qmul = P.scale * (P.k_scale ? P.k_scale[P.k_per_head ? it.kh : 0] : 1.f);
+  for (int64_t r = 0; r < rows; r++) {
+    const char* src = P.q + (it.q0 + r / g) * P.q_s0 + (it.kh * g + r % g) * P.q_s1;
+    if constexpr (DP)
+      std::memcpy(reinterpret_cast<c10::BFloat16*>(s.q.data()) + r * D, src, D * sizeof(c10::BFloat16));
+    else
+      load_row(src, P.q_type, s.q.data() + r * D, D, qmul);
+  }
+  std::fill(s.m.begin(), s.m.begin() + rows, NEG_INF);
+  std::fill(s.l.begin(), s.l.begin() + rows * W, 0.f);
+  std::fill(s.acc.begin(), s.acc.begin() + rows * D, 0.f);
+  const int64_t lo = P.window ? std::max<int64_t>(0, it.pos0 - P.window + 1) : 0, hi = it.pos0 + it.nq;
+  const int32_t* table = P.tables + it.seq * P.tables_s0;
+  const C *kc = reinterpret_cast<const C*>(P.k) + it.kh * P.k_s[2], *vc = reinterpret_cast<const C*>(P.v) + it.kh * P.v_s[2];
+  for (int64_t p0 = lo; p0 < hi;) {
+    const int64_t b = p0 / bs, p1 = std::min({hi, (b + 1) * bs, p0 + W}), n = p1 - p0;
+    const int64_t block = table[b * P.tables_s1];
+    TORCH_CHECK(0 <= block && block < P.num_blocks, "paged attention: sequence ", it.seq, " names block ", block,
+                " of a cache with ", P.num_blocks, " blocks.");
+    if (p0 == lo || p0 == b * bs) {  // a new block: fetch the next one while this one is used
+      const int64_t next = (b + 1) * bs < hi ? table[(b + 1) * P.tables_s1] : -1, ahead = std::min(bs, hi - (b + 1) * bs);
+      if (0 <= next && next < P.num_blocks) {
+        prefetch_rows<C>(P.k, P.k_s, next, ahead, it.kh, D);
+        prefetch_rows<C>(P.v, P.v_s, next, ahead, it.kh, D);
+      }
+    }
+    const C* kt = kc + block * P.k_s[0] + (p0 - b * bs) * P.k_s[1];
+    const c10::BFloat16* kb = nullptr;  // DP: the K rows in bf16, in place or converted (exactly) into s.k
+    int64_t kb_stride = D;
+    if constexpr (!DP) {
+      load_tile<C, NC>(kt, P.k_s[1], n, D, s.k.data());
+    } else if constexpr (std::is_same_v<C, c10::BFloat16>) {
+      kb = kt, kb_stride = P.k_s[1];
+    } else {
+      kb = load_tile_bf16<C, NC>(kt, P.k_s[1], n, reinterpret_cast<c10::BFloat16*>(s.k.data()));
+    }
+    load_tile<C, NC>(vc + block * P.v_s[0] + (p0 - b * bs) * P.v_s[1], P.v_s[1], n, D, s.v.data());
+    for (int64_t r = 0; r < rows; r++) {
+      const int64_t pos = it.pos0 + r / g;
+      const int64_t a = (P.window ? std::max(p0, pos - P.window + 1) : p0) - p0, e = std::min(p1, pos + 1) - p0;
+      if (a >= e) continue;
+      vf sc;
+#ifdef QK_BF16DP
+      if constexpr (DP)
+        sc = scores_bf16<NC>(reinterpret_cast<const c10::BFloat16*>(s.q.data()) + r * D, kb, kb_stride, n) * qmul;
+      else
+#endif
+        sc = scores<NC>(s.q.data() + r * D, s.k.data(), D);
+      fold<NC>(P, sc, s.v.data(), a, e, s.m[r], s.l.data() + r * W, s.acc.data() + r * D);
+    }
+    p0 = p1;
+  }
+  const float vmul = P.v_scale ? P.v_scale[P.v_per_head ? it.kh : 0] : 1.f;
+  const int64_t esize = c10::elementSize(P.q_type);
+  for (int64_t r = 0; r < rows; r++) {
+    char* dst = P.out + ((it.q0 + r / g) * P.heads + it.kh * g + r % g) * D * esize;
+    const float l = hsum(ld(s.l.data() + r * W));
+    store_row(dst, P.q_type, s.acc.data() + r * D, D, l > 0.f ? vmul / l : 0.f);
+  }
+}
+
+template <typename C, int NC, bool DP = false>
+void run_items(const Problem& P, std::vector<Item>& items, int64_t max_rows) {
+  // longest first; a sequence's KV heads one after the other, so its blocks are still in L2
+  std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
+    return a.cost != b.cost ? a.cost > b.cost : a.seq != b.seq ? a.seq < b.seq : a.q0 != b.q0 ? a.q0 < b.q0 : a.kh < b.kh;
+  });
+  const int64_t n = items.size(), threads = at::get_num_threads();
+  if (threads <= 1 || n <= 1 || at::in_parallel_region()) {
+    Scratch s(max_rows, P.D);
+    for (const Item& it : items) attend<C, NC, DP>(P, it, s);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, n), 1, [&](int64_t, int64_t) {
+    Scratch s(max_rows, P.D);
+    for (int64_t i; (i = next.fetch_add(1)) < n;) attend<C, NC, DP>(P, items[i], s);
+  });
+}
+
+template <typename C>
+void run(const Problem& P, std::vector<Item>& items, int64_t max_rows) {  // NC = head_dim / W
+#ifdef QK_BF16DP
+  // bf16 q and a cache whose values bf16 holds exactly: dot products in vdpbf16ps
+  if constexpr (std::is_same_v<C, c10::BFloat16> || std::is_same_v<C, c10::Float8_e4m3fn> ||
+                std::is_same_v<C, int8_t>) {
+    if (P.q_type == at::kBFloat16 && P.D == 64) return run_items<C, 4, true>(P, items, max_rows);
+    if (P.q_type == at::kBFloat16 && P.D == 128) return run_items<C, 8, true>(P, items, max_rows);
+  }
+#endif
+  if (P.D == 64) return run_items<C, 64 / W>(P, items, max_rows);
+  if (P.D == 128) return run_items<C, 128 / W>(P, items, max_rows);
+  run_items<C, 0>(P, items, max_rows);
+}
+
+void dispatch(const Problem& P, at::ScalarType cache_type, std::vector<Item>& items, int64_t max_rows) {
+  switch (cache_type) {
+    case at::kFloat:
+      return run<float>(P, items, max_rows);
+    case at::kBFloat16:
+      return run<c10::BFloat16>(P, items, max_rows);
+    case at::kHalf:
+      return run<c10::Half>(P, items, max_rows);
+    case at::kFloat8_e4m3fn:
+      return run<c10::Float8_e4m3fn>(P, items, max_rows);
+    case at::kChar:
+      return run<int8_t>(P, items, max_rows);
+    default:
+      TORCH_CHECK(false, "paged attention: a cache of ", cache_type,
+                  " is not supported; use float32, bfloat16, float16, float8_e4m3fn or int8.");
+  }
+}
+
+const float* scale_ptr(const std::optional<at::Tensor>& s, int64_t kv_heads, bool& per_head, const char* name) {
+  if (!s.has_value()) return nullptr;
+  TORCH_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous() && (s->numel() == 1 || s->numel() == kv_heads),
+              "paged attention: ", name, " must be contiguous float32 [1] or [", kv_heads, "].");
+  per_head = s->numel() > 1;
+  return s->data_ptr<float>();
+}
+
+Problem make_problem(const at::Tensor& q, const at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const std::optional<at::Tensor>& k_scale,
+                     const std::optional<at::Tensor>& v_scale, double scale, int64_t window, double softcap) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged attention: q must be [tokens, heads, head_dim] with a contiguous last dim.");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
+              "paged attention: q must be float32, bfloat16 or float16.");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type() &&
+                  k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "paged attention: k_cache and v_cache must be [num_blocks, block_size, kv_heads, head_dim] alike.");
+  const int64_t heads = q.size(1), kv_heads = k_cache.size(2), D = q.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && D % 16 == 0,
+              "paged attention: head_dim must match the cache and be a multiple of 16; got ", D, ".");
+  TORCH_CHECK(heads % kv_heads == 0, "paged attention: ", heads, " heads are not a multiple of ", kv_heads, " KV heads.");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt,
+              "paged attention: block_tables must be int32 [num_seqs, max_blocks].");
+  TORCH_CHECK(k_cache.element_size() > 1 || (k_scale.has_value() && v_scale.has_value()),
+              "paged attention: fp8 / int8 caches need k_scale and v_scale.");
+  for (const at::Tensor* t : {&q, &k_cache, &v_cache, &block_tables})
+    TORCH_CHECK(t->device().is_cpu(), "paged attention: these kernels take CPU tensors; got one on ", t->device(), ".");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "paged attention: window and softcap must be >= 0 (0: off).");
+  Problem P{};
+  P.q = static_cast<const char*>(q.data_ptr());
+  P.q_s0 = q.stride(0) * q.element_size();
+  P.q_s1 = q.stride(1) * q.element_size();
+  P.q_type = q.scalar_type();
+  P.out = static_cast<char*>(out.data_ptr());
+  P.k = static_cast<const char*>(k_cache.data_ptr());
+  P.v = static_cast<const char*>(v_cache.data_ptr());
+  for (int i = 0; i < 3; i++) P.k_s[i] = k_cache.stride(i), P.v_s[i] = v_cache.stride(i);
+  P.tables = block_tables.data_ptr<int32_t>();
+  P.tables_s0 = block_tables.stride(0), P.tables_s1 = block_tables.stride(1);
+  P.max_blocks = block_tables.size(1);
+  P.num_blocks = k_cache.size(0);
+  P.block_size = k_cache.size(1);
+  P.heads = heads, P.kv_heads = kv_heads, P.group = heads / kv_heads, P.D = D;
+  P.k_scale = scale_ptr(k_scale, kv_heads, P.k_per_head, "k_scale");
+  P.v_scale = scale_ptr(v_scale, kv_heads, P.v_per_head, "v_scale");
+  P.scale = static_cast<float>(scale), P.softcap = static_cast<float>(softcap), P.window = window;
+  return P;
+}
+
+void check_len(const Problem& P, int64_t seq, int64_t len) {
+  TORCH_CHECK(0 <= len && len <= P.max_blocks * P.block_size, "paged attention: sequence ", seq, " has length ", len,
+              " but its block table holds ", P.max_blocks * P.block_size, " tokens.");
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                           const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                           int64_t window, double softcap) {
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  Problem P = make_problem(q, out, k_cache, v_cache, block_tables, k_scale, v_scale, scale, window, softcap);
+  const int64_t num_seqs = q.size(0);
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.numel() == num_seqs && seq_lens.scalar_type() == at::kInt &&
+                  block_tables.size(0) == num_seqs,
+              "paged attention: seq_lens must be int32 [num_seqs] and block_tables [num_seqs, max_blocks].");
+  at::Tensor lens_c = seq_lens.contiguous();
+  const int32_t* lens = lens_c.data_ptr<int32_t>();
+  std::vector<Item> items;
+  for (int64_t i = 0; i < num_seqs; i++) {
+    check_len(P, i, lens[i]);
+    if (lens[i] == 0) {
+      out[i].zero_();
+      continue;
+    }
+    const int64_t cost = window ? std::min<int64_t>(lens[i], window) : lens[i];
+    for (int64_t kh = 0; kh < P.kv_heads; kh++) items.push_back({i, kh, i, 1, lens[i] - 1, cost});
+  }
+  dispatch(P, k_cache.scalar_type(), items, P.group);
+  return out;
+}
+
+at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_lens,
+                         double scale, const std::optional<at::Tensor>& k_scale,
+                         const std::optional<at::Tensor>& v_scale, int64_t window, double softcap, int64_t tile,
+                         int64_t max_work) {
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  Problem P = make_problem(q, out, k_cache, v_cache, block_tables, k_scale, v_scale, scale, window, softcap);
+  const int64_t num_seqs = block_tables.size(0);
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.numel() == num_seqs && seq_lens.scalar_type() == at::kInt &&
+                  query_lens.dim() == 1 && query_lens.numel() == num_seqs && query_lens.scalar_type() == at::kInt,
+              "paged prefill: seq_lens and query_lens must be int32 [num_seqs].");
+  TORCH_CHECK(tile > 0, "paged prefill: tile must be positive.");
+  at::Tensor lens_c = seq_lens.contiguous(), qlens_c = query_lens.contiguous();
+  const int32_t *lens = lens_c.data_ptr<int32_t>(), *qlens = qlens_c.data_ptr<int32_t>();
+  std::vector<Item> items;
+  int64_t start = 0;
+  for (int64_t i = 0; i < num_seqs; i++) {
+    check_len(P, i, lens[i]);
+    TORCH_CHECK(0 <= qlens[i] && qlens[i] <= lens[i], "paged prefill: sequence ", i, " has query_len ", qlens[i],
+                " > seq_len ", lens[i], ".");
+    const bool skip = max_work > 0 && int64_t(qlens[i]) * lens[i] > max_work;  // left to the caller
+    for (int64_t j = 0; j < (skip ? 0 : qlens[i]); j += tile) {
+      const int64_t nq = std::min<int64_t>(tile, qlens[i] - j), pos0 = lens[i] - qlens[i] + j;
+      const int64_t cost = nq * (window ? std::min<int64_t>(pos0 + nq, window + nq) : pos0 + nq);
+      for (int64_t kh = 0; kh < P.kv_heads; kh++) items.push_back({i, kh, start + j, nq, pos0, cost});
+    }
+    start += qlens[i];
+  }
+  TORCH_CHECK(start == q.size(0), "paged prefill: q has ", q.size(0), " tokens but query_lens add up to ", start, ".");
+  dispatch(P, k_cache.scalar_type(), items, tile * P.group);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(quantkit_cpu, m) {
+  m.def(
+      "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale, "
+      "Tensor? k_scale, Tensor? v_scale, int window, float softcap) -> Tensor",
+      &paged_attention);
+  m.def(
+      "paged_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+      "Tensor query_lens, float scale, Tensor? k_scale, Tensor? v_scale, int window, float softcap, int tile, "
+      "int max_work) -> Tensor",
+      &paged_prefill);
+}
