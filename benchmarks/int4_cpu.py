@@ -1,0 +1,120 @@
+"""W4A16 on the CPU, one thread: the C++ int4 kernel (`quantkit.kernels.cpu_int4`) against
+torch's int4pack kernel and a bf16 GEMM on a prepacked weight (oneDNN), bf16 activations.
+
+    python benchmarks/int4_cpu.py [--rows 1 4 8 16 64 256 2048] [--rounds 5] [--group G] [--quick]
+
+Shapes (in -> out): smollm2-135m's linears (576 -> 960 q/k/v fused, 576 -> 3072 gate/up
+fused, 1536 -> 576 down, 576 -> 576 o) and 2048 x 2048. Random symmetric int4 weights,
+group 64 where 128 does not divide the input width, else 128 (--group to force one). The
+three are timed interleaved, --rounds times (each a loop of enough calls to last ~20 ms),
+and the median is printed in ms with each one's speed against bf16 (> 1: faster). `ours`
+is whatever `cpu_int4.gemm` picks for that many rows (printed with the kernel it chose).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import time
+
+import torch
+
+from quantkit.kernels import cpu, cpu_int4
+from quantkit.packing import pack
+
+SHAPES = [(576, 960), (576, 3072), (1536, 576), (576, 576), (2048, 2048)]  # (in, out)
+
+
+def _timer(fn, budget_s: float = 0.02):
+    """A function that times `calls` calls of fn (calls fixed after a warm-up): ms per call, in
+    CPU time of this thread, so that other jobs on the machine do not count."""
+    fn()
+    start, calls = time.thread_time(), 0
+    while time.thread_time() - start < budget_s:
+        fn()
+        calls += 1
+
+    def once() -> float:
+        t = time.thread_time()
+        for _ in range(calls):
+            fn()
+        return (time.thread_time() - t) / calls * 1e3
+
+    return once
+
+
+def _cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def bench_shape(k: int, n: int, rows: list[int], rounds: int, group: int | None) -> list[dict]:
+    torch.manual_seed(0)
+    g = group or (64 if k % 128 else 128)
+    q = torch.randint(-8, 8, (n, k), dtype=torch.int8)
+    w_packed, scales = pack(q), (torch.rand(n, k // g) * 0.01 + 0.001).to(torch.bfloat16)
+    dense = (q.float() * scales.float().repeat_interleave(g, dim=1)).to(torch.bfloat16)
+    prepacked = cpu.prepack_bf16(dense)
+    int4pack = cpu.repack_int4_cpu(w_packed, scales, None, g)
+    ours, _ = cpu_int4.repack(w_packed, scales, None, g)
+    out = []
+    for m in rows:
+        x = torch.randn(m, k, dtype=torch.bfloat16)
+        impls = {
+            "bf16": _timer(
+                (lambda: cpu.bf16_linear(x, prepacked)) if prepacked is not None else (lambda: x @ dense.t())
+            ),
+            "int4pack": _timer(lambda: cpu.int4_gemm_cpu(x, int4pack)),
+            "ours": _timer(lambda: cpu_int4.gemm(x, ours)),
+        }
+        times = {name: [] for name in impls}
+        for _ in range(rounds):
+            for name, once in impls.items():
+                times[name].append(once())
+        ms = {name: statistics.median(t) for name, t in times.items()}
+        row = dict(k=k, n=n, m=m, group=g, kernel=_path(ours, m), **ms)
+        out.append(row)
+        print(
+            f"| {k}→{n} | {m} | {ms['bf16']:.3f} | {ms['int4pack']:.3f} | {ms['ours']:.3f} "
+            f"| {ms['bf16'] / ms['int4pack']:.2f}× | **{ms['bf16'] / ms['ours']:.2f}×** | {row['kernel']} |",
+            flush=True,
+        )
+    return out
+
+
+def _path(weight: cpu_int4.Int4Weight, m: int) -> str:
+    if weight.kernel == "int4pack":
+        return "int4pack" if m < cpu_int4.DENSE_MIN_M else "dequant + fp32"
+    if m >= cpu_int4.AMX_DENSE_MIN_M and weight.in_features < cpu_int4.AMX_DENSE_MAX_K:
+        return "dequant + bf16"
+    return "AMX"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 64, 256, 2048])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--group", type=int, default=None)
+    p.add_argument("--quick", action="store_true", help="2048 x 2048 only, 3 rounds")
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    shapes = [(2048, 2048)] if a.quick else SHAPES
+    kernel = "AMX" if cpu_int4.available() else f"torch's int4pack ({cpu_int4.reason()})"
+    print(
+        f"W4A16 CPU GEMM, {datetime.date.today()}, torch {torch.__version__}, {_cpu_name()}, 1 thread; ours: {kernel}\n"
+    )
+    print("| in→out | M | bf16 prepacked ms | int4pack ms | ours ms | int4pack vs bf16 | ours vs bf16 | ours ran |")
+    print("|---|---|---|---|---|---|---|---|")
+    for k, n in shapes:
+        bench_shape(k, n, a.rows, 3 if a.quick else a.rounds, a.group)
+
+
+if __name__ == "__main__":
+    main()

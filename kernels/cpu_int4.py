@@ -1,0 +1,187 @@
+"""W4A16 on x86 CPUs: the AMX kernel of `kernels/csrc/int4_gemm.cpp`, and torch's paths where
+the CPU has no AMX.
+
+    weight, why = repack(w_packed, scales, zeros, group_size, g_idx)   # once, at load
+    y = gemm(x, weight)                                                 # x [..., K] -> y [..., N]
+
+`repack` picks the kernel once per weight and says why (`Int4Weight.kernel`):
+
+- `amx` (AMX-BF16, the extension built): up to 64 rows (32 at a time), the weight is looked up
+  into bf16 8 k steps at a time, in L1, and multiplied at once; more rows, x goes in ~1 MB blocks and the
+  weight is dequantized once per block into VNNI tiles (~256 KB at a time); from
+  `AMX_DENSE_MIN_M` rows with K < `AMX_DENSE_MAX_K`, `dequantize` (C++) + bf16 `F.linear`
+  (oneDNN), which measures faster there.
+- `int4pack` (any other CPU: AVX2, AVX-512 without AMX; or no build): torch's
+  `_weight_int4pack_mm_for_cpu` (`quantkit.kernels.cpu`) below `DENSE_MIN_M` rows, the twin's
+  dequantization + an fp32 matmul from there (a bf16 matmul is slow without native bf16).
+
+Layout of the `amx` weight (built here, never saved; the C++ file's header says how it is read):
+`nibbles` int16 [N_pad/4, K], word (c, k) holding u = q + 8 of channels 4c .. 4c+3 at bits 0, 4,
+8, 12; `scales` and `zs` float [N_pad, K/G] with zs = -(8 + z) · s, so w = (q - z) · s = u · s + zs
+(exact in fp32 for bf16 scales: the weights equal the twin's, bit for bit). N_pad is N rounded up
+to 16 (zero channels). It takes K % 32 == 0 and a group size that is a multiple of 32 dividing K
+(per-channel: one group of K); act-order where sorting the columns makes the groups contiguous.
+
+`QUANTKIT_INT4_KERNEL=int4pack` (or `repack(..., kernel="int4pack")`) forces the fallback;
+`QUANTKIT_NO_EXT=1` leaves the extension unbuilt, as for `cpu_ext`; so does a CPU without AMX-BF16.
+
+The extension is built with `torch.utils.cpp_extension` on first use, into
+`$QUANTKIT_CACHE/ext/int4-<key>` (the key hashes the source, flags, torch, Python, compiler and
+CPU flags), with `cpu_ext`'s flags and build lock (`cpu_ext` builds only its own source so far).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass
+
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.kernels import cpu, cpu_ext, reference
+from quantkit.packing import unpack
+
+KERNELS = ("amx", "int4pack")
+AMX_DENSE_MIN_M = 1024  # measured (benchmarks/int4_cpu.py): from here, with K < AMX_DENSE_MAX_K, dense bf16 wins
+AMX_DENSE_MAX_K = 1024
+DENSE_MIN_M = 512  # int4pack: from here dequantize + fp32 matmul wins (measured on AVX2)
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Weight:
+    """An int4 linear weight [N, K] ready for `gemm`. `kernel` is one of KERNELS; `amx` holds
+    `nibbles`, `scales`, `zs` (module docstring) and `perm` (act-order column order, or None);
+    `int4pack` holds torch's weight in `fallback`. `source` is the pack-quantized tensors
+    (w_packed, scales, zeros, group_size, g_idx) for the dense path, the caller's own tensors."""
+
+    kernel: str
+    out_features: int
+    in_features: int
+    group_size: int
+    source: tuple
+    nibbles: torch.Tensor | None = None
+    scales: torch.Tensor | None = None
+    zs: torch.Tensor | None = None
+    perm: torch.Tensor | None = None
+    fallback: cpu.Int4CpuWeight | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weight data one small-M matmul reads."""
+        if self.fallback is not None:
+            return self.fallback.nbytes
+        return sum(t.numel() * t.element_size() for t in (self.nibbles, self.scales, self.zs))
+
+
+def _needs(flags: str) -> str | None:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return "the int4 CPU kernel is for x86-64 CPUs"
+    return None if "amx_bf16" in flags.split() else "this CPU has no AMX-BF16"
+
+
+EXTENSION = cpu_ext.Extension("int4_gemm.cpp", "quantkit_int4", "gemm", "the AMX int4 CPU kernel", needs=_needs)
+_load = EXTENSION.load
+
+
+def available() -> bool:
+    """True when the AMX kernel runs here (AMX-BF16, the OS allows it, the extension built)."""
+    ops = _load()
+    return ops is not None and int(ops.isa_level()) == 2
+
+
+def reason() -> str:
+    """Why `available()` is False ("" when it is True)."""
+    ops = _load()
+    if ops is None:
+        return EXTENSION.reason()
+    return "" if int(ops.isa_level()) == 2 else str(ops.isa_note())
+
+
+def shape_reason(out_features: int, in_features: int, group_size: int | None) -> str:
+    """ "" when the AMX kernel takes this shape, else one sentence saying why not."""
+    g = group_size or in_features
+    if in_features % 32:
+        return f"the AMX int4 kernel needs in_features % 32 == 0 (got {in_features})"
+    if g % 32 or in_features % g:
+        return f"the AMX int4 kernel needs a group size that is a multiple of 32 dividing {in_features} (got {g})"
+    return ""
+
+
+def _nibbles(u: torch.Tensor) -> torch.Tensor:
+    """u [N, K] (0..15, N % 4 == 0) -> int16 [N/4, K]: word (c, k) holds u[4c + i, k] at bit 4 i."""
+    words = u[0::4] | (u[1::4] << 4) | (u[2::4] << 8) | (u[3::4] << 12)  # int32, < 2^16
+    return torch.where(words >= 2**15, words - 2**16, words).to(torch.int16).contiguous()
+
+
+def repack(
+    w_packed: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int | None,
+    g_idx: torch.Tensor | None = None,
+    kernel: str = "auto",
+) -> tuple[Int4Weight | None, str]:
+    """Pack-quantized int4 -> (`Int4Weight`, which kernel and why), or (None, why none can).
+
+    w_packed int32 [N, K/8] (`quantkit.packing`); scales [N, K/G] or [N, 1] (group_size None:
+    per channel), any float dtype; zeros int8 [N, K/G] signed zero points or None (symmetric);
+    g_idx int32 [K] act-order groups or None. kernel: "auto", "amx" or "int4pack" (default
+    from QUANTKIT_INT4_KERNEL). Call once, at load; the tensors are kept by reference.
+    """
+    kernel = os.environ.get("QUANTKIT_INT4_KERNEL", "auto") if kernel == "auto" else kernel
+    if kernel not in ("auto", *KERNELS):
+        raise QuantkitError(f"int4 CPU kernel {kernel!r} is unknown; use auto, {', '.join(KERNELS)}.")
+    n, k = scales.shape[0], w_packed.shape[1] * 8
+    g = group_size or k
+    source = (w_packed, scales, zeros, group_size, g_idx)
+    perm = None if g_idx is None or not group_size else cpu._act_order_perm(g_idx, g)
+    why = "forced by QUANTKIT_INT4_KERNEL / kernel=" if kernel == "int4pack" else reason()
+    why = why or shape_reason(n, k, group_size)
+    if not why and g_idx is not None and group_size and perm is None:
+        why = "its act-order groups are not contiguous once sorted"
+    if why:
+        if kernel == "amx":
+            raise QuantkitError(f"the AMX int4 kernel cannot run this [{n}, {k}] weight: {why}.")
+        if not cpu.supports(n, k, group_size, g_idx):
+            return None, f"{why}, and torch's int4pack kernel cannot take it either; use the torch twin"
+        fallback = cpu.repack_int4_cpu(w_packed, scales, zeros, group_size, g_idx)
+        weight = Int4Weight("int4pack", n, k, fallback.group_size, source, fallback=fallback)
+        return weight, f"torch's int4pack below {DENSE_MIN_M} rows, dequantize + fp32 matmul from there ({why})"
+    n_pad = -(-n // 16) * 16
+    u = unpack(w_packed.cpu(), k).to(torch.int32) + 8  # [N, K] in 0..15
+    if perm is not None:
+        u = u[:, perm]
+    pad = (0, 0, 0, n_pad - n)  # zero channels up to a multiple of 16
+    s = scales.cpu().float().expand(n, k // g)
+    z = torch.zeros_like(s) if zeros is None else zeros.cpu().float().expand(n, k // g)
+    zs = -(8 + z) * s  # w = (u - 8 - z) * s = u * s + zs
+    s, zs = (torch.nn.functional.pad(t, pad).contiguous() for t in (s, zs))
+    nibbles = _nibbles(torch.nn.functional.pad(u, pad))
+    weight = Int4Weight("amx", n, k, g, source, nibbles, s, zs, perm)
+    return weight, f"AMX tiles; dequantize + bf16 matmul from {AMX_DENSE_MIN_M} rows when K < {AMX_DENSE_MAX_K}"
+
+
+def gemm(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
+    """y = x · dequant(W)ᵀ. x [..., K] any float dtype (multiplied in bf16, accumulated in
+    fp32); returns [..., N] in x's dtype."""
+    if x.shape[-1] != weight.in_features:
+        raise QuantkitError(f"int4 gemm: x has {x.shape[-1]} features, the weight takes {weight.in_features}.")
+    x2 = x.reshape(-1, weight.in_features).to(torch.bfloat16)
+    m, w = x2.shape[0], weight
+    if w.kernel == "int4pack":
+        if m < DENSE_MIN_M:
+            y = cpu.int4_gemm_cpu(x2, w.fallback)
+        else:
+            w_packed, scales, zeros, group_size, g_idx = w.source
+            y = reference.int4_gemm(x2.float(), w_packed, scales.float(), zeros, group_size, g_idx)
+    else:
+        if w.perm is not None:
+            x2 = x2.index_select(1, w.perm)
+        ops = _load()
+        if m >= AMX_DENSE_MIN_M and w.in_features < AMX_DENSE_MAX_K:
+            dense = ops.dequantize(w.nibbles, w.scales, w.zs, w.out_features, w.group_size)
+            y = torch.nn.functional.linear(x2, dense)
+        else:
+            y = ops.gemm(x2.contiguous(), w.nibbles, w.scales, w.zs, w.out_features, w.group_size)
+    return y.to(x.dtype).reshape(*x.shape[:-1], w.out_features)
