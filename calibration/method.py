@@ -93,6 +93,7 @@ class Method:
     role: str
     step: str | None = None
     format: str | None = None  # "pack-quantized" (int weights), "float-quantized" (fp8)
+    formats: tuple[str, ...] = ()  # further formats, for schemes that ask for them ("int-quantized": W8A8)
     needs_data: Callable[[object, object], bool] = lambda scheme, options: True  # (scheme, options)
     folds_scales: bool = False  # scales go into the op before a group of linears (no per-module args)
     default_scheme: str | None = None
@@ -100,6 +101,10 @@ class Method:
     default_actorder: str | None = None  # the act-order its command and `quantkit.quantize` use unless told
     needs_activations: bool = False  # only for schemes that quantize activations
     before: tuple[str, ...] = ()
+
+    def makes(self, fmt: str) -> bool:
+        """Whether the method's weights can take the on-disk format `fmt` (a scheme's `format`)."""
+        return fmt == self.format or fmt in self.formats
 
     @property
     def make_step(self) -> Callable:

@@ -40,7 +40,7 @@ def quantize(
     divides every quantized layer's input width; `actorder` (GPTQ: "static", "group" or
     "none") defaults to the method's ("static" for gptq); `options` are the method's own (e.g.
     grid=10 for awq, damp=0.05 for gptq; see `quantkit.calibration.registry`); `kv_cache`
-    ("fp8"/"int8") also calibrates KV-cache scales; `smooth` runs SmoothQuant first (fp8).
+    ("fp8"/"int8") also calibrates KV-cache scales; `smooth` runs SmoothQuant first (fp8, w8a8).
     The model streams block by block from its files; `resume` continues a run that was
     interrupted (same arguments) from its last finished block; the checkpoint is written in
     safetensors shards of at most `max_shard_size` (e.g. "5GB", "500MB"). `target_bits` (rtn,

@@ -153,6 +153,21 @@ def _int4_scheme():
     return typer.Option("w4a16", help="w4a16 (int4 symmetric) or w4a16-asym (with a zero point).")
 
 
+def _int_scheme():
+    return typer.Option(
+        "w4a16",
+        help="w4a16 (int4 symmetric), w4a16-asym (with a zero point), w8a16 (int8 per channel) or w8a8 "
+        "(int8 weights per channel and int8 activations per token, at run time).",
+    )
+
+
+SMOOTH = typer.Option(
+    False,
+    help="Migrate activation outliers into the weights first (SmoothQuant, α searched per mapping on --calib; "
+    "for schemes that quantize activations: w8a8, fp8-dynamic, fp8).",
+)
+
+
 def _group():
     return typer.Option(
         "auto",
@@ -227,6 +242,11 @@ def _weights_recipe(
     } | ({"target_bits": target_bits} if target_bits is not None else {})
 
 
+def _smooth_steps(smooth: bool) -> list[dict]:
+    """The `smooth` step (SmoothQuant, its default options) to run before the weight method, if asked."""
+    return [{"smooth": dataclasses.asdict(SmoothOptions())}] if smooth else []
+
+
 def _command_recipe(
     raw: dict, overwrite: bool, print_recipe: bool, json_path: Path | None = None, resume: bool = False
 ) -> None:
@@ -242,10 +262,10 @@ def _command_recipe(
 
 
 def _quantize_rows(prov: dict) -> list[tuple[str, object]]:
-    w, c = prov["weights"], prov["calibration"]
-    if w["type"] == "float":
-        a = prov["input_activations"]
-        kind = f"fp8 {w['strategy']} weights, {'dynamic ' if a['dynamic'] else 'static '}{a['strategy']} activations"
+    w, c, a = prov["weights"], prov["calibration"], prov["input_activations"]
+    if a is not None:
+        t, when = "fp" if w["type"] == "float" else "int", "dynamic" if a["dynamic"] else "static"
+        kind = f"{t}8 {w['strategy']} weights, {t}8 {when} {a['strategy']} activations"
     else:
         kind = f"int{w['num_bits']}, group {w['group_size']}, {'sym' if w['symmetric'] else 'asym'}" + (
             f", act-order {w['actorder']}" if w["actorder"] else ""
@@ -316,8 +336,9 @@ def _run_recipe(
 def rtn(
     model: str = MODEL,
     output: Optional[Path] = QOUTPUT,
-    scheme: str = _int4_scheme(),
+    scheme: str = _int_scheme(),
     group_size: str = _group(),
+    smooth: bool = SMOOTH,
     kv_cache: Optional[str] = KV,
     kv_per_head: bool = KV_PER_HEAD,
     calib: str = CALIB,
@@ -333,7 +354,8 @@ def rtn(
     print_recipe: bool = PRINT_RECIPE,
     json_path: Optional[Path] = JSON,
 ):
-    """Round-to-nearest INT4 weights: the baseline for AWQ and GPTQ (calibration text is used only for --kv-cache)."""
+    """Round-to-nearest INT4 (or INT8, W8A8) weights: the baseline for AWQ and GPTQ (calibration text is used
+    only for --smooth and --kv-cache)."""
     _command_recipe(
         _weights_recipe(
             "rtn",
@@ -349,6 +371,7 @@ def rtn(
             kv_cache,
             kv_per_head,
             device,
+            before=_smooth_steps(smooth),
             max_shard_size=max_shard_size,
             min_expert_tokens=min_expert_tokens,
             target_bits=target_bits,
@@ -440,10 +463,7 @@ def fp8(
     seq_len: int = SEQ_LEN,
     seed: int = SEED,
     min_expert_tokens: int = MIN_EXPERT_TOKENS,
-    smooth: bool = typer.Option(
-        False,
-        help="Migrate activation outliers into the weights first (SmoothQuant, α searched per mapping on --calib).",
-    ),
+    smooth: bool = SMOOTH,
     kv_cache: Optional[str] = KV,
     kv_per_head: bool = KV_PER_HEAD,
     overwrite: bool = OVERWRITE,
@@ -454,7 +474,6 @@ def fp8(
     json_path: Optional[Path] = JSON,
 ):
     """FP8 e4m3 weights and activations (static scales and --smooth are calibrated on --calib)."""
-    before = [{"smooth": dataclasses.asdict(SmoothOptions())}] if smooth else []
     _command_recipe(
         _weights_recipe(
             "fp8",
@@ -470,7 +489,7 @@ def fp8(
             kv_cache,
             kv_per_head,
             device,
-            before=before,
+            before=_smooth_steps(smooth),
             max_shard_size=max_shard_size,
             min_expert_tokens=min_expert_tokens,
         ),
@@ -489,8 +508,9 @@ def _gptq_option(name: str):
 def gptq(
     model: str = MODEL,
     output: Optional[Path] = QOUTPUT,
-    scheme: str = _int4_scheme(),
+    scheme: str = _int_scheme(),
     group_size: str = _group(),
+    smooth: bool = SMOOTH,
     calib: str = CALIB,
     samples: int = SAMPLES,
     seq_len: int = SEQ_LEN,
@@ -513,7 +533,7 @@ def gptq(
     print_recipe: bool = PRINT_RECIPE,
     json_path: Optional[Path] = JSON,
 ):
-    """GPTQ INT4 (Frantar et al.): Hessian-based error feedback, true-sequential, act-order."""
+    """GPTQ INT4 or INT8 (Frantar et al.): Hessian-based error feedback, true-sequential, act-order."""
     if act_order not in ("static", "group", "none"):
         raise QuantkitError(f"--act-order {act_order!r} is unknown; use static, group or none.")
     _command_recipe(
@@ -532,6 +552,7 @@ def gptq(
             kv_per_head,
             device,
             {"actorder": act_order} if act_order != "none" else None,
+            before=_smooth_steps(smooth),
             max_shard_size=max_shard_size,
             min_expert_tokens=min_expert_tokens,
             target_bits=target_bits,
@@ -1168,6 +1189,10 @@ def inspect(
                     + (f", actorder {w['actorder']}" if w.get("actorder") else ""),
                 )
             )
+        a = info["input_activations"].get(name)
+        if a:
+            kind = f"{a['type']}{a['num_bits']} {a['strategy']}, {'symmetric' if a['symmetric'] else 'asymmetric'}"
+            rows.append((f"activations ({name})", f"{kind}, {'dynamic' if a['dynamic'] else 'static'}"))
     q = info["quantized_modules"]
     rows += [
         ("quantized modules", f"{len(q)}" + (f" ({q[0]} … {q[-1]})" if q else "")),

@@ -73,7 +73,11 @@ def attention_kernel(device: torch.device | str, kv_dtype: torch.dtype, backend:
         return Kernel("paged_attention and kv_store (Triton), prefill on gathered blocks (SDPA)")
     if backend == "torch":
         return Kernel("the attention twins (torch, a sequence at a time)", "backend torch")
-    return Kernel("batched paged attention (torch CPU: gathered blocks + SDPA)")
+    from quantkit.kernels import cpu_ext
+
+    if cpu_ext.load() is not None:
+        return Kernel("paged attention (quantkit C++; long prefills through SDPA)")
+    return Kernel("batched paged attention (torch CPU: gathered blocks + SDPA)", cpu_ext.reason())
 
 
 def paged_attention(
@@ -128,28 +132,19 @@ def kv_store(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None, b
 
 
 def int4_cpu_weight(w_packed, scales, zeros, group_size, g_idx=None):
-    """The weight in torch's CPU int4pack layout (built once, at load), or None when that
-    kernel cannot take its shape; see `quantkit.kernels.cpu`."""
-    from quantkit.kernels import cpu
+    """(weight, why): the int4 weight built once, at load, for `int4_gemm_cpu`, and which CPU
+    kernel it takes and why (the AMX kernel of `kernels/csrc/int4_gemm.cpp`, else torch's
+    int4pack); (None, why) when none can take its shape. See `quantkit.kernels.cpu_int4`."""
+    from quantkit.kernels import cpu_int4
 
-    out_features, in_features = scales.shape[0], w_packed.shape[1] * 8
-    if not cpu.supports(out_features, in_features, group_size, g_idx):
-        return None
-    return cpu.repack_int4_cpu(w_packed, scales, zeros, group_size, g_idx)
-
-
-def int4_cpu_unsupported(out_features, in_features, group_size, g_idx=None) -> str | None:
-    """Why torch's CPU int4pack kernel cannot take this weight, or None when it can."""
-    from quantkit.kernels import cpu
-
-    return cpu.int4_unsupported(out_features, in_features, group_size, g_idx)
+    return cpu_int4.repack(w_packed, scales, zeros, group_size, g_idx)
 
 
 def int4_gemm_cpu(x, weight) -> torch.Tensor:
-    """W4A16 on the CPU through torch's int4pack kernel (computes in bf16)."""
-    from quantkit.kernels import cpu
+    """W4A16 on the CPU with an `int4_cpu_weight` (computes in bf16)."""
+    from quantkit.kernels import cpu_int4
 
-    return cpu.int4_gemm_cpu(x, weight)
+    return cpu_int4.gemm(x, weight)
 
 
 def int8_cpu_weight(q, scales):
@@ -204,3 +199,52 @@ def float_gemm_cpu(x, weight, bias=None) -> torch.Tensor:
     from quantkit.kernels import cpu
 
     return cpu.bf16_linear(x, weight, bias)
+
+
+def int8_gemm(x, w_int8, w_scale, backend: str = "auto") -> torch.Tensor:
+    """W8A8 int8 matmul, activations quantized per token; see `quantkit.kernels.reference.int8_gemm`
+    for shapes and dtypes. On a GPU (and with backend "triton", the GPU path: there is no Triton
+    kernel) `torch._int_mm` (`quantkit.kernels.int8_gemm`), else the twin. The engine's CPU path
+    is `w8a8_gemm_cpu`, with the weight prepacked at load."""
+    check_backend(backend)
+    if backend == "triton" or (backend == "auto" and x.is_cuda):
+        from quantkit.kernels import int8_gemm as k
+
+        return k.int8_gemm(x, w_int8, w_scale)
+    return reference.int8_gemm(x, w_int8, w_scale)
+
+
+def int8_gemm_unsupported(out_features, in_features, device) -> str | None:
+    """Why `int8_gemm`'s `torch._int_mm` path cannot take an [out, in] weight on `device`, or None."""
+    from quantkit.kernels import int8_gemm as k
+
+    return k.unsupported(out_features, in_features, device)
+
+
+def w8a8_cpu_unsupported(out_features, in_features) -> str | None:
+    """Why oneDNN's int8 linear cannot take an [out, in] W8A8 weight on this CPU, or None."""
+    from quantkit.kernels import cpu
+
+    return cpu.w8a8_unsupported(out_features, in_features)
+
+
+def w8a8_cpu_weight(w_int8, w_scale):
+    """A W8A8 weight (int8 [N, K], scales [N, 1] or [1]) prepacked once for `w8a8_gemm_cpu`;
+    see `quantkit.kernels.cpu`."""
+    from quantkit.kernels import cpu
+
+    return cpu.prepack_w8a8(w_int8, w_scale)
+
+
+def w8a8_cpu_ext_reason() -> str:
+    """Why the C++ quantization passes of `w8a8_gemm_cpu` are unavailable here ("" when they run)."""
+    from quantkit.kernels import cpu_w8a8
+
+    return cpu_w8a8.reason()
+
+
+def w8a8_gemm_cpu(x, weight) -> torch.Tensor:
+    """W8A8 on the CPU: x quantized per token, oneDNN's int8 GEMM (AMX / VNNI), in x's dtype."""
+    from quantkit.kernels import cpu
+
+    return cpu.w8a8_gemm_cpu(x, weight)

@@ -177,6 +177,11 @@ PRESETS: dict[str, QuantScheme] = {
     "w8a16": QuantScheme(
         "w8a16", QuantArgs(num_bits=8, type="int", symmetric=True, strategy="channel", group_size=None)
     ),
+    "w8a8": QuantScheme(
+        "w8a8",
+        QuantArgs(num_bits=8, type="int", symmetric=True, strategy="channel", group_size=None),
+        input_activations=QuantArgs(num_bits=8, type="int", strategy="token", group_size=None, dynamic=True),
+    ),
     "fp8-dynamic": QuantScheme(
         "fp8-dynamic",
         _FP8_CHANNEL,

@@ -34,7 +34,8 @@ def _activations(args: dict | None) -> str:
     if not args:
         return "float"
     how = "dynamic" if args.get("dynamic") else "static"
-    return f"fp{args['num_bits']} {how} per {args['strategy']}"
+    kind = "int" if args.get("type") == "int" else "fp"
+    return f"{kind}{args['num_bits']} {how} per {args['strategy']}"
 
 
 def _hub_id(name: str) -> str | None:

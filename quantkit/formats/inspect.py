@@ -44,7 +44,7 @@ def describe(model_name: str) -> dict:
     )
     shapes = _shapes(path)
     packed = (".weight_packed", ".qweight")  # compressed-tensors; AutoAWQ and GPTQ
-    quantized = sorted(k.rsplit(".", 1)[0] for k in shapes if k.endswith(packed))
+    quantized = sorted(k.rsplit(".", 1)[0] for k in shapes if k.endswith(packed) or _stored_quantized(k, shapes))
     groups = qc.get("config_groups") or (
         {"group_0": {"weights": _int4_args(qc)}} if qc.get("quant_method") in ("awq", "gptq") else {}
     )
@@ -64,6 +64,9 @@ def describe(model_name: str) -> dict:
                 numel = shape[0] * shape[1] * 32 // bits(module)
                 q_params += numel
                 float_total += numel * float_bytes
+            elif key.endswith(".weight"):  # int-quantized / float-quantized: one 8-bit value per weight
+                q_params += n
+                float_total += n * float_bytes
         else:
             float_total += n * float_bytes
     disk = sum(f.stat().st_size for f in weight_files(path))
@@ -84,6 +87,11 @@ def describe(model_name: str) -> dict:
         "experts": expert_coverage(provenance),
         "provenance": provenance,
     }
+
+
+def _stored_quantized(key: str, shapes: dict) -> bool:
+    """Whether `key` is an 8-bit weight stored as it is (int-quantized int8, float-quantized fp8)."""
+    return key.endswith(".weight") and shapes[key][1] in ("I8", "F8_E4M3") and key + "_scale" in shapes
 
 
 def expert_coverage(provenance: dict | None) -> dict | None:

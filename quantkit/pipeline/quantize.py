@@ -21,10 +21,11 @@ from torch import nn
 
 from quantkit.calibration.datasets import Calibration, calibration_samples, load_documents
 from quantkit.calibration.method import Method, QParams
+from quantkit.calibration.registry import METHODS
 from quantkit.calibration.registry import method as method_entry
 from quantkit.calibration.runner import InMemory, run_blocks
 from quantkit.errors import QuantkitError
-from quantkit.formats import float_quantized, pack_quantized
+from quantkit.formats import float_quantized, int_quantized, pack_quantized
 from quantkit.formats.checkpoint import SHARD_BYTES, check_disk, check_output, parse_size
 from quantkit.models import kv_cache
 from quantkit.models.arch import ArchSpec, arch_for, get_module
@@ -80,6 +81,8 @@ def pack_tensor(key: str, t: torch.Tensor, scheme: QuantScheme, results: dict[st
         p, args = results[module], scheme.scheme_for(module).weights
         if scheme.format == "float-quantized":
             packed = float_quantized.compress(t, p.scale, args, p.input_scale)
+        elif scheme.format == "int-quantized":
+            packed = int_quantized.compress(t, p.scale, args)
         else:
             packed = pack_quantized.compress(t, p.scale, p.zero_point, args, p.g_idx)
         return {f"{module}.{k}": v for k, v in packed.items()}
@@ -154,7 +157,7 @@ def check_scaled_together(model: nn.Module, spec: ArchSpec, scheme: QuantScheme,
             if left_out and len(left_out) < len(names):
                 raise QuantkitError(
                     f"{left_out[0]} is ignored but shares the scales folded into "
-                    f"{spec.blocks}.{i}.{m.prev} with {', '.join(m.linears)}; with awq or fp8 "
+                    f"{spec.blocks}.{i}.{m.prev} with {', '.join(m.linears)}; with awq or "
                     "smoothing ignore all of them or none."
                 )
             args = [scheme.scheme_for(n).weights for n in names if n in linears]
@@ -162,7 +165,7 @@ def check_scaled_together(model: nn.Module, spec: ArchSpec, scheme: QuantScheme,
                 other = next(n for n, a in zip(names, args) if a != args[0])
                 raise QuantkitError(
                     f"{other} gets other weight args than {names[0]} but shares the scales folded into "
-                    f"{spec.blocks}.{i}.{m.prev} with it; with awq or fp8 smoothing give a mapping's "
+                    f"{spec.blocks}.{i}.{m.prev} with it; with awq or smoothing give a mapping's "
                     f"linears ({', '.join(m.linears)}) one scheme."
                 )
 
@@ -174,8 +177,10 @@ def check_method(
     method or a transform run before it; `path` (a recipe key) names where the mistake is."""
     where = path or "scheme"
     for p, s in [(where, scheme)] + [(f"{where}.overrides[{i}]", o) for i, o in enumerate(scheme.overrides)]:
-        if s.weights is None or s.format != method.format:
-            fits = " or ".join(name for name, ps in PRESETS.items() if ps.weights and ps.format == method.format)
+        if s.weights is None or not method.makes(s.format):
+            fits = " or ".join(name for name, ps in PRESETS.items() if ps.weights and method.makes(ps.format))
+            makers = [m.name for m in METHODS.values() if m.role == "weights" and m.makes(s.format)]
+            fits += f" (or {' or '.join(makers)} for {s.format})" if makers else ""
             raise QuantkitError(
                 f"{p}: the {method.name} step cannot make {s.format} weights; use {fits}."
                 if path
@@ -186,13 +191,17 @@ def check_method(
                 f"{p}.actorder: {s.weights.actorder!r} is not allowed; use null with the "
                 f"{method.name} step (act-order is GPTQ's)."
             )
+        if s.format == "int-quantized" and (why := int_quantized.unsupported(s)):
+            raise QuantkitError(f"{p}: {why}; use w8a8 (per-channel int8 weights, per-token int8 activations).")
     for t, _ in transforms:
         if method.name not in t.before:
-            raise QuantkitError(f"steps: {t.name} runs before {' or '.join(t.before)}, not before {method.name}.")
+            before = " or ".join([", ".join(t.before[:-1]), t.before[-1]] if len(t.before) > 1 else t.before)
+            raise QuantkitError(f"steps: {t.name} runs before {before}, not before {method.name}.")
         if t.needs_activations and scheme.input_activations is None:
+            fits = " or ".join(n for n, ps in PRESETS.items() if ps.input_activations and method.makes(ps.format))
             raise QuantkitError(
                 f"{where}: {t.name} balances activation against weight quantization, but "
-                f"{scheme.name!r} keeps activations in float; use fp8-dynamic or fp8."
+                f"{scheme.name!r} keeps activations in float; use {fits}."
             )
 
 
@@ -385,6 +394,11 @@ def _mixed_precision(model_name, method: Method, scheme: QuantScheme, calibratio
 
     if method.format != "pack-quantized":
         raise QuantkitError(f"--target-bits chooses int4/int8 formats for rtn, awq and gptq, not {method.name}.")
+    if scheme.format != "pack-quantized":
+        raise QuantkitError(
+            f"--target-bits mixes weight-only int4/int8 formats; it does not take {scheme.name!r}, "
+            "whose activations are quantized too."
+        )
     if scheme.overrides:
         raise QuantkitError("--target-bits chooses the per-layer formats itself; drop the scheme's overrides.")
     rows_n, seq_len = SENSITIVITY_WINDOWS

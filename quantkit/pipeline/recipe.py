@@ -4,7 +4,7 @@ command's `--print-recipe`, and stored in the checkpoint's `quantkit.json`.
 
     model: smollm2-135m
     scheme:                       # a preset name, or a mapping:
-      preset: w4a16-asym          #   optional base (w4a16, w4a16-asym, fp8-dynamic, fp8)
+      preset: w4a16-asym          #   optional base (w4a16, w4a16-asym, w8a16, w8a8, fp8-dynamic, fp8)
       group_size: 64              #   weight args over the preset's (num_bits, type, ...); group_size
                                   #   absent or auto: the preset's, halved until it divides every width
       ignore: [lm_head]

@@ -16,7 +16,7 @@ from torch import nn
 
 from quantkit import ops
 from quantkit.errors import QuantkitError
-from quantkit.formats import interop
+from quantkit.formats import int_quantized, interop
 from quantkit.formats.checkpoint import read_tensors
 from quantkit.models import kv_cache
 from quantkit.models.arch import arch_for
@@ -28,16 +28,18 @@ from quantkit.models.loading import (
     missing_and_unexpected,
     resolve_model,
 )
-from quantkit.runtime.qlinear import Fp8Linear, PackedInt4Linear, PackedInt8Linear
+from quantkit.runtime.qlinear import Fp8Linear, Int8Linear, PackedInt4Linear, PackedInt8Linear
 from quantkit.scheme import CheckpointConfig, from_quantization_config
 
 SUPPORTED = (
     "compressed-tensors pack-quantized (int4, int8)",
     "compressed-tensors float-quantized (fp8)",
+    "compressed-tensors int-quantized (W8A8 int8)",
     "AutoAWQ GEMM (int4)",
     "GPTQ v1 (int4)",
 )
-FORMATS = ("pack-quantized", "float-quantized", "dense")  # dense: float weights (e.g. KV-cache scales only)
+# dense: float weights (e.g. KV-cache scales only)
+FORMATS = ("pack-quantized", "float-quantized", "int-quantized", "dense")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -86,6 +88,14 @@ def _quantized_linear(linear: nn.Linear, scheme, dtype: torch.dtype, path: Path)
         return PackedInt4Linear(*shape, w, dtype)
     if w.num_bits == 8 and acts is None:
         return PackedInt8Linear(*shape, w, dtype)
+    if w.type == "int" and acts is not None:
+        why = int_quantized.unsupported(scheme)
+        if why:
+            raise QuantkitError(
+                f"{path} is int-quantized, but {why}; quantkit runs int8 weights (per channel or tensor) "
+                "with int8 activations quantized per token at run time."
+            )
+        return Int8Linear(*shape, w, acts, dtype)
     raise QuantkitError(
         f"{path} quantizes weights to int{w.num_bits}"
         f"{' with quantized activations' if acts else ''}; quantkit loads {', '.join(SUPPORTED)}."

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from quantkit import ops, packing
-from quantkit.formats import float_quantized, pack_quantized
+from quantkit.formats import float_quantized, int_quantized, pack_quantized
 from quantkit.primitives import dequantize
 from quantkit.scheme import QuantArgs
 
@@ -45,25 +45,28 @@ class PackedInt4Linear(nn.Module):
 
     def prepare(self, dtype: torch.dtype, device: torch.device | str, backend: str = "auto") -> ops.Kernel:
         """Choose the kernel once, for activations of `dtype` on `device` (what the engine does at
-        load; a first call does it otherwise): torch's CPU int4pack kernel for bf16 on the CPU when
-        it takes this shape, the Triton kernel on a GPU (or with backend "triton"), else the torch
-        twin, which dequantizes the weight on every call. `self.kernel` says which, and why."""
+        load; a first call does it otherwise): for bf16 on the CPU the AMX kernel, else torch's
+        int4pack (`ops.int4_cpu_weight`), the Triton kernel on a GPU (or with backend "triton"),
+        else the torch twin, which dequantizes the weight on every call. `self.kernel` says
+        which, and why."""
         group = self.args.group_size if self.args.strategy == "group" else None
         device = torch.device(device)
         ops.check_backend(backend)
         self._prepared_for = (dtype, device)
         if backend == "auto" and device.type == "cpu":
-            why = ops.int4_cpu_unsupported(self.out_features, self.in_features, group, self.weight_g_idx)
             if dtype != torch.bfloat16:
-                why = f"its activations are {_name(dtype)} and torch's CPU int4 kernel takes bfloat16"
-            if why is None:
-                weight = ops.int4_cpu_weight(
-                    self.weight_packed, self.weight_scale, self.zeros(), group, self.weight_g_idx
-                )
-                self._run = lambda x: ops.int4_gemm_cpu(x, weight)
-                self.runtime_weight = weight
-                self.kernel = ops.Kernel("int4pack (torch CPU)")
-                return self.kernel
+                why = f"its activations are {_name(dtype)} and the CPU int4 kernels take bfloat16"
+            else:
+                args = (self.weight_packed, self.weight_scale, self.zeros(), group, self.weight_g_idx)
+                weight, why = ops.int4_cpu_weight(*args)
+                if weight is not None:
+                    self._run = lambda x: ops.int4_gemm_cpu(x, weight)
+                    self.runtime_weight = weight
+                    amx = weight.kernel == "amx"
+                    self.kernel = ops.Kernel(
+                        "int4 AMX (quantkit C++)" if amx else "int4pack (torch CPU)", None if amx else why
+                    )
+                    return self.kernel
         else:
             why = None if backend == "triton" or device.type == "cuda" else f"backend {backend}"
         self.runtime_weight = None
@@ -248,6 +251,8 @@ def fuse_linears(linears: list[nn.Module]) -> nn.Module | None:
         fused.weight_scale = _concat_and_share(linears, "weight_scale")
         fused.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         return fused
+    if kinds == {Int8Linear}:
+        return _fuse_int8(linears, bias)
     return None
 
 
@@ -288,4 +293,81 @@ def _concat_and_share(linears: list[nn.Module], name: str) -> torch.Tensor:
         part = fused[start : start + n]
         setattr(m, name, nn.Parameter(part, requires_grad=False) if name in m._parameters else part)
         start += n
+    return fused
+
+
+class Int8Linear(nn.Module):
+    """A W8A8 linear with compressed-tensors `int-quantized` weights (int8 [out, in] `weight`,
+    `weight_scale` [out, 1] or [1]; buffers named as in the checkpoint). Activations are
+    quantized to int8 per token when it runs, and the GEMM is int8 with int32 sums."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, args: QuantArgs, acts: QuantArgs, dtype: torch.dtype
+    ):
+        super().__init__()
+        self.in_features, self.out_features, self.args, self.acts = in_features, out_features, args, acts
+        for name, (shape, dt) in int_quantized.param_info(out_features, in_features, args, dtype).items():
+            self.register_buffer(name, torch.empty(shape, dtype=dt, device="meta"))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device="meta")) if bias else None
+        self.kernel: ops.Kernel | None = None  # chosen once, by `prepare`
+        self.runtime_weight = None  # oneDNN's prepacked weight on the CPU
+        self._prepared_for = None
+
+    def prepare(self, dtype: torch.dtype, device: torch.device | str, backend: str = "auto") -> ops.Kernel:
+        """Choose the kernel once (see `PackedInt4Linear.prepare`): oneDNN's int8 GEMM on a
+        prepacked weight on the CPU (AMX or VNNI where the CPU has them), `torch._int_mm` on a GPU
+        (or with backend "triton"), else the torch twin, which dequantizes on every call."""
+        device = torch.device(device)
+        ops.check_backend(backend)
+        self._prepared_for = (dtype, device)
+        self.runtime_weight = None
+        if backend == "auto" and device.type == "cpu":
+            why = ops.w8a8_cpu_unsupported(self.out_features, self.in_features)
+            if why is None:
+                weight = ops.w8a8_cpu_weight(self.weight, self.weight_scale)
+                self._run = lambda x: ops.w8a8_gemm_cpu(x, weight)
+                self.runtime_weight = weight
+                if weight.elementwise is None:  # the same math, ten torch ops a call
+                    why = f"its activations are quantized by torch ops: {ops.w8a8_cpu_ext_reason()}"
+                    self.kernel = ops.Kernel("oneDNN int8 GEMM (torch CPU), torch-op quantization", why)
+                else:
+                    self.kernel = ops.Kernel("oneDNN int8 GEMM (torch CPU)")
+                return self.kernel
+        elif backend == "torch":
+            why = "backend torch"
+        else:
+            why = ops.int8_gemm_unsupported(self.out_features, self.in_features, device)
+            if why is None:
+                self._run = lambda x: ops.int8_gemm(x, self.weight, self.weight_scale, backend="triton")
+                self.kernel = ops.Kernel("torch._int_mm")
+                return self.kernel
+        self._run = lambda x: ops.int8_gemm(x, self.weight, self.weight_scale, backend="torch")
+        self.kernel = ops.Kernel("int8 twin (dequantizes on every call)", why)
+        return self.kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._prepared_for != (x.dtype, x.device):
+            self.prepare(x.dtype, x.device)
+        y = self._run(x)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        shape = f"in={self.in_features}, out={self.out_features}"
+        return f"{shape}, int8 {self.args.strategy} weights, int8 per-token activations"
+
+
+def _fuse_int8(linears: list[Int8Linear], bias: torch.Tensor | None) -> Int8Linear | None:
+    """Int8Linears of one scheme with per-channel scales (of one dtype) as one."""
+    first = linears[0]
+    if any(m.args != first.args or m.weight_scale.dtype != first.weight_scale.dtype for m in linears):
+        return None
+    if first.args.strategy != "channel":
+        return None
+    dtype = first.weight_scale.dtype if bias is None else bias.dtype
+    fused = Int8Linear(
+        first.in_features, sum(m.out_features for m in linears), bias is not None, first.args, first.acts, dtype
+    )
+    fused.weight = _concat_and_share(linears, "weight")
+    fused.weight_scale = _concat_and_share(linears, "weight_scale")
+    fused.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
     return fused

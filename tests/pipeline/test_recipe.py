@@ -40,8 +40,12 @@ def same_tensors(a, b) -> bool:
             "steps: [awq, gptq] cannot run; a recipe has one weight step (rtn, awq, gptq, fp8), "
             "optionally after smooth and before kv, or kv alone.",
         ),
-        ({"steps": ["smooth", "awq"]}, "steps: smooth runs before fp8, not before awq."),
-        ({"scheme": "w4a16", "steps": ["smooth", "rtn"]}, "steps: smooth runs before fp8, not before rtn."),
+        ({"steps": ["smooth", "awq"]}, "steps: smooth runs before fp8, rtn or gptq, not before awq."),
+        (
+            {"scheme": "w4a16", "steps": ["smooth", "rtn"]},
+            "scheme: smooth balances activation against weight quantization, but 'w4a16' keeps activations "
+            "in float; use w8a8.",
+        ),
         ({"steps": ["kv", "rtn"]}, "steps: [kv, rtn] cannot run"),
         ({"steps": ["awqq"]}, "steps[0]: 'awqq' is not allowed; use one of rtn, awq, gptq, fp8, smooth, kv"),
         ({"steps": [{"awq": {"gird": 3}}]}, "steps[0].awq: unknown key 'gird'; allowed keys are grid, duo, clip"),

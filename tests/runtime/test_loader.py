@@ -67,8 +67,8 @@ def test_other_formats_are_refused_by_name(checkpoint, tmp_path):
         quantkit.load(other)
 
 
-def test_bf16_on_cpu_takes_torchs_int4pack_path(checkpoint):
-    from quantkit.kernels.cpu import Int4CpuWeight
+def test_bf16_on_cpu_takes_a_cpu_int4_kernel(checkpoint):
+    from quantkit.kernels.cpu_int4 import Int4Weight
 
     model = quantkit.load(checkpoint)
     ids = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -77,7 +77,8 @@ def test_bf16_on_cpu_takes_torchs_int4pack_path(checkpoint):
         model.to(torch.bfloat16)
         fast = model(ids).logits.float()
     up = model.model.layers[0].mlp.up_proj
-    assert up.kernel.name == "int4pack (torch CPU)" and isinstance(up.runtime_weight, Int4CpuWeight)
+    assert up.kernel.name in ("int4 AMX (quantkit C++)", "int4pack (torch CPU)")
+    assert isinstance(up.runtime_weight, Int4Weight) and (up.kernel.why is None) == (up.runtime_weight.kernel == "amx")
     # bf16 activations and scales against the fp32 twin: a bf16-sized difference, no more
     assert (fast - ref).pow(2).mean().sqrt() < 0.03 * ref.pow(2).mean().sqrt()
 
