@@ -16,7 +16,19 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-class PackedInt4Linear(nn.Module):
+class _Prepared(nn.Module):
+    """A quantized linear whose `prepare(dtype, device, backend)` chooses its kernel once (the
+    engine calls it at load; the first call does otherwise, and again only if the activations'
+    dtype or device change) and sets `_run`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._prepared_for != (x.dtype, x.device):
+            self.prepare(x.dtype, x.device)
+        y = self._run(x)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+class PackedInt4Linear(_Prepared):
     """A linear with compressed-tensors `pack-quantized` int4 weights (buffers named
     as in the checkpoint, so its state dict loads as is)."""
 
@@ -76,12 +88,6 @@ class PackedInt4Linear(nn.Module):
         self.kernel = ops.Kernel("int4_gemm (Triton)" if fast else "int4 twin (dequantizes on every call)", why)
         return self.kernel
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._prepared_for != (x.dtype, x.device):
-            self.prepare(x.dtype, x.device)
-        y = self._run(x)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
-
     def extra_repr(self) -> str:
         a = self.args
         return (
@@ -89,7 +95,7 @@ class PackedInt4Linear(nn.Module):
         )
 
 
-class PackedInt8Linear(nn.Module):
+class PackedInt8Linear(_Prepared):
     """A linear with compressed-tensors `pack-quantized` int8 weights (w8a16; buffers named as
     in the checkpoint). Symmetric per-channel weights on the CPU compute through torch's
     int8-weight GEMM (`ops.int8_gemm_cpu`, built on the first call); any other layout or
@@ -130,12 +136,6 @@ class PackedInt8Linear(nn.Module):
         self._run = lambda x: torch.nn.functional.linear(x, dense)
         self.kernel = ops.Kernel(f"dequantized once to {_name(dtype)}", why)
         return self.kernel
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._prepared_for != (x.dtype, x.device):
-            self.prepare(x.dtype, x.device)
-        y = self._run(x)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def _ints(self) -> torch.Tensor:
         return packing.unpack(self.weight_packed, self.in_features, 8)  # int8 [out, in]
@@ -296,7 +296,7 @@ def _concat_and_share(linears: list[nn.Module], name: str) -> torch.Tensor:
     return fused
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(_Prepared):
     """A W8A8 linear with compressed-tensors `int-quantized` weights (int8 [out, in] `weight`,
     `weight_scale` [out, 1] or [1]; buffers named as in the checkpoint). Activations are
     quantized to int8 per token when it runs, and the GEMM is int8 with int32 sums."""
@@ -344,12 +344,6 @@ class Int8Linear(nn.Module):
         self._run = lambda x: ops.int8_gemm(x, self.weight, self.weight_scale, backend="torch")
         self.kernel = ops.Kernel("int8 twin (dequantizes on every call)", why)
         return self.kernel
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._prepared_for != (x.dtype, x.device):
-            self.prepare(x.dtype, x.device)
-        y = self._run(x)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
         shape = f"in={self.in_features}, out={self.out_features}"
