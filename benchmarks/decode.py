@@ -49,7 +49,9 @@ def linear_bytes(module: nn.Module) -> int:
 
 def weight_bytes_per_token(llm: LLM) -> int:
     layers = llm.runner.layers
-    total = sum(linear_bytes(m) for layer in layers for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj))
+    total = sum(
+        linear_bytes(m) for layer in layers for m in (layer.qkv, layer.o_proj, layer.mlp.gate_up, layer.mlp.down)
+    )
     return total + linear_bytes(llm.runner.lm_head)
 
 
