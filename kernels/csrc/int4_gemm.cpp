@@ -255,8 +255,9 @@ QK_AMX void repack_x(const Problem& p, int64_t m0, uint16_t* dst) {
   }
 }
 
-// C tiles 0..3 hold c[j][i] = weight tile a_j x x tile b_i (c + (2 j + i) * 256 in memory);
-// tiles 4, 5 take a_0, a_1 and 6, 7 take b_0, b_1, one k step (512 bf16) after another.
+// C tiles 0..3 hold c[j][i] = tile a_j x tile b_i (c + (2 j + i) * 256 in memory); tiles 4, 5
+// take a_0, a_1 and 6, 7 take b_0, b_1, one k step (512 bf16) after another. NT: a tiles (1 or 2),
+// MT: b tiles. Small M: a = weight, b = x; more rows (`rows_tiles`): a = x, b = weight.
 template <int NT, int MT>
 QK_AMX inline void tiles_zero() {
   _tile_zero(0);
@@ -376,25 +377,9 @@ QK_AMX void rows_tiles(const uint16_t* a0, const uint16_t* a1, const uint16_t* b
     if constexpr (MT == 2) _tile_loadd(2, c + 512, 64);
     if constexpr (MT == 2 && NT == 2) _tile_loadd(3, c + 768, 64);
   } else {
-    _tile_zero(0);
-    if constexpr (NT == 2) _tile_zero(1);
-    if constexpr (MT == 2) _tile_zero(2);
-    if constexpr (MT == 2 && NT == 2) _tile_zero(3);
+    tiles_zero<MT, NT>();
   }
-  for (int64_t t = 0; t < steps; ++t) {
-    _tile_loadd(4, a0 + t * 512, 64);
-    _tile_loadd(6, b0 + t * 512, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if constexpr (NT == 2) {
-      _tile_loadd(7, b1 + t * 512, 64);
-      _tile_dpbf16ps(1, 4, 7);
-    }
-    if constexpr (MT == 2) {
-      _tile_loadd(5, a1 + t * 512, 64);
-      _tile_dpbf16ps(2, 5, 6);
-      if constexpr (NT == 2) _tile_dpbf16ps(3, 5, 7);
-    }
-  }
+  tiles_steps<MT, NT>(a0, a1, b0, b1, steps);  // the same tile roles: A-side tiles first, then B-side
   _tile_stored(0, c, 64);
   if constexpr (NT == 2) _tile_stored(1, c + 256, 64);
   if constexpr (MT == 2) _tile_stored(2, c + 512, 64);
