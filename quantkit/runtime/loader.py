@@ -28,7 +28,7 @@ from quantkit.models.loading import (
     missing_and_unexpected,
     resolve_model,
 )
-from quantkit.runtime.qlinear import Fp8Linear, Int8Linear, PackedInt4Linear, PackedInt8Linear
+from quantkit.runtime.qlinear import Fp8Linear, Int8Linear, PackedInt4Linear, PackedInt8Linear, dtype_name
 from quantkit.scheme import CheckpointConfig, from_quantization_config
 
 SUPPORTED = (
@@ -67,10 +67,9 @@ def serving_dtype(config, dtype: torch.dtype | None, device: str = "cpu") -> tup
     fast = torch.bfloat16 if ops.native_bf16(device) else torch.float32
     if fast == saved:
         return saved, None
-    name = lambda d: str(d).removeprefix("torch.")  # noqa: E731
     return fast, (
-        f"the {name(saved)} checkpoint runs in {name(fast)}, the faster of the two on this {device} "
-        f"(--dtype {name(saved)} keeps it)."
+        f"the {dtype_name(saved)} checkpoint runs in {dtype_name(fast)}, the faster of the two on this {device} "
+        f"(--dtype {dtype_name(saved)} keeps it)."
     )
 
 

@@ -12,14 +12,20 @@ from quantkit.primitives import dequantize
 from quantkit.scheme import QuantArgs
 
 
-def _name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """ "bfloat16" for torch.bfloat16."""
     return str(dtype).removeprefix("torch.")
 
 
 class _Prepared(nn.Module):
     """A quantized linear whose `prepare(dtype, device, backend)` chooses its kernel once (the
     engine calls it at load; the first call does otherwise, and again only if the activations'
-    dtype or device change) and sets `_run`."""
+    dtype or device change) and sets `_run`, `kernel` (which, and why) and `runtime_weight` (the
+    kernel's own layout of the weight, where it builds one)."""
+
+    kernel: ops.Kernel | None = None
+    runtime_weight = None
+    _prepared_for: tuple | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._prepared_for != (x.dtype, x.device):
@@ -43,9 +49,6 @@ class PackedInt4Linear(_Prepared):
         self.weight_zero_point = getattr(self, "weight_zero_point", None)
         self.weight_g_idx = getattr(self, "weight_g_idx", None)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device="meta")) if bias else None
-        self.kernel: ops.Kernel | None = None  # chosen once, by `prepare`
-        self.runtime_weight = None  # the kernel's own layout of the weight, built by `prepare`
-        self._prepared_for = None
         self._zeros = None  # the unpacked zero points, built on the first call
 
     def zeros(self) -> torch.Tensor | None:
@@ -65,11 +68,13 @@ class PackedInt4Linear(_Prepared):
         device = torch.device(device)
         ops.check_backend(backend)
         self._prepared_for = (dtype, device)
+        args = (self.weight_packed, self.weight_scale, self.zeros(), group, self.weight_g_idx)
+        fast = backend == "triton" or (backend == "auto" and device.type == "cuda")
+        why = None if fast else f"backend {backend}"
         if backend == "auto" and device.type == "cpu":
             if dtype != torch.bfloat16:
-                why = f"its activations are {_name(dtype)} and the CPU int4 kernels take bfloat16"
+                why = f"its activations are {dtype_name(dtype)} and the CPU int4 kernels take bfloat16"
             else:
-                args = (self.weight_packed, self.weight_scale, self.zeros(), group, self.weight_g_idx)
                 weight, why = ops.int4_cpu_weight(*args)
                 if weight is not None:
                     self._run = lambda x: ops.int4_gemm_cpu(x, weight)
@@ -79,12 +84,8 @@ class PackedInt4Linear(_Prepared):
                         "int4 AMX (quantkit C++)" if amx else "int4pack (torch CPU)", None if amx else why
                     )
                     return self.kernel
-        else:
-            why = None if backend == "triton" or device.type == "cuda" else f"backend {backend}"
         self.runtime_weight = None
-        args = (self.weight_packed, self.weight_scale, self.zeros(), group, self.weight_g_idx)
         self._run = lambda x: ops.int4_gemm(x, *args, backend=backend)
-        fast = backend != "torch" and device.type == "cuda" or backend == "triton"
         self.kernel = ops.Kernel("int4_gemm (Triton)" if fast else "int4 twin (dequantizes on every call)", why)
         return self.kernel
 
@@ -111,8 +112,6 @@ class PackedInt8Linear(_Prepared):
         self.weight_zero_point = getattr(self, "weight_zero_point", None)
         self.weight_g_idx = getattr(self, "weight_g_idx", None)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device="meta")) if bias else None
-        self.kernel: ops.Kernel | None = None  # chosen once, by `prepare`
-        self._prepared_for = None
 
     def prepare(self, dtype: torch.dtype, device: torch.device | str, backend: str = "auto") -> ops.Kernel:
         """Choose the kernel once (see `PackedInt4Linear.prepare`): torch's int8-weight GEMM for
@@ -134,7 +133,7 @@ class PackedInt8Linear(_Prepared):
         zeros = None if zeros is None else packing.unpack(zeros, self.out_features, 8, dim=0)
         dense = dequantize(self._ints(), self.weight_scale, zeros, a, self.weight_g_idx).to(dtype)
         self._run = lambda x: torch.nn.functional.linear(x, dense)
-        self.kernel = ops.Kernel(f"dequantized once to {_name(dtype)}", why)
+        self.kernel = ops.Kernel(f"dequantized once to {dtype_name(dtype)}", why)
         return self.kernel
 
     def _ints(self) -> torch.Tensor:
@@ -309,9 +308,6 @@ class Int8Linear(_Prepared):
         for name, (shape, dt) in int_quantized.param_info(out_features, in_features, args, dtype).items():
             self.register_buffer(name, torch.empty(shape, dtype=dt, device="meta"))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device="meta")) if bias else None
-        self.kernel: ops.Kernel | None = None  # chosen once, by `prepare`
-        self.runtime_weight = None  # oneDNN's prepacked weight on the CPU
-        self._prepared_for = None
 
     def prepare(self, dtype: torch.dtype, device: torch.device | str, backend: str = "auto") -> ops.Kernel:
         """Choose the kernel once (see `PackedInt4Linear.prepare`): oneDNN's int8 GEMM on a
