@@ -248,3 +248,56 @@ def w8a8_gemm_cpu(x, weight) -> torch.Tensor:
     from quantkit.kernels import cpu
 
     return cpu.w8a8_gemm_cpu(x, weight)
+
+
+def _fused(backend: str, *tensors: torch.Tensor):
+    """The C++ element-wise kernels (`kernels/cpu_fused.py`) for CPU tensors of one float dtype
+    with backend auto, or None for the twins (a GPU, backend torch or triton, no build)."""
+    check_backend(backend)
+    x = tensors[0]
+    if backend != "auto" or x.device.type != "cpu" or any(t.dtype != x.dtype for t in tensors):
+        return None
+    from quantkit.kernels import cpu_fused
+
+    return cpu_fused.load()
+
+
+def fused_kernel(device: torch.device | str, backend: str = "auto") -> Kernel:
+    """What `rms_norm`, `add_rms_norm_`, `rope_` and `silu_mul` run on `device` with `backend`."""
+    check_backend(backend)
+    if backend == "torch":
+        return Kernel("norms, rotary embedding and SiLU as torch ops", "backend torch")
+    if backend == "triton" or torch.device(device).type != "cpu":
+        return Kernel("norms, rotary embedding and SiLU as torch ops")
+    from quantkit.kernels import cpu_fused
+
+    if cpu_fused.load() is not None:
+        return Kernel("norms, rotary embedding and SiLU (quantkit C++)")
+    return Kernel("norms, rotary embedding and SiLU as torch ops", cpu_fused.reason())
+
+
+def rms_norm(x, weight, eps: float, gemma: bool = False, backend: str = "auto") -> torch.Tensor:
+    """RMSNorm over the last dim, Llama's way or Gemma's; see `quantkit.kernels.reference.rms_norm`."""
+    k = _fused(backend, x, weight)
+    return k.rms_norm(x, weight, eps, gemma) if k is not None else reference.rms_norm(x, weight, eps, gemma)
+
+
+def add_rms_norm_(x, delta, weight, eps: float, gemma: bool = False, backend: str = "auto") -> torch.Tensor:
+    """x += delta in place, then `rms_norm(x)`; see `quantkit.kernels.reference.add_rms_norm_`."""
+    k = _fused(backend, x, delta, weight)
+    if k is not None:
+        return k.add_rms_norm_(x, delta, weight, eps, gemma)
+    return reference.add_rms_norm_(x, delta, weight, eps, gemma)
+
+
+def rope_(x, cos, sin_signed, backend: str = "auto") -> None:
+    """Rotary embedding of x [T, heads, D] in place (cos, sign-folded sin [T, R]); see
+    `quantkit.kernels.reference.rope`."""
+    k = _fused(backend, x, cos, sin_signed)
+    (k or reference).rope_(x, cos, sin_signed)
+
+
+def silu_mul(gate_up, backend: str = "auto") -> torch.Tensor:
+    """silu(gate) * up of gate_up [T, 2I]; see `quantkit.kernels.reference.silu_mul`."""
+    k = _fused(backend, gate_up)
+    return (k or reference).silu_mul(gate_up)

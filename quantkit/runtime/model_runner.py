@@ -7,8 +7,11 @@ as one flat batch [T, hidden] through each block's fused q/k/v and gate/up linea
 keys/values go into the paged cache with `ops.kv_store`, prefill tokens attend with
 `ops.paged_prefill`, all decode tokens together with `ops.paged_attention` (each with the
 layer's scale, sliding window and logit soft-cap), and logits are computed only for the
-tokens that are sampled. A mixture-of-experts block routes with the model's own router and
-runs each routed expert once on its tokens (`_SparseMLP`).
+tokens that are sampled. The residual stream is added to in place, each add fused with the
+norm that follows it (`ops.add_rms_norm_`); RMSNorms, rotary embedding and SiLU · up go
+through `ops` (C++ on the CPU) where the module computes what the twin does, checked once at
+load (`_Norm`, `_silu`), and through the module otherwise. A mixture-of-experts block routes
+with the model's own router and runs each routed expert once on its tokens (`_SparseMLP`).
 """
 
 from __future__ import annotations
@@ -62,15 +65,64 @@ def kv_cache_dtype(model: nn.Module) -> torch.dtype:
     return KV_DTYPES[args.type] if args is not None else model.get_input_embeddings().weight.dtype
 
 
+def _probe(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """A seeded random input of `like`'s dtype and device, to compare two ways of computing."""
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(shape, generator=g) * 2).to(like.device, like.dtype)
+
+
+@dataclass(slots=True)
+class _Norm:
+    """An RMSNorm as the runner calls it: `ops.rms_norm` where the module computes Llama's or
+    Gemma's RMSNorm exactly (`reference.rms_norm`, checked once at load on a probe input),
+    otherwise the module itself. `add_` is the residual add and the norm in one pass."""
+
+    module: nn.Module
+    fused: tuple[torch.Tensor, float, bool] | None  # (weight, eps, gemma), or None: the module
+    backend: str
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is None:
+            return self.module(x)
+        return ops.rms_norm(x, *self.fused, backend=self.backend)
+
+    def add_(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """x += delta in place (the residual stream), then the norm of x."""
+        if self.fused is None:
+            return self.module(x.add_(delta))
+        return ops.add_rms_norm_(x, delta, *self.fused, backend=self.backend)
+
+    @classmethod
+    def of(cls, module: nn.Module, like: torch.Tensor, backend: str) -> _Norm:
+        """`module` as the runner calls it; `like`, an activation's dtype and device."""
+        weight = getattr(module, "weight", None)
+        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+        if isinstance(weight, torch.Tensor) and weight.dim() == 1 and isinstance(eps, float):
+            x = _probe((4, weight.numel()), like)
+            with torch.inference_mode():
+                want = module(x)
+                for gemma in (False, True):
+                    if torch.equal(reference.rms_norm(x, weight, eps, gemma), want):
+                        return cls(module, (weight, eps, gemma), backend)
+        return cls(module, None, backend)
+
+
+def _silu(act: Callable[[torch.Tensor], torch.Tensor], like: torch.Tensor) -> bool:
+    """Whether `act` is SiLU (the same values as torch's on a probe input of `like`'s dtype)."""
+    x = _probe((4, 64), like)
+    with torch.inference_mode():
+        return torch.equal(act(x), torch.nn.functional.silu(x))
+
+
 @dataclass(slots=True)
 class _Layer:
     """One decoder block as the runner calls it: q/k/v and gate/up fused where they can be."""
 
-    input_norm: nn.Module
+    input_norm: _Norm
     qkv: Callable[[torch.Tensor], torch.Tensor]  # [T, hidden] -> [T, (heads + 2 kv_heads) * head_dim]
     o_proj: nn.Module
     post_attention_norm: Callable[[torch.Tensor], torch.Tensor]  # identity where the family has none
-    pre_mlp_norm: nn.Module
+    pre_mlp_norm: _Norm
     mlp: Callable[[torch.Tensor], torch.Tensor]  # [T, hidden] -> [T, hidden]: `_MLP` or `_SparseMLP`
     post_mlp_norm: Callable[[torch.Tensor], torch.Tensor]
     q_norm: Callable[[torch.Tensor], torch.Tensor]  # per head, [T, heads, D]
@@ -106,15 +158,21 @@ class _MLP:
     gate_up: Callable[[torch.Tensor], torch.Tensor]  # [T, hidden] -> [T, 2 * intermediate]
     act: Callable[[torch.Tensor], torch.Tensor]
     down: nn.Module
+    silu: bool  # act is SiLU: act(gate) * up in one pass (`ops.silu_mul`)
+    backend: str
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.silu:
+            return self.down(ops.silu_mul(self.gate_up(x), self.backend))
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(self.act(gate) * up)
 
     @classmethod
-    def of(cls, gate_up: list[nn.Module], act, down: nn.Module) -> _MLP:
-        """From the model's modules: gate and up, or one fused gate/up projection."""
-        return cls(_prepacked(_projection(gate_up), gate_up), act, _prepacked(down, [down]))
+    def of(cls, gate_up: list[nn.Module], act, down: nn.Module, like: torch.Tensor, backend: str = "auto") -> _MLP:
+        """From the model's modules: gate and up, or one fused gate/up projection; `like`, an
+        activation's dtype and device."""
+        silu = _silu(act, like)
+        return cls(_prepacked(_projection(gate_up), gate_up), act, _prepacked(down, [down]), silu, backend)
 
 
 @dataclass(slots=True)
@@ -137,14 +195,17 @@ class _SparseMLP:
         return out
 
     @classmethod
-    def of(cls, block: nn.Module, spec: MoE) -> _SparseMLP:
+    def of(cls, block: nn.Module, spec: MoE, like: torch.Tensor, backend: str) -> _SparseMLP:
         sparse = get_module(block, spec.module)
         gate, up, down = spec.names
-        experts = [_MLP.of([getattr(x, gate), getattr(x, up)], x.act_fn, getattr(x, down)) for x in sparse.experts]
+        experts = [
+            _MLP.of([getattr(x, gate), getattr(x, up)], x.act_fn, getattr(x, down), like, backend)
+            for x in sparse.experts
+        ]
         shared = None
         if spec.shared is not None:
             s = get_module(block, spec.shared)
-            shared = _MLP.of([s.gate_proj, s.up_proj], s.act_fn, s.down_proj)
+            shared = _MLP.of([s.gate_proj, s.up_proj], s.act_fn, s.down_proj, like, backend)
         gate = None if spec.shared_gate is None else get_module(block, spec.shared_gate)
         return cls(get_module(block, spec.router), experts, shared, gate)
 
@@ -169,17 +230,6 @@ def _prepacked(module: nn.Module, originals: list[nn.Module]) -> nn.Module:
     return packed
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1] written as [x2, x1] * [-sin1, sin2]
-    (the same products and sum as transformers'); x [T, heads, D], cos/sin [T, 1, R]: with
-    R < D (partial rotary) only the first R dims rotate."""
-    rotary = cos.shape[-1]
-    if rotary < x.shape[-1]:
-        return torch.cat([_rope(x[..., :rotary], cos, sin_signed), x[..., rotary:]], dim=-1)
-    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # [x2, x1]
-    return x * cos + swapped * sin_signed
-
-
 class ModelRunner:
     """Owns the paged KV cache [layers] × [num_blocks, block_size, kv_heads, head_dim] and
     runs steps. KV is stored in the model's dtype, or fp8/int8 with the checkpoint's
@@ -202,9 +252,10 @@ class ModelRunner:
         attn = get_module(blocks[0], self.spec.attention)
         self.kv_args = getattr(getattr(attn, "quantkit_kv", None), "args", None)
         self.rotary_emb = get_module(model, self.spec.blocks.rsplit(".", 1)[0]).rotary_emb
+        self._like = torch.empty(0, dtype=self.dtype, device=self.device)  # an activation's dtype and device
         self.layers = [self._layer(b) for b in blocks]
         self.embed = model.get_input_embeddings()
-        self.final_norm = get_module(model, self.spec.final_norm)
+        self.final_norm = _Norm.of(get_module(model, self.spec.final_norm), self._like, backend)
         head = model.get_output_embeddings()
         self.lm_head = _prepacked(head, [] if head.weight is self.embed.weight else [head])  # tied: still looked up
         self.final_softcap = getattr(c, "final_logit_softcapping", None)
@@ -226,6 +277,7 @@ class ModelRunner:
                     chosen.append((type(m).__name__, m.prepare(self.dtype, self.device, self.backend)))
         kv_dtype = self.k_cache[0].dtype
         chosen.append(("attention", ops.attention_kernel(self.device, kv_dtype, self.backend)))
+        chosen.append(("element-wise", ops.fused_kernel(self.device, self.backend)))
         return chosen
 
     def kernel_notes(self) -> list[str]:
@@ -240,22 +292,24 @@ class ModelRunner:
         spec = self.spec.for_block(block)
         qkv, o = spec.sequential[:2]  # q/k/v (fused or not), o
         mods = lambda names: [get_module(block, n) for n in names]  # noqa: E731
-        norm = lambda name: _identity if name is None else get_module(block, name)  # noqa: E731
+        norm = lambda name: _identity if name is None else _Norm.of(get_module(block, name), self._like, self.backend)  # noqa: E731
         attn = get_module(block, spec.attention)
         scales = (attn.k_scale, attn.v_scale) if self.kv_args is not None else (None, None)
         qkv_mods, o_proj = mods(qkv), get_module(block, o[0])
         if spec.moe is not None:
-            mlp = _SparseMLP.of(block, spec.moe)
+            mlp = _SparseMLP.of(block, spec.moe, self._like, self.backend)
         else:
             gate_up, down = spec.sequential[2:]  # gate/up (fused or not), down
-            mlp = _MLP.of(mods(gate_up), get_module(block, spec.act), get_module(block, down[0]))
+            mlp = _MLP.of(
+                mods(gate_up), get_module(block, spec.act), get_module(block, down[0]), self._like, self.backend
+            )
         takes_layer_type = "layer_type" in inspect.signature(self.rotary_emb.forward).parameters
         return _Layer(
-            get_module(block, spec.input_norm),
+            norm(spec.input_norm),
             _prepacked(_projection(qkv_mods), qkv_mods),
             _prepacked(o_proj, [o_proj]),
             norm(spec.post_attention_norm),
-            get_module(block, spec.pre_mlp_norm),
+            norm(spec.pre_mlp_norm),
             mlp,
             norm(spec.post_mlp_norm),
             norm(spec.q_norm),
@@ -276,13 +330,13 @@ class ModelRunner:
             k[dst], v[dst] = k[src], v[src]
 
     def _rope_tables(self, positions: torch.Tensor, layer_type: str | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin [T, 1, rotary_dim] for `_rope`."""
+        """cos and sign-folded sin [T, rotary_dim] for `ops.rope_`."""
         dummy = torch.empty(0, dtype=self.dtype, device=self.device)
         extra = () if layer_type is None else (layer_type,)
         cos, sin = self.rotary_emb(dummy, positions[None], *extra)
         half = cos.shape[-1] // 2
         sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
-        return cos[0, :, None, :], sin[:, None, :]
+        return cos[0].contiguous(), sin
 
     def _attention(self, b: Batch, q: torch.Tensor, i: int, layer: _Layer) -> torch.Tensor:
         P, T = b.num_prefill_tokens, q.shape[0]
@@ -330,18 +384,25 @@ class ModelRunner:
         T, H, KV, D = b.input_ids.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         x = self.embed(b.input_ids)  # [T, hidden]
         tables = {rope: self._rope_tables(b.positions, rope) for rope in {layer.rope for layer in self.layers}}
+        h = self.layers[0].input_norm(x)  # x, the residual stream, is added to in place
         for i, layer in enumerate(self.layers):
             cos, sin = tables[layer.rope]
-            qkv = layer.qkv(layer.input_norm(x))  # [T, (H + 2 KV) D]
+            qkv = layer.qkv(h)  # [T, (H + 2 KV) D]
             q = layer.q_norm(qkv[:, : H * D].view(T, H, D))
             k = layer.k_norm(qkv[:, H * D : (H + KV) * D].view(T, KV, D))
-            q, k = _rope(q, cos, sin).to(qkv.dtype), _rope(k, cos, sin).to(qkv.dtype)
+            ops.rope_(q, cos, sin, self.backend)
+            ops.rope_(k, cos, sin, self.backend)
             v = qkv[:, (H + KV) * D :].view(T, KV, D)
             ops.kv_store(
                 k, v, self.k_cache[i], self.v_cache[i], b.slot_mapping, layer.k_scale, layer.v_scale, self.backend
             )
-            x = x + layer.post_attention_norm(layer.o_proj(self._attention(b, q, i, layer).view(T, H * D)))
-            x = x + layer.post_mlp_norm(layer.mlp(layer.pre_mlp_norm(x)))
+            out = layer.post_attention_norm(layer.o_proj(self._attention(b, q, i, layer).view(T, H * D)))
+            h = layer.pre_mlp_norm.add_(x, out)
+            out = layer.post_mlp_norm(layer.mlp(h))
+            if i + 1 < len(self.layers):
+                h = self.layers[i + 1].input_norm.add_(x, out)
+            else:
+                x.add_(out)
         logits = self.lm_head(self.final_norm(x[b.logits_indices]))
         return reference.cap(logits, self.final_softcap)
 

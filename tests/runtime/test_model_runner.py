@@ -110,3 +110,42 @@ def test_quantized_logits_and_greedy_tokens_match_the_reference_model(checkpoint
     assert sum(a == w for a, w in zip(alone, want)) >= (5 if dtype == torch.float32 else 4)
     if dtype == torch.float32:
         assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == want
+
+
+class _LayerNormLike(nn.Module):
+    """A weight and an eps, but not an RMSNorm: the runner must keep calling it."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(n)), 1e-5
+
+    def forward(self, x):
+        return nn.functional.layer_norm(x, x.shape[-1:], self.weight, None, self.eps)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norms_and_activations_are_recognised_at_load(dtype):
+    from transformers.activations import ACT2FN
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from quantkit.runtime.model_runner import _Norm, _silu
+
+    like = torch.empty(0, dtype=dtype)
+    llama, gemma, other = LlamaRMSNorm(48, eps=1e-6), Gemma3RMSNorm(48, eps=1e-6), _LayerNormLike(48)
+    for m in (llama, gemma, other):
+        with torch.no_grad():
+            m.weight.uniform_(-1, 2, generator=torch.Generator().manual_seed(0))
+        m.to(dtype)
+    assert _Norm.of(llama, like, "auto").fused[1:] == (1e-6, False)
+    assert _Norm.of(gemma, like, "auto").fused[1:] == (1e-6, True)
+    assert _Norm.of(other, like, "auto").fused is None
+    x = torch.randn(5, 48).to(dtype)
+    for m in (llama, gemma, other):  # whichever way it runs, the module's values
+        norm, residual = _Norm.of(m, like, "auto"), x.clone()
+        torch.testing.assert_close(norm(x), m(x), rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=1e-5)
+        out = norm.add_(residual, x)
+        assert torch.equal(residual, x + x)
+        torch.testing.assert_close(out, m(x + x), rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=1e-5)
+    assert _silu(ACT2FN["silu"], like) and _silu(nn.SiLU(), like)
+    assert not _silu(ACT2FN["gelu_pytorch_tanh"], like)

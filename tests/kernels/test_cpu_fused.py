@@ -1,0 +1,153 @@
+"""The C++ element-wise kernels (`quantkit.kernels.cpu_fused`, kernels/csrc/fused.cpp) against
+their twins in `quantkit.kernels.reference` (transformers' own torch code): RMSNorm Llama's way
+and Gemma's, the residual add + norm, rotary embedding in place (whole and partial), SiLU * up;
+every float dtype, sizes with and without a vector tail, strided views as the runner passes.
+
+Tolerance: the kernels round where the twins round, so rotary embedding and SiLU are the
+twins' bit for bit, and so is the add of `add_rms_norm_`. The norms sum the squares in another
+order, so 1/sqrt(mean) may differ in its last bit: fp32 within 4 units in the last place
+(relative), bf16 / fp16 within one, and at least 99% of their values bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantkit import ops
+from quantkit.kernels import cpu_fused
+from quantkit.kernels import reference as ref
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(scope="module")
+def k():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("QUANTKIT_NO_EXT", raising=False)
+        module = cpu_fused.load()
+        if module is None and cpu_fused.reason().startswith("no C++ compiler"):
+            pytest.skip(cpu_fused.reason())
+        assert module is not None, cpu_fused.reason()
+        yield module
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """A norm's output: a few units in the last place, and mostly the same bits."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    ulp = torch.finfo(want.dtype).eps * (4 if want.dtype == torch.float32 else 1)
+    torch.testing.assert_close(got, want, rtol=ulp, atol=ulp * 1e-3)
+    if want.dtype != torch.float32:
+        assert (got == want).float().mean() >= 0.99
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [576, 37, 8])
+@pytest.mark.parametrize("gemma", [False, True])
+def test_rms_norm(k, dtype, hidden, gemma):
+    g = torch.Generator().manual_seed(hidden)
+    x = (torch.randn(19, hidden, generator=g) * 3).to(dtype)
+    w = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
+    close(k.rms_norm(x, w, 1e-5, gemma), ref.rms_norm(x, w, 1e-5, gemma))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_of_heads_in_a_strided_view(k, dtype):
+    """q_norm / k_norm: per-head rows of the q slice of a fused q/k/v output."""
+    qkv = torch.randn(5, (4 + 2 * 2) * 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    q = qkv[:, : 4 * 64].view(5, 4, 64)
+    w = torch.rand(64, generator=torch.Generator().manual_seed(2)).to(dtype)
+    out = k.rms_norm(q, w, 1e-6, False)
+    assert out.is_contiguous()
+    close(out, ref.rms_norm(q, w, 1e-6, False))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [576, 37])
+def test_add_rms_norm_adds_in_place(k, dtype, hidden):
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(7, hidden, generator=g) * 3).to(dtype)
+    delta = torch.randn(7, hidden, generator=g).to(dtype)
+    w = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
+    x_ref = x.clone()
+    out = k.add_rms_norm_(x, delta, w, 1e-5, False)
+    want = ref.add_rms_norm_(x_ref, delta, w, 1e-5, False)
+    assert torch.equal(x, x_ref)  # the residual stream, the same bits
+    close(out, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rotary", [64, 32, 16, 40])  # whole, partial, a half shorter than a vector, a tail
+def test_rope_in_place(k, dtype, rotary):
+    g = torch.Generator().manual_seed(rotary)
+    qkv = torch.randn(6, 10, 64, generator=g).to(dtype)
+    angle = torch.rand(6, rotary // 2, generator=g) * 100
+    cos = torch.cat([angle.cos()] * 2, -1).to(dtype)
+    sin = torch.cat([-angle.sin(), angle.sin()], -1).to(dtype)  # sign folded, as the runner passes
+    x, x_ref = qkv[:, 2:7], qkv.clone()[:, 2:7]  # a strided slice of heads
+    k.rope_(x, cos, sin)
+    ref.rope_(x_ref, cos, sin)
+    assert torch.equal(x, x_ref)
+    assert torch.equal(qkv[:, :2], qkv[:, :2].clone()) and not torch.equal(x, qkv.clone()[:, 2:7] * 0)
+
+
+def test_rope_leaves_other_heads_alone(k):
+    qkv = torch.randn(3, 6, 64)
+    before = qkv.clone()
+    cos, sin = torch.rand(3, 64), torch.rand(3, 64)
+    k.rope_(qkv[:, 1:3], cos, sin)
+    assert torch.equal(qkv[:, [0, 3, 4, 5]], before[:, [0, 3, 4, 5]])
+    assert not torch.equal(qkv[:, 1:3], before[:, 1:3])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [1536, 37])
+def test_silu_mul(k, dtype, inter):
+    gu = (torch.randn(9, 2 * inter, generator=torch.Generator().manual_seed(inter)) * 4).to(dtype)
+    got, want = k.silu_mul(gu), ref.silu_mul(gu)
+    if dtype == torch.float32 and inter % 16:  # the tail: SLEEF's exp where torch's loop takes libm's
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda k: k.rms_norm(torch.randn(4), torch.ones(4), 1e-5, False), "rows"),
+        (lambda k: k.rms_norm(torch.randn(2, 4), torch.ones(5), 1e-5, False), "weight"),
+        (lambda k: k.rms_norm(torch.randn(2, 4), torch.ones(4, dtype=torch.bfloat16), 1e-5, False), "weight"),
+        (lambda k: k.add_rms_norm_(torch.randn(2, 4), torch.randn(3, 4), torch.ones(4), 1e-5, False), "delta"),
+        (lambda k: k.rope_(torch.randn(2, 3, 8), torch.ones(2, 16), torch.ones(2, 16)), "rotary_dim"),
+        (lambda k: k.rope_(torch.randn(2, 3, 8), torch.ones(3, 8), torch.ones(3, 8)), "cos and sin"),
+        (lambda k: k.silu_mul(torch.randn(2, 5)), "even"),
+        (lambda k: k.silu_mul(torch.randn(2, 4, dtype=torch.float64)), "float32, bfloat16 or float16"),
+    ],
+)
+def test_errors(k, call, message):
+    with pytest.raises(RuntimeError, match=message):
+        call(k)
+
+
+def test_ops_take_the_kernel_on_the_cpu_and_the_twin_with_backend_torch(k, monkeypatch):
+    calls = []
+    for name in ("rms_norm", "silu_mul"):
+        real = getattr(ref, name)
+        monkeypatch.setattr(ref, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    x, w = torch.randn(3, 8), torch.ones(8)
+    ops.rms_norm(x, w, 1e-5)
+    ops.silu_mul(torch.randn(3, 8))
+    assert calls == []
+    ops.rms_norm(x, w, 1e-5, backend="torch")
+    ops.silu_mul(torch.randn(3, 8), backend="torch")
+    ops.rms_norm(x, w.double(), 1e-5)  # dtypes differ: the twin, which promotes as torch does
+    assert calls == ["rms_norm", "silu_mul", "rms_norm"]
+    assert ops.fused_kernel("cpu").why is None
+    assert ops.fused_kernel("cpu", "torch").why == "backend torch"
+
+
+def test_without_the_build_the_ops_run_the_twins(monkeypatch):
+    monkeypatch.setenv("QUANTKIT_NO_EXT", "1")
+    x, w = torch.randn(3, 8), torch.rand(8)
+    assert torch.equal(ops.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5))
+    assert ops.fused_kernel("cpu").why == "disabled by QUANTKIT_NO_EXT=1"
