@@ -263,3 +263,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up [T, 2I] = [gate, up]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1) for x [rows, vocab]: the first index of each row's maximum (NaN the largest)."""
+    return x.argmax(-1)

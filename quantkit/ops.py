@@ -301,3 +301,16 @@ def silu_mul(gate_up, backend: str = "auto") -> torch.Tensor:
     """silu(gate) * up of gate_up [T, 2I]; see `quantkit.kernels.reference.silu_mul`."""
     k = _fused(backend, gate_up)
     return (k or reference).silu_mul(gate_up)
+
+
+def argmax(x, backend: str = "auto") -> torch.Tensor:
+    """x.argmax(-1) for logits [rows, vocab] (the first index of each row's maximum); one
+    vectorised pass in C++ on the CPU, where torch's argmax is a scalar loop."""
+    k = _fused(backend, x)
+    if k is not None:
+        return k.argmax(x)
+    if backend == "auto" and not x.is_cuda:
+        from quantkit.kernels import cpu_fused
+
+        return cpu_fused.torch_argmax(x)
+    return reference.argmax(x)

@@ -5,6 +5,8 @@
 //   add_rms_norm_(x [N, H], delta [N, H], w, eps, gemma) -> y: x += delta in place, y = rms_norm(x)
 //   rope_(x [T, heads, D], cos [T, R], sin [T, R]): in place, the first R dims of each head
 //   silu_mul(gu [T, 2I]) -> silu(gu[:, :I]) * gu[:, I:]
+//   argmax(x [rows, vocab]) -> int64 [rows]: the first index of each row's maximum, NaN the
+//       largest (torch's argmax), in one vectorised pass (torch's CPU argmax is scalar)
 //
 // Each rounds where the torch code it replaces rounds (quantkit.kernels.reference holds that
 // code: the twins), so a bf16 result is the twin's but for the order of the sum of squares
@@ -32,6 +34,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -292,6 +295,47 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   return y;
 }
 
+// the first index of the maximum of x[0..n), a NaN counting as larger than any number: one
+// pass keeping each lane's largest value and the first index it was seen at
+INLINE bool better(float v, int64_t i, float best, int64_t at) {  // v at i beats best at `at`
+  if (v != v) return best == best || i < at;
+  return best == best && (v > best || (v == best && i < at));
+}
+
+template <typename T>
+int64_t argmax_row(const T* x, int64_t n) {
+  vf best = vf{} - std::numeric_limits<float>::infinity();
+  vu at{};  // index / W of each lane's best (lane j holds index at[j] * W + j)
+  const vu none{};
+  int64_t i = 0;
+  for (uint32_t step = 0; i + W <= n; i += W, step++) {
+    const vf v = vload(x + i);
+    const auto take = (v > best) | ((v != v) & (best == best));  // a first NaN sticks
+    best = take ? v : best;
+    at = take ? none + step : at;
+  }
+  float top = -std::numeric_limits<float>::infinity();
+  int64_t arg = 0;
+  for (int j = 0; j < W; j++)
+    if (i > 0 && better(best[j], int64_t(at[j]) * W + j, top, arg)) top = best[j], arg = int64_t(at[j]) * W + j;
+  for (; i < n; i++)
+    if (better(load1(x + i), i, top, arg) || (i == 0)) top = load1(x + i), arg = i;
+  return arg;
+}
+
+at::Tensor argmax(const at::Tensor& x) {
+  const Rows R = rows_of(x, "argmax");
+  TORCH_CHECK(x.dim() == 2 && R.h > 0, "argmax: expected [rows, vocab] with vocab > 0.");
+  at::Tensor out = at::empty({R.n}, x.options().dtype(at::kLong));
+  int64_t* po = out.mutable_data_ptr<int64_t>();
+  dispatch_float(x.scalar_type(), "argmax", [&](auto tag) {
+    using T = decltype(tag);
+    const T* px = x.const_data_ptr<T>();
+    for_rows(R.n, R.h, [&](int64_t r) { po[r] = argmax_row(px + R.at(r), R.h); });
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(quantkit_fused, m) {
@@ -299,4 +343,5 @@ TORCH_LIBRARY(quantkit_fused, m) {
   m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor weight, float eps, bool gemma) -> Tensor", &add_rms_norm_);
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()", &rope_);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
+  m.def("argmax(Tensor x) -> Tensor", &argmax);
 }

@@ -4,26 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from quantkit import ops
 from quantkit.runtime.sequence import SamplingParams
-
-
-def argmax(x: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-    """x.argmax(-1) for x [rows, vocab] (the first index of each row's maximum), in two levels:
-    the maxima of chunks of `chunk` columns (a vectorised reduction), the first chunk holding the
-    row's maximum, then the argmax inside that chunk. torch's CPU argmax does not vectorise: on
-    [64, 49152] this is 7x faster (3.6 ms against 25 ms, one thread)."""
-    rows, vocab = x.shape
-    n = vocab // chunk
-    maxima = [x[:, : n * chunk].view(rows, n, chunk).amax(-1)] if n else []
-    if vocab % chunk:
-        maxima.append(x[:, n * chunk :].amax(-1, keepdim=True))
-    first = torch.cat(maxima, 1).argmax(-1)  # [rows]
-    start = first * chunk
-    cols = torch.arange(chunk, device=x.device)
-    window = x.gather(1, (start[:, None] + cols).clamp_max(vocab - 1))  # [rows, chunk]
-    width = torch.where(first < n, chunk, vocab - n * chunk)  # the last chunk may be short
-    window = window.masked_fill(cols >= width[:, None], float("-inf"))
-    return start + window.argmax(-1)
 
 
 class Sampler:
@@ -46,7 +28,7 @@ class Sampler:
         """One token per row of logits [n, vocab] (any float dtype; probabilities are
         computed in fp32); returns (token ids, logprob records: None, or (logprob of the
         token, [(id, logprob)] top-n) per row). A greedy row costs one shared argmax."""
-        greedy = argmax(logits).tolist()
+        greedy = ops.argmax(logits).tolist()
         if all(p.temperature == 0 and p.logprobs is None for _, p in requests):
             return greedy, [None] * len(greedy)
         logits = logits.float()

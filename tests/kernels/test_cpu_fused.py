@@ -111,6 +111,21 @@ def test_silu_mul(k, dtype, inter):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [49152, 1000, 37, 16, 5, 1])
+def test_argmax_is_torchs(k, dtype, vocab):
+    """The first index of the maximum; NaN counts as the largest, its first index wins."""
+    x = torch.randn(10, vocab, generator=torch.Generator().manual_seed(vocab)).to(dtype)
+    x[1, min(5, vocab - 1)] = x[1, min(700, vocab - 1)] = 1e4  # ties: the first
+    x[2, vocab // 2] = float("nan")
+    x[3, -1], x[3, 0] = float("nan"), float("inf")
+    x[4] = float("-inf")
+    x[5, 0], x[5, -1] = float("nan"), float("nan")
+    x[6] = 1.0
+    x[7, -1] = 1e4  # in the tail after the last whole vector
+    assert torch.equal(k.argmax(x), x.argmax(-1))
+
+
 @pytest.mark.parametrize(
     "call, message",
     [
@@ -122,6 +137,7 @@ def test_silu_mul(k, dtype, inter):
         (lambda k: k.rope_(torch.randn(2, 3, 8), torch.ones(3, 8), torch.ones(3, 8)), "cos and sin"),
         (lambda k: k.silu_mul(torch.randn(2, 5)), "even"),
         (lambda k: k.silu_mul(torch.randn(2, 4, dtype=torch.float64)), "float32, bfloat16 or float16"),
+        (lambda k: k.argmax(torch.randn(2, 0)), "vocab > 0"),
     ],
 )
 def test_errors(k, call, message):

@@ -1,9 +1,11 @@
-"""The sampler's two-level argmax against torch's."""
+"""The sampler: its argmax (C++ and the two-level torch path) against torch's, and sampling."""
 
 import pytest
 import torch
 
-from quantkit.runtime.sampling import Sampler, argmax
+from quantkit import ops
+from quantkit.kernels.cpu_fused import torch_argmax
+from quantkit.runtime.sampling import Sampler
 from quantkit.runtime.sequence import SamplingParams
 
 
@@ -16,7 +18,8 @@ def test_argmax_is_torchs_first_maximum(shape, dtype):
         x[1, -1] = 100  # the maximum in the last (maybe short) chunk
     if shape[0] > 2:
         x[2, 5] = x[2, shape[1] - 3] = 50  # two equal maxima in different chunks: the first
-    assert torch.equal(argmax(x), x.float().argmax(-1))
+    assert torch.equal(torch_argmax(x), x.float().argmax(-1))
+    assert torch.equal(ops.argmax(x), x.float().argmax(-1))
 
 
 def test_greedy_rows_take_the_argmax():
