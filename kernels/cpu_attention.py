@@ -5,8 +5,11 @@ the twins in `quantkit.kernels.reference` (the layout is spelled out in
 
 Attention takes the C++ kernels of `kernels/csrc/attention.cpp` (`cpu_ext`), which read the
 blocks in place, when they are built and head_dim is a multiple of 16; prefill only for the
-sequences where they beat SDPA (`paged_prefill`). Otherwise, and with `QUANTKIT_NO_EXT=1`,
-the batched torch code below (`torch_paged_attention`, `torch_paged_prefill`).
+sequences where they beat SDPA (`paged_prefill`). Decode with bf16 queries on a bf16, fp8 or
+int8 cache (head_dim 64 or 128) runs there in two passes per sequence, scores in AMX tiles where
+the CPU has them (`QUANTKIT_NO_AMX=1`: AVX512-BF16 instead); the kernel's header comment says
+more. Otherwise, and with `QUANTKIT_NO_EXT=1`, the batched torch code below
+(`torch_paged_attention`, `torch_paged_prefill`).
 
 Decode attention in torch does not loop over sequences one by one. Sequences are sorted by length
 and taken in chunks of about `CHUNK_BYTES` of K+V; each chunk's blocks are gathered with

@@ -3,17 +3,30 @@
 // Same semantics as quantkit.kernels.reference.paged_attention / paged_prefill; built and
 // loaded by kernels/cpu_ext.py, called from kernels/cpu_attention.py.
 //
-// A work item is (sequence, KV head, tile of queries). Its rows are the (query, head) pairs
-// that share that KV head, so K/V are read once for all of them: a tile of up to W tokens at
-// a time, dequantised to fp32 into a scratch buffer, then folded into every row with an online
-// softmax (running max m, sum l, accumulator acc), all in fp32. Work items are handed out to
-// torch's threads (at::parallel_for) longest first, from a shared counter.
+// `attend` (prefill, and decode where `decode_item` does not apply): a work item is (sequence,
+// KV head, tile of queries). Its rows are the (query, head) pairs that share that KV head, so K/V
+// are read once for all of them: a tile of up to W tokens at a time, dequantised to fp32 into a
+// scratch buffer, then folded into every row with an online softmax (running max m, sum l,
+// accumulator acc), all in fp32. Work items are handed out to torch's threads (at::parallel_for)
+// longest first, from a shared counter.
+//
+// `decode_item` (decode with bf16 q on a CPU with AVX512-BF16; bf16, fp8 or int8 cache; head_dim
+// 64 or 128; group <= 16): a work item is a sequence with all its KV heads. Its blocks are first
+// read once with plain loads, K and V a block after the other (`stream_in`): the core's prefetcher
+// streams that at ~10 GB/s here, where software prefetches or loads spread through the compute
+// made it slower, not faster (measured 2026-12: memory and compute do not overlap on one thread,
+// so the step costs ~48 ms of reading plus the compute). Then two passes from L2: every score of
+// the context (with AMX: S = K · Qᵀ per 16-token tile, K loaded in place as the A operand; else
+// vdpbf16ps per row), one softmax per head over all of them (no running max, no rescaling), and
+// P · V with the accumulators in registers, fp32. On smollm2's decode step (bf16, one thread) this
+// took the kernel from ~40 to ~20 ms with K/V in L2 and from ~85 to ~75 ms from memory.
 //
 // Vectors are W fp32 lanes in GCC vector extensions: W = 16 (one register) where the compiler
 // targets AVX-512 (-march=native), else 8 (one AVX2 register). Loads of bf16/fp16/fp8/int8
 // use AVX-512 or AVX2/F16C intrinsics where there are such, plain loops elsewhere; with
-// AVX512-BF16 and bf16 queries the q · k dot products run in vdpbf16ps. head_dim 64 and 128
-// get unrolled loops, other multiples of 16 a generic one.
+// AVX512-BF16 and bf16 queries the q · k dot products run in vdpbf16ps (AMX tiles for decode
+// where the CPU has AMX-BF16, the OS grants the tile state and QUANTKIT_NO_AMX is not 1).
+// head_dim 64 and 128 get unrolled loops, other multiples of 16 a generic one.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -23,15 +36,23 @@
 #define QK_AVX512 1
 #if defined(__AVX512BF16__)
 #define QK_BF16DP 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define QK_AMX 1
+#endif
 #endif
 #endif
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #endif
+#ifdef QK_AMX
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -430,6 +451,289 @@ void attend(const Problem& P, const Item& it, Scratch& s) {
   }
 }
 
+#ifdef QK_BF16DP
+// ---------------------------------------------------------------- decode
+// One query per sequence (the header says when); a work item is a sequence with all its KV heads,
+// read block by block (a block's K rows of all heads lie together). Two passes: every score first,
+// into s.sc [kv_heads][span][gp] (gp: the group padded to a power of two, so that lane i of a
+// vector is row i % gp), then per head one softmax over all of them and one P·V pass with the
+// accumulators in registers. No running max, no rescaling per tile.
+
+struct DecodeScratch {
+  std::vector<float> sc;  // [kv_heads][span][gp]: scores, then exp(score - max)
+  std::vector<c10::BFloat16> qb, kb;  // q rows [heads][D] (AMX: Qᵀ [kv_heads][D / 2][gp][2]); fp8 / int8 K tile [W][D]
+  DecodeScratch(int64_t heads, int64_t kv_heads, int64_t gp, int64_t span, int64_t D)
+      : sc(kv_heads * span * gp), qb(std::max(heads, kv_heads * gp) * D), kb(W * D) {}
+};
+
+INLINE int64_t pad_group(int64_t g) {
+  int64_t gp = 1;
+  while (gp < g) gp *= 2;
+  return gp;
+}
+
+// Read a sequence's K and V blocks once with plain loads, before it is computed on: one block's
+// K and V after the other, each in address order, is what the core's prefetcher streams fastest
+// (~10 GB/s here; see the header). A sequence's blocks (<= ~0.5 MB for smollm2) then sit in L2.
+template <typename C>
+void stream_in(const Problem& P, const Item& it, const int32_t* table, int64_t b_lo, int64_t b_hi, int64_t hi) {
+  const int64_t row = ((P.kv_heads - 1) * P.k_s[2] + P.D) * int64_t(sizeof(C));  // bytes of a token, all heads
+  char any = 0;
+  for (int64_t b = b_lo; b < b_hi; b++) {
+    const int64_t block = table[b * P.tables_s1], n = std::min(P.block_size, hi - b * P.block_size);
+    TORCH_CHECK(0 <= block && block < P.num_blocks, "paged attention: sequence ", it.seq, " names block ", block,
+                " of a cache with ", P.num_blocks, " blocks.");
+    const char* k = P.k + block * P.k_s[0] * int64_t(sizeof(C));
+    const char* v = P.v + block * P.v_s[0] * int64_t(sizeof(C));
+    if (P.k_s[1] * int64_t(sizeof(C)) == row && P.v_s[1] == P.k_s[1] && P.v_s[2] == P.k_s[2]) {  // rows back to back
+      for (int64_t i = 0; i < n * row; i += 64) any |= k[i] | v[i];  // a load per cache line
+    }
+  }
+  volatile char sink = any;  // keeps the loads
+  (void)sink;
+}
+
+#ifdef QK_AMX
+// Linux hands out the AMX tile state only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
+// QUANTKIT_NO_AMX=1 keeps to AVX-512 (tests compare the two)
+bool amx_usable() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  const char* off = std::getenv("QUANTKIT_NO_AMX");
+  return granted && !(off && off[0] == '1');
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// tile 0: C, 16 tokens x gp rows fp32; 1, 2: A, 16 K rows x 32 bf16; 3, 4: B, Qᵀ as 16 pairs x gp rows
+void amx_config(int64_t gp) {
+  TileConfig cfg{};
+  cfg.palette_id = 1;
+  for (int t = 0; t < 5; t++) cfg.rows[t] = 16, cfg.colsb[t] = t == 1 || t == 2 ? 64 : uint16_t(gp * 4);
+  _tile_loadconfig(&cfg);
+}
+
+// 16 bf16 K rows (row stride `stride` values) · Qᵀ (qt: D / 32 steps of [16 pairs][gp][2]) -> dst [16][gp]
+template <int NC>
+INLINE void amx_scores(const c10::BFloat16* k, int64_t stride, const c10::BFloat16* qt, int64_t gp, float* dst) {
+  static_assert(NC % 4 == 0, "AMX takes head_dim in pairs of 32-value steps");
+  _tile_zero(0);
+  for (int s = 0; s < NC / 2; s += 2) {  // two 32-value steps at a time, on tiles 1, 3 and 2, 4
+    _tile_loadd(1, k + s * 32, stride * 2);
+    _tile_loadd(3, qt + s * 32 * gp, gp * 4);
+    _tile_loadd(2, k + (s + 1) * 32, stride * 2);
+    _tile_loadd(4, qt + (s + 1) * 32 * gp, gp * 4);
+    _tile_dpbf16ps(0, 1, 3);
+    _tile_dpbf16ps(0, 2, 4);
+  }
+  _tile_stored(0, dst, gp * 4);
+}
+#else
+bool amx_usable() { return false; }
+#endif
+
+// one head: its scores sc [span][gp] -> exp(score · mul (capped) - the row's max) in place,
+// 0 outside tokens [a, e) and in the padding rows; l[j]: row j's sum
+INLINE void softmax_head(const Problem& P, float* sc, int64_t span, int64_t a, int64_t e, int64_t gp, float mul, float* l) {
+  const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const vi pad = (lane & int32_t(gp - 1)) >= int32_t(P.group);
+  const int64_t n = span * gp, first = a * gp, last = e * gp;  // floats
+  vf top = splat(NEG_INF);
+  for (int64_t i = 0; i < n; i += W) {
+    vf x = ld(sc + i) * mul;
+    if (P.softcap > 0.f) x = P.softcap * vtanh(x * (1.f / P.softcap));
+    const vi at = lane + int32_t(i);
+    x = (at >= int32_t(first)) & (at < int32_t(last)) ? x : splat(NEG_INF);
+    x = pad ? splat(0.f) : x;  // the padding rows may hold anything (NaN from a NaN K row · 0)
+    st(sc + i, x);
+    top = top > x ? top : x;
+  }
+  float m[W];
+  std::fill(m, m + gp, NEG_INF);
+  for (int i = 0; i < W; i++) m[i % gp] = std::max(m[i % gp], top[i]);
+  vf mv, sum{};
+  for (int i = 0; i < W; i++) mv[i] = m[i % gp];
+  for (int64_t i = 0; i < n; i += W) {
+    const vf p = vexp(ld(sc + i) - mv);
+    st(sc + i, p);
+    sum += p;
+  }
+  std::fill(l, l + gp, 0.f);
+  for (int i = 0; i < W; i++) l[i % gp] += sum[i];
+}
+
+// a V row -> NC vectors; bf16 ones in the order even, odd values of each 32 (no shuffles), undone by `unpermute`
+template <typename C, int NC>
+INLINE void load_v(const C* v, vf* x) {
+  if constexpr (std::is_same_v<C, c10::BFloat16>) {
+    for (int c = 0; c < NC; c += 2) {
+      const __m512i h = _mm512_loadu_si512(v + c * W);
+      x[c] = (vf)_mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+      x[c + 1] = (vf)_mm512_castsi512_ps(_mm512_and_si512(h, _mm512_set1_epi32(int32_t(0xffff0000u))));
+    }
+  } else {
+    for (int c = 0; c < NC; c++) x[c] = loadw(v + c * W);
+  }
+}
+
+template <typename C, int NC>
+INLINE void unpermute(const float* a, float* dst) {
+  if constexpr (std::is_same_v<C, c10::BFloat16>) {
+    for (int c = 0; c < NC; c += 2)
+      for (int i = 0; i < W; i++) dst[c * W + 2 * i] = a[c * W + i], dst[c * W + 2 * i + 1] = a[(c + 1) * W + i];
+  } else {
+    std::copy(a, a + NC * W, dst);
+  }
+}
+
+// rows j0 .. j0 + R - 1 of one head: acc [R][D] = Σ_t p[t][j] · v_t over tokens lo .. hi - 1
+template <typename C, int NC, int R>
+void pv_rows(const Problem& P, const int32_t* table, const C* vh, const float* p, int64_t gp, int64_t lo, int64_t hi,
+             float* acc) {
+  vf o[R][NC] = {};
+  const int64_t bs = P.block_size;
+  for (int64_t b = lo / bs; b * bs < hi; b++) {
+    const int64_t t0 = std::max(lo, b * bs), t1 = std::min(hi, (b + 1) * bs);
+    const C* v = vh + table[b * P.tables_s1] * P.v_s[0] + (t0 - b * bs) * P.v_s[1];
+    const float* pt = p + (t0 - lo) * gp;
+    for (int64_t t = t0; t < t1; t++, v += P.v_s[1], pt += gp) {
+      vf x[NC];
+      load_v<C, NC>(v, x);
+      for (int r = 0; r < R; r++) {
+        const vf pr = splat(pt[r]);
+        for (int c = 0; c < NC; c++) o[r][c] += pr * x[c];
+      }
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int c = 0; c < NC; c++) st(acc + r * NC * W + c * W, o[r][c]);
+}
+
+// AMX: K tiles of 16 rows from a block row that is a multiple of 16 (block_size % 16 == 0); rows
+// past the sequence's end (junk, even NaN) only reach their own scores, which the softmax masks
+template <typename C, int NC, bool AMX>
+void decode_item(const Problem& P, const Item& it, DecodeScratch& s) {
+  constexpr int64_t D = NC * W;
+  constexpr int RMAX = NC == 4 ? 4 : 2;  // rows of P·V at once: R * NC accumulators in registers
+  const int64_t g = P.group, gp = pad_group(g), bs = P.block_size, H = P.kv_heads;
+  const int64_t hi = it.pos0 + 1, lo = P.window ? std::max<int64_t>(0, hi - P.window) : 0;
+  const int64_t base = AMX ? lo / W * W : lo, span = (hi - base + W - 1) / W * W;  // sc: tokens base .. base + span - 1
+  const char* qrow = P.q + it.q0 * P.q_s0;
+  auto k_mul = [&](int64_t h) { return P.k_scale ? P.k_scale[P.k_per_head ? h : 0] : 1.f; };
+  for (int64_t h = 0; h < H; h++)
+    for (int64_t j = 0; j < g; j++) {
+      const char* src = qrow + (h * g + j) * P.q_s1;
+      if constexpr (AMX) {  // Qᵀ in VNNI pairs: value d of row j at [d / 2][j][d % 2]
+        const c10::BFloat16* x = reinterpret_cast<const c10::BFloat16*>(src);
+        c10::BFloat16* qt = s.qb.data() + h * gp * D;
+        for (int64_t d = 0; d < D; d++) qt[(d / 2) * 2 * gp + 2 * j + d % 2] = x[d];
+        for (int64_t jp = g; jp < gp; jp++)
+          for (int64_t d = 0; d < D; d++) qt[(d / 2) * 2 * gp + 2 * jp + d % 2] = c10::BFloat16(0.f);
+      } else {
+        std::memcpy(s.qb.data() + (h * g + j) * D, src, D * sizeof(c10::BFloat16));
+      }
+    }
+  const int32_t* table = P.tables + it.seq * P.tables_s0;
+  const C *kc = reinterpret_cast<const C*>(P.k), *vc = reinterpret_cast<const C*>(P.v);
+  const int64_t b_lo = lo / bs, b_hi = (hi - 1) / bs + 1;
+  stream_in<C>(P, it, table, b_lo, b_hi, hi);
+#ifdef QK_AMX
+  if constexpr (AMX) amx_config(gp);
+#endif
+  for (int64_t b = b_lo; b < b_hi; b++) {
+    const int64_t block = table[b * P.tables_s1];
+    TORCH_CHECK(0 <= block && block < P.num_blocks, "paged attention: sequence ", it.seq, " names block ", block,
+                " of a cache with ", P.num_blocks, " blocks.");
+    const int64_t t1 = std::min(hi, (b + 1) * bs);
+    for (int64_t p0 = std::max(lo, b * bs); p0 < t1;) {
+      const int64_t ts = AMX ? p0 / W * W : p0, p1 = std::min(t1, ts + W), n = p1 - p0;  // AMX: rows ts .. ts + 15
+      for (int64_t h = 0; h < H; h++) {
+        const C* kt = kc + block * P.k_s[0] + (ts - b * bs) * P.k_s[1] + h * P.k_s[2];
+        float* sc = s.sc.data() + (h * span + ts - base) * gp;
+#ifdef QK_AMX
+        if constexpr (AMX) {
+          if constexpr (std::is_same_v<C, c10::BFloat16>)
+            amx_scores<NC>(kt, P.k_s[1], s.qb.data() + h * gp * D, gp, sc);
+          else
+            amx_scores<NC>(load_tile_bf16<C, NC>(kt, P.k_s[1], W, s.kb.data()), D, s.qb.data() + h * gp * D, gp, sc);
+          continue;
+        }
+#endif
+        if constexpr (!AMX) {  // vdpbf16ps, one row at a time
+          const c10::BFloat16* kb;
+          int64_t stride = P.k_s[1];
+          if constexpr (std::is_same_v<C, c10::BFloat16>)
+            kb = kt;
+          else
+            kb = load_tile_bf16<C, NC>(kt, P.k_s[1], n, s.kb.data()), stride = D;
+          for (int64_t j = 0; j < g; j++) {
+            const vf x = scores_bf16<NC>(s.qb.data() + (h * g + j) * D, kb, stride, n);
+            for (int64_t t = 0; t < n; t++) sc[t * gp + j] = x[t];
+          }
+        }
+      }
+      p0 = p1;
+    }
+  }
+#ifdef QK_AMX
+  if constexpr (AMX) _tile_release();
+#endif
+  const int64_t esize = c10::elementSize(P.q_type);
+  float l[W], acc[RMAX * D], row[D];
+  for (int64_t h = 0; h < H; h++) {
+    float* sc = s.sc.data() + h * span * gp;
+    softmax_head(P, sc, span, lo - base, hi - base, gp, P.scale * k_mul(h), l);
+    const C* vh = vc + h * P.v_s[2];
+    const float* p = sc + (lo - base) * gp;
+    const float vmul = P.v_scale ? P.v_scale[P.v_per_head ? h : 0] : 1.f;
+    for (int64_t j0 = 0; j0 < g; j0 += RMAX) {
+      const int64_t R = std::min<int64_t>(RMAX, g - j0);
+      switch (R) {
+        case 1: pv_rows<C, NC, 1>(P, table, vh, p + j0, gp, lo, hi, acc); break;
+        case 2: pv_rows<C, NC, 2>(P, table, vh, p + j0, gp, lo, hi, acc); break;
+        case 3: pv_rows<C, NC, RMAX >= 3 ? 3 : 1>(P, table, vh, p + j0, gp, lo, hi, acc); break;
+        default: pv_rows<C, NC, RMAX>(P, table, vh, p + j0, gp, lo, hi, acc);
+      }
+      for (int64_t r = 0; r < R; r++) {
+        const int64_t j = j0 + r;
+        unpermute<C, NC>(acc + r * D, row);
+        char* dst = P.out + (it.q0 * P.heads + h * g + j) * D * esize;
+        store_row(dst, P.q_type, row, D, l[j] > 0.f ? vmul / l[j] : 0.f);
+      }
+    }
+  }
+}
+
+template <typename C, int NC>
+void run_decode(const Problem& P, std::vector<Item>& items) {
+  // longest first
+  std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
+    return a.cost != b.cost ? a.cost > b.cost : a.seq < b.seq;
+  });
+  const bool amx = amx_usable() && P.block_size % W == 0;
+  int64_t span = 0;
+  for (const Item& it : items) span = std::max(span, it.cost + 2 * W);
+  const int64_t n = items.size(), threads = at::get_num_threads(), gp = pad_group(P.group);
+  auto work = [&](DecodeScratch& s, const Item& it) {
+    if (amx) return decode_item<C, NC, true>(P, it, s);
+    decode_item<C, NC, false>(P, it, s);
+  };
+  if (threads <= 1 || n <= 1 || at::in_parallel_region()) {
+    DecodeScratch s(P.heads, P.kv_heads, gp, span, NC * W);
+    for (const Item& it : items) work(s, it);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, n), 1, [&](int64_t, int64_t) {
+    DecodeScratch s(P.heads, P.kv_heads, gp, span, NC * W);
+    for (int64_t i; (i = next.fetch_add(1)) < n;) work(s, items[i]);
+  });
+}
+#endif  // QK_BF16DP
+
 template <typename C, int NC, bool DP = false>
 void run_items(const Problem& P, std::vector<Item>& items, int64_t max_rows) {
   // longest first; a sequence's KV heads one after the other, so its blocks are still in L2
@@ -449,14 +753,34 @@ void run_items(const Problem& P, std::vector<Item>& items, int64_t max_rows) {
   });
 }
 
+// decode items (one per sequence, kh -1) -> one per (sequence, KV head), for `attend`
+void split_heads(const Problem& P, std::vector<Item>& items) {
+  std::vector<Item> split;
+  for (const Item& it : items)
+    for (int64_t kh = 0; kh < P.kv_heads; kh++) split.push_back({it.seq, kh, it.q0, it.nq, it.pos0, it.cost});
+  items.swap(split);
+}
+
 template <typename C>
-void run(const Problem& P, std::vector<Item>& items, int64_t max_rows) {  // NC = head_dim / W
+void run(const Problem& P, std::vector<Item>& items, int64_t max_rows, bool decode) {  // NC = head_dim / W
+  // bf16 q and a cache whose values bf16 holds exactly: q · k in bf16
+  constexpr bool exact = std::is_same_v<C, c10::BFloat16> || std::is_same_v<C, c10::Float8_e4m3fn> ||
+                         std::is_same_v<C, int8_t>;
+  const bool dp = exact && P.q_type == at::kBFloat16;
+  (void)dp;
 #ifdef QK_BF16DP
-  // bf16 q and a cache whose values bf16 holds exactly: dot products in vdpbf16ps
-  if constexpr (std::is_same_v<C, c10::BFloat16> || std::is_same_v<C, c10::Float8_e4m3fn> ||
-                std::is_same_v<C, int8_t>) {
-    if (P.q_type == at::kBFloat16 && P.D == 64) return run_items<C, 4, true>(P, items, max_rows);
-    if (P.q_type == at::kBFloat16 && P.D == 128) return run_items<C, 8, true>(P, items, max_rows);
+  // decode: `decode_item`. fp32 / fp16 q keep `attend` (the two-pass path with fp32 scores did
+  // not beat it there)
+  if constexpr (exact) {
+    if (decode && dp && P.group <= W && (P.D == 64 || P.D == 128))
+      return P.D == 64 ? run_decode<C, 4>(P, items) : run_decode<C, 8>(P, items);
+  }
+#endif
+  if (decode) split_heads(P, items);
+#ifdef QK_BF16DP
+  if constexpr (exact) {
+    if (dp && P.D == 64) return run_items<C, 4, true>(P, items, max_rows);
+    if (dp && P.D == 128) return run_items<C, 8, true>(P, items, max_rows);
   }
 #endif
   if (P.D == 64) return run_items<C, 64 / W>(P, items, max_rows);
@@ -464,18 +788,18 @@ void run(const Problem& P, std::vector<Item>& items, int64_t max_rows) {  // NC 
   run_items<C, 0>(P, items, max_rows);
 }
 
-void dispatch(const Problem& P, at::ScalarType cache_type, std::vector<Item>& items, int64_t max_rows) {
+void dispatch(const Problem& P, at::ScalarType cache_type, std::vector<Item>& items, int64_t max_rows, bool decode) {
   switch (cache_type) {
     case at::kFloat:
-      return run<float>(P, items, max_rows);
+      return run<float>(P, items, max_rows, decode);
     case at::kBFloat16:
-      return run<c10::BFloat16>(P, items, max_rows);
+      return run<c10::BFloat16>(P, items, max_rows, decode);
     case at::kHalf:
-      return run<c10::Half>(P, items, max_rows);
+      return run<c10::Half>(P, items, max_rows, decode);
     case at::kFloat8_e4m3fn:
-      return run<c10::Float8_e4m3fn>(P, items, max_rows);
+      return run<c10::Float8_e4m3fn>(P, items, max_rows, decode);
     case at::kChar:
-      return run<int8_t>(P, items, max_rows);
+      return run<int8_t>(P, items, max_rows, decode);
     default:
       TORCH_CHECK(false, "paged attention: a cache of ", cache_type,
                   " is not supported; use float32, bfloat16, float16, float8_e4m3fn or int8.");
@@ -556,9 +880,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
       continue;
     }
     const int64_t cost = window ? std::min<int64_t>(lens[i], window) : lens[i];
-    for (int64_t kh = 0; kh < P.kv_heads; kh++) items.push_back({i, kh, i, 1, lens[i] - 1, cost});
+    items.push_back({i, -1, i, 1, lens[i] - 1, cost});
   }
-  dispatch(P, k_cache.scalar_type(), items, P.group);
+  dispatch(P, k_cache.scalar_type(), items, P.group, true);
   return out;
 }
 
@@ -591,7 +915,7 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
     start += qlens[i];
   }
   TORCH_CHECK(start == q.size(0), "paged prefill: q has ", q.size(0), " tokens but query_lens add up to ", start, ".");
-  dispatch(P, k_cache.scalar_type(), items, tile * P.group);
+  dispatch(P, k_cache.scalar_type(), items, tile * P.group, false);
   return out;
 }
 

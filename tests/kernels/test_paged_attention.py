@@ -527,3 +527,53 @@ def test_launcher_rejects_bad_window_or_softcap(bad):
         match=r"^paged_attention: (window must be a positive int|softcap must be a finite positive number)",
     ):
         paged_attention(**_good(), **bad)
+
+
+# --- the C++ decode kernel's paths (attention.cpp: AMX or AVX-512 scores, two-pass softmax) ----
+
+# group 1 / 3 / 8 / 16 (the widest the decode kernel takes) and 17 (the per-head kernel)
+DECODE_GROUPS = {"g1": (4, 4), "g3": (9, 3), "g8": (16, 2), "g16": (16, 1), "g17": (17, 1)}
+LONG_SEQ_LENS = [700, 1, 17, 333, 64, 0, 129]  # long, one token, mid-block, block boundary, empty
+
+
+@pytest.mark.parametrize("amx", ["on", "off"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", list(DECODE_GROUPS))
+@pytest.mark.parametrize("cache", ["bf16", "fp8-head-bf16", "int8-tensor", "fp16", "fp32"])
+def test_cpu_decode_paths_match_twin(cache, group, head_dim, amx, monkeypatch):
+    """QUANTKIT_NO_AMX=1 takes the AVX-512 scores instead of AMX tiles (bf16 q only)."""
+    if amx == "off":
+        monkeypatch.setenv("QUANTKIT_NO_AMX", "1")
+    case = make_case(CPU_CACHES[cache], *DECODE_GROUPS[group], seq_lens=LONG_SEQ_LENS, head_dim=head_dim)
+    args = (case.q, *case.cache_args(), head_dim**-0.5, case.k_scale, case.v_scale)
+    out = cpu_attention.paged_attention(*args)
+    assert torch.equal(out[LONG_SEQ_LENS.index(0)], torch.zeros_like(out[0]))
+    torch.testing.assert_close(out, ref.paged_attention(*args), **TOLERANCES[case.q.dtype])
+
+
+@pytest.mark.parametrize("amx", ["on", "off"])
+@pytest.mark.parametrize("softcap", SOFTCAPS)
+@pytest.mark.parametrize("window", [1, 7, 16, 100, 1000])
+@pytest.mark.parametrize("cache", ["bf16", "int8-tensor", "fp32"])
+def test_cpu_decode_long_window_softcap_matches_twin(cache, window, softcap, amx, monkeypatch):
+    """Windows that start mid-tile, at a block, and past the start; the tiles before them hold NaN."""
+    if amx == "off":
+        monkeypatch.setenv("QUANTKIT_NO_AMX", "1")
+    case = make_case(CPU_CACHES[cache], *GQA["gqa3"], seq_lens=LONG_SEQ_LENS, head_dim=64)
+    args = (case.q, *case.cache_args(), 0.3, case.k_scale, case.v_scale, window, softcap)
+    torch.testing.assert_close(
+        cpu_attention.paged_attention(*args), ref.paged_attention(*args), **TOLERANCES[case.q.dtype]
+    )
+
+
+def test_cpu_decode_bf16_error_against_fp64():
+    """The bf16 decode kernel against attention in fp64 on the same (bf16) values: well inside
+    the bf16 tolerance (the output's own rounding is 2^-9 relative)."""
+    case = make_case(CPU_CACHES["bf16"], 9, 3, seq_lens=[700, 300, 45], head_dim=64)
+    out = cpu_attention.paged_attention(case.q, *case.cache_args(), 0.125).double()
+    for i in range(3):
+        k, v = (x[i].double().transpose(0, 1) for x in (case.keys, case.values))  # [kv_heads, n, D]
+        k, v = k.repeat_interleave(3, dim=0), v.repeat_interleave(3, dim=0)
+        want = torch.softmax(case.q[i].double()[:, None] @ k.transpose(1, 2) * 0.125, dim=-1) @ v  # [heads, 1, D]
+        err = (out[i] - want[:, 0]).abs().max().item()
+        assert err < 0.25 * TOLERANCES[torch.bfloat16]["atol"] + 2**-8 * want.abs().max().item()
