@@ -29,7 +29,9 @@ def test_quantize_evaluate_load_and_generate(tiny_llama, tiny_corpus, tmp_path):
     with torch.no_grad():
         for _ in range(6):
             ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    (output,) = LLM(str(out), num_blocks=16).generate([prompt[0].tolist()], SamplingParams(max_tokens=6, temperature=0))
+    (output,) = LLM(str(out), block_size=16, num_blocks=16).generate(
+        [prompt[0].tolist()], SamplingParams(max_tokens=6, temperature=0)
+    )
     assert output.token_ids == ids[0, 4:].tolist()
 
 

@@ -67,7 +67,7 @@ def test_engine_greedy_matches_transformers_alone_and_batched():
     torch.set_num_threads(1)  # about 70 s on a busy 2-core machine; two threads there are slower
     try:
         path = resolve_model("smollm2-135m")
-        llm = LLM(path, dtype=torch.float32, num_blocks=256)
+        llm = LLM(path, dtype=torch.float32, block_size=16, num_blocks=256)
         prompts = [llm.encode(p) for p in ENGINE_PROMPTS]
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         with torch.inference_mode():

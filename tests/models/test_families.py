@@ -49,7 +49,7 @@ def test_engine_greedy_matches_transformers_alone_and_batched(family):
     name, path = family
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     reference = [hf_greedy(model, p) for p in PROMPTS]
-    llm = LLM(str(path), num_blocks=48)
+    llm = LLM(str(path), block_size=16, num_blocks=48)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference, name
     assert [llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS[1:3]] == reference[1:3], name
 
@@ -77,7 +77,7 @@ def test_every_method_runs_and_the_engine_serves_it(family, tiny_corpus, tmp_pat
     spec = arch_for(model.config)
     linears = sum(len(spec.for_block(b).linears) for b in get_module(model, spec.blocks))
     assert prov["quantized_linears"] == linears > 2 * len(spec.sequential[0]), name
-    outputs = LLM(str(tmp_path / "q"), num_blocks=32).generate(PROMPTS[:2], GREEDY)
+    outputs = LLM(str(tmp_path / "q"), block_size=16, num_blocks=32).generate(PROMPTS[:2], GREEDY)
     assert all(len(o.token_ids) == 8 for o in outputs)
     with torch.no_grad():
         assert torch.isfinite(quantkit.load(tmp_path / "q")(IDS).logits).all()
@@ -124,7 +124,7 @@ def test_the_engine_refuses_what_its_forward_does_not_implement(tmp_path):
         tmp_path / "dyn", "llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0}, layer_types=None
     )
     with pytest.raises(QuantkitError) as e:
-        LLM(str(path), num_blocks=8)
+        LLM(str(path), block_size=16, num_blocks=8)
     assert "does not implement rope_type='dynamic' of this llama model" in str(e.value)
     assert str(e.value).count(". ") == 0 and str(e.value).endswith(".")
 

@@ -150,7 +150,9 @@ def test_every_expert_is_quantized_counted_and_served_though_two_get_no_token(sk
             assert f"{prefix}.{bspec.moe.shared_gate}" in ignore
     coverage = describe(str(out))["experts"]
     assert all(c["all_tokens"] == list(STARVED) for c in coverage.values())
-    outputs = LLM(str(out), num_blocks=32).generate([[5, 17, 33, 2, 9]], SamplingParams(max_tokens=4, temperature=0))
+    outputs = LLM(str(out), block_size=16, num_blocks=32).generate(
+        [[5, 17, 33, 2, 9]], SamplingParams(max_tokens=4, temperature=0)
+    )
     assert len(outputs[0].token_ids) >= 1
     if name == "mixtral" and method == "gptq":
         shown = CliRunner().invoke(app, ["inspect", str(out)], terminal_width=200)
@@ -177,8 +179,8 @@ def test_eval_against_the_float_model_and_serve(skewed, tiny_corpus, tmp_path):
     rows = {r["metric"]: r["candidate"] for r in report["rows"]}
     assert list(rows) == ["ppl", "kld", "kld_p99", "top1_agreement"] and all(v >= 0 for v in rows.values()), name
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    want = LLM(str(out), num_blocks=32).generate(["The quick brown fox"], params)[0].text
-    engine = AsyncEngine(LLM(str(out), num_blocks=32), max_queue=4)
+    want = LLM(str(out), block_size=16, num_blocks=32).generate(["The quick brown fox"], params)[0].text
+    engine = AsyncEngine(LLM(str(out), block_size=16, num_blocks=32), max_queue=4)
     try:
         with TestClient(create_app(engine, "moe", None, 1 << 20)) as http:
             body = {"model": "moe", "prompt": "The quick brown fox", "max_tokens": 6, "temperature": 0}

@@ -44,7 +44,7 @@ SLO = {"slo_ttft_ms": 1e9, "slo_tpot_ms": 1e9, "cost_per_hour": 2.0}
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama):
-    return LLM(str(tiny_llama), num_blocks=64)
+    return LLM(str(tiny_llama), block_size=16, num_blocks=64)
 
 
 @pytest.fixture(scope="module")

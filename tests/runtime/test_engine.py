@@ -27,7 +27,7 @@ def reference(tiny_llama):
 
 
 def test_greedy_matches_transformers_alone_and_batched(tiny_llama, reference):
-    llm = LLM(str(tiny_llama), num_blocks=64)
+    llm = LLM(str(tiny_llama), block_size=16, num_blocks=64)
     batched = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in batched] == reference
     assert all(o.finish_reason == "length" for o in batched)
@@ -37,7 +37,9 @@ def test_greedy_matches_transformers_alone_and_batched(tiny_llama, reference):
 
 
 def test_preemption_and_chunked_prefill_do_not_change_results(tiny_llama, reference):
-    llm = LLM(str(tiny_llama), num_blocks=7, max_num_batched_tokens=24)  # 24 < 40: long prompts go in chunks
+    llm = LLM(
+        str(tiny_llama), block_size=16, num_blocks=7, max_num_batched_tokens=24
+    )  # 24 < 40: long prompts go in chunks
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
     # five 14-token prompts fit one block each, but growing to 24 tokens they need ten
     short = [list(range(i, i + 14)) for i in (3, 30, 60, 90, 120)]
@@ -47,12 +49,12 @@ def test_preemption_and_chunked_prefill_do_not_change_results(tiny_llama, refere
 
 
 def test_prefix_cache_hits_and_same_tokens(tiny_llama):
-    llm = LLM(str(tiny_llama), num_blocks=64)
+    llm = LLM(str(tiny_llama), block_size=16, num_blocks=64)
     shared = list(range(10, 50))
     first = llm.generate([shared + [1, 2]], GREEDY)[0].token_ids
     second = llm.generate([shared + [3, 4]], GREEDY)[0].token_ids
     assert llm.block_manager.prefix_cache_hits >= 32
-    cold = LLM(str(tiny_llama), num_blocks=64, enable_prefix_caching=False)
+    cold = LLM(str(tiny_llama), block_size=16, num_blocks=64, enable_prefix_caching=False)
     assert cold.generate([shared + [3, 4]], GREEDY)[0].token_ids == second
     assert first != second
 
@@ -62,7 +64,7 @@ def test_qwen2_bias_and_gqa(tmp_path):
 
     path = make_tiny_model(tmp_path / "qwen", model_type="qwen2", tie=True)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
-    llm = LLM(str(path), num_blocks=32)
+    llm = LLM(str(path), block_size=16, num_blocks=32)
     assert [o.token_ids for o in llm.generate(PROMPTS[:3], GREEDY)] == [hf_greedy(model, p) for p in PROMPTS[:3]]
 
 
@@ -72,7 +74,7 @@ def test_int4_checkpoint_matches_its_reference_model(tiny_llama, tmp_path):
 
     quantize(str(tiny_llama), preset("w4a16-asym").with_group_size(32), tmp_path / "q")
     reference = quantkit.load(tmp_path / "q")
-    llm = LLM(str(tmp_path / "q"), num_blocks=64)
+    llm = LLM(str(tmp_path / "q"), block_size=16, num_blocks=64)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == [hf_greedy(reference, p) for p in PROMPTS]
 
 
@@ -85,7 +87,7 @@ def test_quantized_kv_cache_matches_fake_quantized_attention(tiny_llama, tiny_co
     from quantkit.pipeline.quantize import Calibration
 
     add_kv_scales(str(tiny_llama), kv_args(dtype), tmp_path / "kv", Calibration(str(tiny_corpus), 4, 32))
-    llm = LLM(str(tmp_path / "kv"), num_blocks=64)
+    llm = LLM(str(tmp_path / "kv"), block_size=16, num_blocks=64)
     assert llm.runner.k_cache[0].dtype == (torch.float8_e4m3fn if dtype == "fp8" else torch.int8)
     reference = quantkit.load(tmp_path / "kv")
     got = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
@@ -94,7 +96,7 @@ def test_quantized_kv_cache_matches_fake_quantized_attention(tiny_llama, tiny_co
 
 
 def test_sampling_seeds_stops_and_logprobs(tiny_llama):
-    llm = LLM(str(tiny_llama), num_blocks=64)
+    llm = LLM(str(tiny_llama), block_size=16, num_blocks=64)
     params = SamplingParams(max_tokens=8, temperature=0.8, top_k=20, top_p=0.9, seed=7, ignore_eos=True, logprobs=3)
     a, b = llm.generate([[5, 6, 7], [5, 6, 7]], params)
     assert a.token_ids == b.token_ids  # same seed, same tokens
@@ -109,7 +111,7 @@ def test_sampling_seeds_stops_and_logprobs(tiny_llama):
 
 
 def test_prompt_longer_than_context(tiny_llama):
-    llm = LLM(str(tiny_llama), num_blocks=64)
+    llm = LLM(str(tiny_llama), block_size=16, num_blocks=64)
     with pytest.raises(QuantkitError, match="exceeds the model's context of 256 tokens"):
         llm.add_request(list(range(250)), SamplingParams(max_tokens=10))
 
@@ -126,10 +128,10 @@ def test_every_op_forced_to_triton_gives_the_torch_paths_tokens(tiny_llama, tmp_
     s = preset(scheme)
     quantize(str(tiny_llama), s.with_group_size(32) if method == "rtn" else s, tmp_path / "q", method)
     prompts, params = PROMPTS[:3], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    triton = LLM(str(tmp_path / "q"), num_blocks=32, backend="triton")
+    triton = LLM(str(tmp_path / "q"), block_size=16, num_blocks=32, backend="triton")
     names = {k.name for _, k in triton.runner.kernels}
     assert any("Triton" in n and ("int4" in n or "fp8" in n) for n in names) and all("twin" not in n for n in names)
-    torch_path = LLM(str(tmp_path / "q"), num_blocks=32, backend="torch")
+    torch_path = LLM(str(tmp_path / "q"), block_size=16, num_blocks=32, backend="torch")
     assert all(k.why == "backend torch" for _, k in torch_path.runner.kernels)
     import importlib
 

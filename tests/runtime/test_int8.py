@@ -104,7 +104,7 @@ def test_engine_runs_w8a8_in_bf16(w8a8):
     from quantkit.runtime.engine import LLM
     from quantkit.runtime.sequence import SamplingParams
 
-    llm = LLM(str(w8a8), dtype="bfloat16", num_blocks=32)
+    llm = LLM(str(w8a8), dtype="bfloat16", block_size=16, num_blocks=32)
     layer = llm.runner.layers[0]
     assert isinstance(layer.qkv, Int8Linear) and isinstance(layer.mlp.gate_up, Int8Linear)
     assert not llm.notes  # every linear got the fast kernel

@@ -136,9 +136,9 @@ def test_engine_runs_auto_in_bf16_and_says_so(monkeypatch, tiny_llama):
     from quantkit.runtime.engine import LLM
 
     monkeypatch.setattr("quantkit.kernels.cpu.native_bf16", lambda: True)
-    llm = LLM(str(tiny_llama), num_blocks=16)
+    llm = LLM(str(tiny_llama), block_size=16, num_blocks=16)
     assert llm.runner.dtype == torch.bfloat16
     assert any("runs in bfloat16" in n for n in llm.notes)
-    assert LLM(str(tiny_llama), dtype="float32", num_blocks=16).runner.dtype == torch.float32
+    assert LLM(str(tiny_llama), dtype="float32", block_size=16, num_blocks=16).runner.dtype == torch.float32
     with pytest.raises(QuantkitError, match="dtype 'fp7' is unknown"):
-        LLM(str(tiny_llama), dtype="fp7", num_blocks=16)
+        LLM(str(tiny_llama), dtype="fp7", block_size=16, num_blocks=16)

@@ -90,7 +90,7 @@ def test_quantized_logits_and_greedy_tokens_match_the_reference_model(checkpoint
     model (which is itself 6-11% from fp32), and is held to the twins in test_cpu_ext.py."""
     if dtype == torch.bfloat16:
         monkeypatch.setattr("quantkit.kernels.cpu_attention._ext", lambda q: None)
-    llm = LLM(str(checkpoints[kind]), dtype=dtype, num_blocks=64)
+    llm = LLM(str(checkpoints[kind]), dtype=dtype, block_size=16, num_blocks=64)
     reference = quantkit.load(checkpoints[kind], dtype=dtype)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     for prompt in PROMPTS:

@@ -112,12 +112,12 @@ def chat_model(tiny_llama, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def offline(chat_model):
-    return LLM(str(chat_model), num_blocks=BLOCKS)
+    return LLM(str(chat_model), block_size=16, num_blocks=BLOCKS)
 
 
 @pytest.fixture(scope="module")
 def server(chat_model):
-    engine = AsyncEngine(GatedLLM(str(chat_model), num_blocks=BLOCKS, max_num_seqs=8), max_queue=64)
+    engine = AsyncEngine(GatedLLM(str(chat_model), block_size=16, num_blocks=BLOCKS, max_num_seqs=8), max_queue=64)
     with running(engine) as url:
         yield url, engine
 
@@ -341,7 +341,7 @@ def test_64_concurrent_streams_match_offline_and_metrics_add_up(server, offline)
 
 
 def test_full_queue_answers_429_and_no_template_400(tiny_llama):
-    llm = GatedLLM(str(tiny_llama), num_blocks=BLOCKS, max_num_seqs=1)
+    llm = GatedLLM(str(tiny_llama), block_size=16, num_blocks=BLOCKS, max_num_seqs=1)
     engine = AsyncEngine(llm, max_queue=0)
     with running(engine, api_key=None) as url:
         llm.gate.clear()  # the engine stalls in its next step
