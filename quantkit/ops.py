@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.kernels import cpu_attention, reference
+from quantkit.kernels import cpu_attention, cpu_fused, reference
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -252,13 +252,17 @@ def w8a8_gemm_cpu(x, weight) -> torch.Tensor:
 
 def _fused(backend: str, *tensors: torch.Tensor):
     """The C++ element-wise kernels (`kernels/cpu_fused.py`) for CPU tensors of one float dtype
-    with backend auto, or None for the twins (a GPU, backend torch or triton, no build)."""
-    check_backend(backend)
-    x = tensors[0]
-    if backend != "auto" or x.device.type != "cpu" or any(t.dtype != x.dtype for t in tensors):
+    with backend auto, or None for the twins (a GPU, backend torch or triton, no build). Called
+    for every op of every layer: the cheap tests first."""
+    if backend != "auto":
+        check_backend(backend)
         return None
-    from quantkit.kernels import cpu_fused
-
+    x = tensors[0]
+    if x.device.type != "cpu":
+        return None
+    for t in tensors[1:]:
+        if t.dtype != x.dtype:
+            return None
     return cpu_fused.load()
 
 
@@ -269,8 +273,6 @@ def fused_kernel(device: torch.device | str, backend: str = "auto") -> Kernel:
         return Kernel("norms, rotary embedding and SiLU as torch ops", "backend torch")
     if backend == "triton" or torch.device(device).type != "cpu":
         return Kernel("norms, rotary embedding and SiLU as torch ops")
-    from quantkit.kernels import cpu_fused
-
     if cpu_fused.load() is not None:
         return Kernel("norms, rotary embedding and SiLU (quantkit C++)")
     return Kernel("norms, rotary embedding and SiLU as torch ops", cpu_fused.reason())
@@ -310,7 +312,5 @@ def argmax(x, backend: str = "auto") -> torch.Tensor:
     if k is not None:
         return k.argmax(x)
     if backend == "auto" and not x.is_cuda:
-        from quantkit.kernels import cpu_fused
-
         return cpu_fused.torch_argmax(x)
     return reference.argmax(x)
