@@ -126,7 +126,18 @@ def paged_prefill(
 
 
 def kv_store(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None, backend: str = "auto") -> None:
-    """Write new keys/values into their cache slots, quantising on the way; see `quantkit.kernels.kv_store`."""
+    """Write new keys/values into their cache slots, quantising on the way; see `quantkit.kernels.kv_store`.
+    On the CPU one C++ pass (`kernels/csrc/fused.cpp`) where scales are fp32 and given exactly
+    for fp8/int8 caches."""
+    fused = _fused(backend, k, v)
+    scales = [s for s in (k_scale, v_scale) if s is not None]
+    if (
+        fused is not None
+        and len(scales) == (2 if k_cache.element_size() == 1 else 0)
+        and all(s.dtype == torch.float32 for s in scales)
+    ):
+        fused.kv_store_(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        return
     m = _cache_path(backend, "kv_store", k)
     m.kv_store(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 

@@ -5,6 +5,10 @@
 //   add_rms_norm_(x [N, H], delta [N, H], w, eps, gemma) -> y: x += delta in place, y = rms_norm(x)
 //   rope_(x [T, heads, D], cos [T, R], sin [T, R]): in place, the first R dims of each head
 //   silu_mul(gu [T, 2I]) -> silu(gu[:, :I]) * gu[:, I:]
+//   kv_store_(k, v [T, kv_heads, D], k_cache, v_cache [blocks, block_size, kv_heads, D], slots [T],
+//       k_scale, v_scale): each token's rows into its cache slot (negative: skipped), in the
+//       cache's dtype; fp8 / int8 caches store x / scale (fp8 clamped to +-448, int8 rounded half
+//       to even and clamped), as quantkit.kernels.reference.kv_store
 //   argmax(x [rows, vocab]) -> int64 [rows]: the first index of each row's maximum, NaN the
 //       largest (torch's argmax), in one vectorised pass (torch's CPU argmax is scalar)
 //
@@ -34,6 +38,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
+#include <type_traits>
 #include <limits>
 #include <vector>
 
@@ -336,6 +342,84 @@ at::Tensor argmax(const at::Tensor& x) {
   return out;
 }
 
+// one row of D values of x into the cache's dtype, divided by `scale` for fp8 / int8
+template <typename X, typename C>
+INLINE void store_kv_row(const X* x, C* dst, int64_t D, float scale) {
+  if constexpr (std::is_same_v<X, C>) {
+    std::memcpy(dst, x, D * sizeof(C));
+  } else if constexpr (std::is_same_v<C, c10::Float8_e4m3fn>) {
+    for (int64_t i = 0; i < D; i++) {
+      const float y = static_cast<float>(x[i]) / scale;
+      dst[i] = c10::Float8_e4m3fn(y != y ? y : std::min(448.f, std::max(-448.f, y)));
+    }
+  } else if constexpr (std::is_same_v<C, int8_t>) {
+    for (int64_t i = 0; i < D; i++)
+      dst[i] = static_cast<int8_t>(std::min(127.f, std::max(-128.f, std::nearbyint(static_cast<float>(x[i]) / scale))));
+  } else {
+    for (int64_t i = 0; i < D; i++) dst[i] = static_cast<C>(static_cast<float>(x[i]));
+  }
+}
+
+template <typename X, typename C>
+void store_kv(const at::Tensor& x, at::Tensor& cache, const int64_t* slots, const std::optional<at::Tensor>& scale) {
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), bs = cache.size(1);
+  const X* px = x.const_data_ptr<X>();
+  C* pc = cache.mutable_data_ptr<C>();
+  const float* ps = scale.has_value() ? scale->const_data_ptr<float>() : nullptr;
+  const bool per_head = ps && scale->numel() > 1;
+  for (int64_t t = 0; t < T; t++) {
+    if (slots[t] < 0) continue;
+    C* row = pc + (slots[t] / bs) * cache.stride(0) + (slots[t] % bs) * cache.stride(1);
+    for (int64_t h = 0; h < H; h++)
+      store_kv_row<X, C>(px + t * x.stride(0) + h * x.stride(1), row + h * cache.stride(2), D,
+                         ps ? ps[per_head ? h : 0] : 1.f);
+  }
+}
+
+void kv_store_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+               const at::Tensor& slot_mapping, const std::optional<at::Tensor>& k_scale,
+               const std::optional<at::Tensor>& v_scale) {
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type() && k.stride(2) == 1 &&
+                  v.stride(2) == 1,
+              "kv_store_: k and v must be [tokens, kv_heads, head_dim] alike, with a contiguous last dim.");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type() &&
+                  k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2) && k_cache.stride(3) == 1 &&
+                  v_cache.stride(3) == 1,
+              "kv_store_: the caches must be [blocks, block_size, kv_heads, head_dim] alike, matching k.");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == k.size(0) && slot_mapping.scalar_type() == at::kLong,
+              "kv_store_: slot_mapping must be int64 [tokens].");
+  const bool quantized = k_cache.element_size() == 1;
+  for (const auto* s : {&k_scale, &v_scale})
+    TORCH_CHECK(s->has_value() == quantized && (!quantized || ((*s)->scalar_type() == at::kFloat &&
+                                                               (*s)->is_contiguous() &&
+                                                               ((*s)->numel() == 1 || (*s)->numel() == k.size(1)))),
+                "kv_store_: fp8 / int8 caches need float32 scales [1] or [kv_heads]; float caches none.");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k, &v, &k_cache, &v_cache, &slot_mapping})
+    TORCH_CHECK(t->device().is_cpu(), "kv_store_: these kernels take CPU tensors.");
+  const at::Tensor slots = slot_mapping.contiguous();
+  const int64_t* ps = slots.const_data_ptr<int64_t>();
+  const int64_t capacity = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < slots.numel(); t++)
+    TORCH_CHECK(ps[t] < capacity, "kv_store_: slot ", ps[t], " is past the cache's ", capacity, " slots.");
+  dispatch_float(k.scalar_type(), "kv_store_", [&](auto xtag) {
+    using X = decltype(xtag);
+    auto both = [&](auto ctag) {
+      using C = decltype(ctag);
+      store_kv<X, C>(k, k_cache, ps, k_scale);
+      store_kv<X, C>(v, v_cache, ps, v_scale);
+    };
+    switch (k_cache.scalar_type()) {
+      case at::kFloat: return both(float{});
+      case at::kBFloat16: return both(c10::BFloat16{});
+      case at::kHalf: return both(c10::Half{});
+      case at::kFloat8_e4m3fn: return both(c10::Float8_e4m3fn{});
+      case at::kChar: return both(int8_t{});
+      default:
+        TORCH_CHECK(false, "kv_store_: a cache of ", k_cache.scalar_type(), " is not supported.");
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(quantkit_fused, m) {
@@ -344,4 +428,8 @@ TORCH_LIBRARY(quantkit_fused, m) {
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()", &rope_);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
   m.def("argmax(Tensor x) -> Tensor", &argmax);
+  m.def(
+      "kv_store_(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, Tensor? k_scale, "
+      "Tensor? v_scale) -> ()",
+      &kv_store_);
 }

@@ -167,3 +167,36 @@ def test_without_the_build_the_ops_run_the_twins(monkeypatch):
     x, w = torch.randn(3, 8), torch.rand(8)
     assert torch.equal(ops.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5))
     assert ops.fused_kernel("cpu").why == "disabled by QUANTKIT_NO_EXT=1"
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.int8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_kv_store_writes_what_the_twin_writes(k, cache_dtype, dtype, per_head):
+    """Strided k/v views of a fused q/k/v output, a skipped token, slots across blocks; fp8 /
+    int8 with scales that push values past the range (clamped), bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    qkv = (torch.randn(6, (4 + 2 * 2) * 16, generator=g) * 40).to(dtype)
+    kv = qkv[:, 4 * 16 :].view(6, 4, 16)
+    key, value = kv[:, :2], kv[:, 2:]
+    slots = torch.tensor([17, 3, -1, 40, 0, 41])
+    scales = (None, None)
+    if cache_dtype.itemsize == 1:
+        scales = (torch.tensor([0.05, 0.2] if per_head else [0.05]), torch.tensor([0.3, 0.1] if per_head else [0.3]))
+    elif per_head:
+        pytest.skip("float caches take no scales")
+    caches = [torch.zeros(6, 8, 2, 16, dtype=cache_dtype) for _ in range(4)]
+    k.kv_store_(key, value, caches[0], caches[1], slots, *scales)
+    ref.kv_store(key, value, caches[2], caches[3], slots, *scales)
+    for got, want in ((caches[0], caches[2]), (caches[1], caches[3])):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert caches[0].view(torch.uint8).any()
+
+
+def test_kv_store_refuses_what_it_cannot_store(k):
+    key = torch.randn(2, 2, 16)
+    cache = torch.zeros(4, 8, 2, 16, dtype=torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError, match="need float32 scales"):
+        k.kv_store_(key, key, cache, cache.clone(), torch.tensor([0, 1]), None, None)
+    with pytest.raises(RuntimeError, match="past the cache"):
+        k.kv_store_(key, key, torch.zeros(4, 8, 2, 16), torch.zeros(4, 8, 2, 16), torch.tensor([0, 32]), None, None)
