@@ -18,6 +18,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from quantkit.atomic import write_atomic
 from quantkit.calibration.method import Calibration, describe
 from quantkit.calibration.registry import KV_DTYPES, METHODS, AWQOptions, GPTQOptions, KVOptions, SmoothOptions
 from quantkit.errors import QuantkitError
@@ -102,10 +103,7 @@ def command(fn):
 def _write_json(path: Path | None, data: dict | list) -> None:
     if path is None:
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(data, indent=2, default=str) + "\n")
 
 
 def _new_table(title: str, columns: tuple[str, ...] = (), **kwargs) -> Table:

@@ -10,9 +10,10 @@ provenance's `evaluations` and writes the card again, so results travel with the
 from __future__ import annotations
 
 import json
-import os
 from datetime import datetime, timezone
 from pathlib import Path
+
+from quantkit.atomic import write_atomic
 
 CARD = "README.md"
 PROVENANCE = "quantkit.json"
@@ -144,13 +145,7 @@ def _number(v, signed: bool = False) -> str:
 
 
 def write_card(folder: Path, config: dict, provenance: dict, name: str | None = None) -> None:
-    _replace(Path(folder) / CARD, render(config, provenance, name or Path(folder).name))
-
-
-def _replace(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    write_atomic(Path(folder) / CARD, render(config, provenance, name or Path(folder).name))
 
 
 def record_evaluation(folder: Path, report: dict) -> bool:
@@ -172,7 +167,7 @@ def record_evaluation(folder: Path, report: dict) -> bool:
     }
     provenance["evaluations"] = [*provenance.get("evaluations", []), entry]
     try:
-        _replace(folder / PROVENANCE, json.dumps(provenance, indent=2) + "\n")
+        write_atomic(folder / PROVENANCE, json.dumps(provenance, indent=2) + "\n")
         write_card(folder, config, provenance)
     except OSError:  # a read-only checkpoint: the results are still printed and returned
         return False

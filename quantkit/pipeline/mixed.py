@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from quantkit.atomic import write_atomic
 from quantkit.errors import QuantkitError
 from quantkit.perf.plan import linear_bytes
 from quantkit.progress import Track, no_progress
@@ -120,10 +121,7 @@ def sensitivity(
         return json.loads(file.read_text())
     result = _measure(path, scheme, calibration, track)
     result["model"] = str(model_name)
-    file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = file.with_suffix(".partial")
-    tmp.write_text(json.dumps(result))
-    tmp.replace(file)
+    write_atomic(file, json.dumps(result))
     return result
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from quantkit.atomic import write_atomic
 from quantkit.errors import QuantkitError
 from quantkit.formats.checkpoint import SHARD_BYTES, ShardWriter, complete
 
@@ -50,15 +51,6 @@ def _differs(saved: dict, now: dict) -> str | None:
 def _environment() -> dict:
     """What float results depend on besides the arguments: same values, same bits."""
     return {"torch": torch.__version__, "threads": torch.get_num_threads()}
-
-
-def _fsync_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class PartialRun:
@@ -136,7 +128,7 @@ class PartialRun:
             "inputs": inputs,
             "writer": writer,
         }
-        _fsync_write(self.folder / STATE, json.dumps(state).encode())
+        write_atomic(self.folder / STATE, json.dumps(state), durable=True)
         for f in self.folder.glob("inputs-*.pt"):
             if f.name != inputs:
                 f.unlink()

@@ -151,7 +151,7 @@ def killer(original):
 if where == "add":  # in the middle of writing a block's tensors
     checkpoint.ShardWriter.add = killer(checkpoint.ShardWriter.add)
 else:  # inside a commit: inputs saved, the state not yet replaced
-    stream._fsync_write = killer(stream._fsync_write)
+    stream.write_atomic = killer(stream.write_atomic)
 s = preset("w4a16-asym").with_group_size(32).replace(kv_cache=kv_args("int8", True))
 quantize(sys.argv[3], s, sys.argv[4], sys.argv[5], Calibration(sys.argv[6], 8, 32, 0, 4),
          options=json.loads(sys.argv[7]), max_shard_size="40KB")
