@@ -86,9 +86,11 @@ def decode(tensors: dict[str, torch.Tensor], name: str):
     return q, scales.t().contiguous(), zero_points(tensors, name), g_idx
 
 
-def gptq_config(args: QuantArgs) -> dict:
-    """The `quantization_config` of a GPTQ v1 checkpoint with int4 weights `args`."""
-    return {
+def gptq_config(args: QuantArgs, damp: float | None = None) -> dict:
+    """The `quantization_config` of a GPTQ v1 checkpoint with int4 weights `args`; `damp`, the
+    dampening GPTQ ran with (a fraction of the Hessian's mean diagonal), None for weights from
+    another method (then no `damp_percent` is written)."""
+    config = {
         "quant_method": "gptq",
         "checkpoint_format": "gptq",
         "bits": 4,
@@ -97,9 +99,11 @@ def gptq_config(args: QuantArgs) -> dict:
         "sym": args.symmetric,
         "true_sequential": True,
         "static_groups": False,
-        "damp_percent": 0.01,
         "modules_in_block_to_quantize": None,
     }
+    if damp is not None:
+        config["damp_percent"] = damp
+    return config
 
 
 def unsupported(qc: dict) -> str | None:

@@ -255,7 +255,10 @@ def export(src: str | Path, out: str | Path, fmt: str, overwrite: bool = False) 
     if ck.format == fmt:
         raise QuantkitError(f"{src} is already a {fmt} checkpoint; use it as is.")
     qc, tensors = WRITERS[fmt](ck)
-    provenance = dict(read_provenance(src) or {}, exported_from=str(src), export_format=fmt)
+    source = read_provenance(src) or {}
+    if fmt == "gptq" and source.get("algorithm") == "gptq" and "damp" in (source.get("options") or {}):
+        qc["damp_percent"] = source["options"]["damp"]  # what GPTQ ran with, not a default
+    provenance = dict(source, exported_from=str(src), export_format=fmt)
     return save_checkpoint(out, tensors, dict(ck.config, quantization_config=qc), provenance, src, overwrite)
 
 

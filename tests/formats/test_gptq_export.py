@@ -37,6 +37,8 @@ def test_export_matches_the_layout_description(tiny_llama, tiny_corpus, tmp_path
     qc = json.loads((tmp_path / "gptq" / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == "gptq" and qc["checkpoint_format"] == "gptq" and qc["bits"] == 4
     assert qc["group_size"] == 32 and qc["sym"] == scheme.weights.symmetric and qc["desc_act"] == (actorder == "group")
+    options = json.loads((tmp_path / "ct" / "quantkit.json").read_text())["options"]
+    assert qc["damp_percent"] == options["damp"]  # what GPTQ ran with
     ct, gq = read_tensors(tmp_path / "ct"), read_tensors(tmp_path / "gptq")
     args = (
         from_quantization_config(json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"])
@@ -64,3 +66,10 @@ def test_export_refuses_a_float_model(tiny_llama, tmp_path):
     with pytest.raises(QuantkitError, match="not a compressed-tensors pack-quantized checkpoint"):
         export(tiny_llama, tmp_path / "x", "gptq")
     assert not (tmp_path / "x").exists()
+
+
+def test_weights_from_another_method_claim_no_damping(tiny_llama, tmp_path):
+    quantize(str(tiny_llama), preset("w4a16").with_group_size(32), tmp_path / "rtn")
+    export(tmp_path / "rtn", tmp_path / "gptq", "gptq")
+    qc = json.loads((tmp_path / "gptq" / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "gptq" and "damp_percent" not in qc
