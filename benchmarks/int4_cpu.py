@@ -1,14 +1,16 @@
 """W4A16 on the CPU, one thread: the C++ int4 kernel (`quantkit.kernels.cpu_int4`) against
 torch's int4pack kernel and a bf16 GEMM on a prepacked weight (oneDNN), bf16 activations.
 
-    python benchmarks/int4_cpu.py [--rows 1 4 8 16 64 256 2048] [--rounds 5] [--group G] [--quick]
+    python benchmarks/int4_cpu.py [--rows 1 16 64 256 512 1024 2048] [--rounds 5] [--group G]
+                                  [--asym] [--no-int4pack] [--shapes 576x960 ...] [--quick]
 
 Shapes (in -> out): smollm2-135m's linears (576 -> 960 q/k/v fused, 576 -> 3072 gate/up
-fused, 1536 -> 576 down, 576 -> 576 o) and 2048 x 2048. Random symmetric int4 weights,
-group 64 where 128 does not divide the input width, else 128 (--group to force one). The
-three are timed interleaved, --rounds times (each a loop of enough calls to last ~20 ms),
-and the median is printed in ms with each one's speed against bf16 (> 1: faster). `ours`
-is whatever `cpu_int4.gemm` picks for that many rows (printed with the kernel it chose).
+fused, 1536 -> 576 down, 576 -> 576 o) and 2048 x 2048. Random int4 weights (symmetric, or
+asymmetric with random zero points with --asym), group 64 where 128 does not divide the input
+width, else 128 (--group to force one). The kernels are timed interleaved, --rounds times
+(each a loop of enough calls to last ~20 ms), and the median is printed in ms with each one's
+speed against bf16 (> 1: faster). `ours` is whatever `cpu_int4.gemm` picks for that many rows
+(printed with the path it took). A last table gives ours / bf16 per shape and M.
 """
 
 from __future__ import annotations
@@ -55,15 +57,19 @@ def _cpu_name() -> str:
     return platform.processor()
 
 
-def bench_shape(k: int, n: int, rows: list[int], rounds: int, group: int | None) -> list[dict]:
+def bench_shape(
+    k: int, n: int, rows: list[int], rounds: int, group: int | None, asym: bool, int4pack: bool
+) -> list[dict]:
     torch.manual_seed(0)
     g = group or (64 if k % 128 else 128)
     q = torch.randint(-8, 8, (n, k), dtype=torch.int8)
     w_packed, scales = pack(q), (torch.rand(n, k // g) * 0.01 + 0.001).to(torch.bfloat16)
-    dense = (q.float() * scales.float().repeat_interleave(g, dim=1)).to(torch.bfloat16)
+    zeros = torch.randint(-2, 3, (n, k // g), dtype=torch.int8) if asym else None
+    z = zeros.float().repeat_interleave(g, dim=1) if asym else 0.0
+    dense = ((q.float() - z) * scales.float().repeat_interleave(g, dim=1)).to(torch.bfloat16)
     prepacked = cpu.prepack_bf16(dense)
-    int4pack = cpu.repack_int4_cpu(w_packed, scales, None, g)
-    ours, _ = cpu_int4.repack(w_packed, scales, None, g)
+    packed4 = cpu.repack_int4_cpu(w_packed, scales, zeros, g) if int4pack else None
+    ours, _ = cpu_int4.repack(w_packed, scales, zeros, g)
     out = []
     for m in rows:
         x = torch.randn(m, k, dtype=torch.bfloat16)
@@ -71,9 +77,10 @@ def bench_shape(k: int, n: int, rows: list[int], rounds: int, group: int | None)
             "bf16": _timer(
                 (lambda: cpu.bf16_linear(x, prepacked)) if prepacked is not None else (lambda: x @ dense.t())
             ),
-            "int4pack": _timer(lambda: cpu.int4_gemm_cpu(x, int4pack)),
             "ours": _timer(lambda: cpu_int4.gemm(x, ours)),
         }
+        if packed4 is not None:
+            impls["int4pack"] = _timer(lambda: cpu.int4_gemm_cpu(x, packed4))
         times = {name: [] for name in impls}
         for _ in range(rounds):
             for name, once in impls.items():
@@ -81,9 +88,10 @@ def bench_shape(k: int, n: int, rows: list[int], rounds: int, group: int | None)
         ms = {name: statistics.median(t) for name, t in times.items()}
         row = dict(k=k, n=n, m=m, group=g, kernel=_path(ours, m), **ms)
         out.append(row)
+        i4 = f"{ms['int4pack']:.3f} | {ms['bf16'] / ms['int4pack']:.2f}×" if "int4pack" in ms else "– | –"
         print(
-            f"| {k}→{n} | {m} | {ms['bf16']:.3f} | {ms['int4pack']:.3f} | {ms['ours']:.3f} "
-            f"| {ms['bf16'] / ms['int4pack']:.2f}× | **{ms['bf16'] / ms['ours']:.2f}×** | {row['kernel']} |",
+            f"| {k}→{n} | {m} | {ms['bf16']:.3f} | {ms['ours']:.3f} | {i4} "
+            f"| **{ms['bf16'] / ms['ours']:.2f}×** | {row['kernel']} |",
             flush=True,
         )
     return out
@@ -92,28 +100,39 @@ def bench_shape(k: int, n: int, rows: list[int], rounds: int, group: int | None)
 def _path(weight: cpu_int4.Int4Weight, m: int) -> str:
     if weight.kernel == "int4pack":
         return "int4pack" if m < cpu_int4.DENSE_MIN_M else "dequant + fp32"
-    if m >= cpu_int4.AMX_DENSE_MIN_M and weight.in_features < cpu_int4.AMX_DENSE_MAX_K:
-        return "dequant + bf16"
-    return "AMX"
+    return cpu_int4.amx_path(weight, m)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 64, 256, 2048])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256, 512, 1024, 2048])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--group", type=int, default=None)
+    p.add_argument("--asym", action="store_true", help="asymmetric weights (random zero points)")
+    p.add_argument("--no-int4pack", action="store_true", help="leave torch's int4pack out (slow at many rows)")
+    p.add_argument("--shapes", nargs="+", default=None, help="in x out, e.g. 576x3072")
     p.add_argument("--quick", action="store_true", help="2048 x 2048 only, 3 rounds")
     a = p.parse_args()
     torch.set_num_threads(1)
     shapes = [(2048, 2048)] if a.quick else SHAPES
+    if a.shapes:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes]
     kernel = "AMX" if cpu_int4.available() else f"torch's int4pack ({cpu_int4.reason()})"
     print(
-        f"W4A16 CPU GEMM, {datetime.date.today()}, torch {torch.__version__}, {_cpu_name()}, 1 thread; ours: {kernel}\n"
+        f"W4A16 CPU GEMM, {datetime.date.today()}, torch {torch.__version__}, {_cpu_name()}, 1 thread, "
+        f"{'asymmetric' if a.asym else 'symmetric'} weights; ours: {kernel}\n"
     )
-    print("| in→out | M | bf16 prepacked ms | int4pack ms | ours ms | int4pack vs bf16 | ours vs bf16 | ours ran |")
+    print("| in→out | M | bf16 prepacked ms | ours ms | int4pack ms | int4pack vs bf16 | ours vs bf16 | ours ran |")
     print("|---|---|---|---|---|---|---|---|")
+    rows = []
     for k, n in shapes:
-        bench_shape(k, n, a.rows, 3 if a.quick else a.rounds, a.group)
+        rows += bench_shape(k, n, a.rows, 3 if a.quick else a.rounds, a.group, a.asym, not a.no_int4pack)
+    print("\nours / bf16 speed (> 1: ours faster)\n")
+    print("| in→out | " + " | ".join(f"M={m}" for m in a.rows) + " |")
+    print("|---|" + "---|" * len(a.rows))
+    for k, n in shapes:
+        ratios = [r["bf16"] / r["ours"] for r in rows if (r["k"], r["n"]) == (k, n)]
+        print(f"| {k}→{n} | " + " | ".join(f"{v:.2f}" for v in ratios) + " |")
 
 
 if __name__ == "__main__":

@@ -6,11 +6,11 @@ the CPU has no AMX.
 
 `repack` picks the kernel once per weight and says why (`Int4Weight.kernel`):
 
-- `amx` (AMX-BF16, the extension built): up to 64 rows (32 at a time), the weight is looked up
-  into bf16 8 k steps at a time, in L1, and multiplied at once; more rows, x goes in ~1 MB blocks and the
-  weight is dequantized once per block into VNNI tiles (~256 KB at a time); from
-  `AMX_DENSE_MIN_M` rows with K < `AMX_DENSE_MAX_K`, `dequantize` (C++) + bf16 `F.linear`
-  (oneDNN), which measures faster there.
+- `amx` (AMX-BF16, the extension built): up to `AMX_FEW_ROWS` rows (32 at a time), the weight
+  is looked up into bf16 8 k steps at a time, in L1, and multiplied at once; more rows, the
+  weight is looked up once per call into VNNI tiles (~0.5 MB at a time, in L2) and x's tiles
+  are read in place, 8 k steps at a time. The choice is made in the C++ per call; a dense path
+  (whole weight dequantized + oneDNN) measured slower than both at every M and is not taken.
 - `int4pack` (any other CPU: AVX2, AVX-512 without AMX; or no build): torch's
   `_weight_int4pack_mm_for_cpu` (`quantkit.kernels.cpu`) below `DENSE_MIN_M` rows, the twin's
   dequantization + an fp32 matmul from there (a bf16 matmul is slow without native bf16).
@@ -43,8 +43,7 @@ from quantkit.kernels import cpu, cpu_ext, reference
 from quantkit.packing import unpack
 
 KERNELS = ("amx", "int4pack")
-AMX_DENSE_MIN_M = 1024  # measured (benchmarks/int4_cpu.py): from here, with K < AMX_DENSE_MAX_K, dense bf16 wins
-AMX_DENSE_MAX_K = 1024
+AMX_FEW_ROWS = 64  # the C++ kernel's crossover (measured: the two schedules are level at 64-96 rows)
 DENSE_MIN_M = 512  # int4pack: from here dequantize + fp32 matmul wins (measured on AVX2)
 
 
@@ -159,7 +158,12 @@ def repack(
     s, zs = (torch.nn.functional.pad(t, pad).contiguous() for t in (s, zs))
     nibbles = _nibbles(torch.nn.functional.pad(u, pad))
     weight = Int4Weight("amx", n, k, g, source, nibbles, s, zs, perm)
-    return weight, f"AMX tiles; dequantize + bf16 matmul from {AMX_DENSE_MIN_M} rows when K < {AMX_DENSE_MAX_K}"
+    return weight, f"AMX tiles (weight looked up per 32 rows up to {AMX_FEW_ROWS} rows, once per call above)"
+
+
+def amx_path(weight: Int4Weight, m: int) -> str:
+    """Which schedule the C++ kernel takes for m rows of an `amx` weight (for benchmarks)."""
+    return "AMX few rows" if m <= AMX_FEW_ROWS else "AMX many rows"
 
 
 def gemm(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
@@ -178,10 +182,5 @@ def gemm(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
     else:
         if w.perm is not None:
             x2 = x2.index_select(1, w.perm)
-        ops = _load()
-        if m >= AMX_DENSE_MIN_M and w.in_features < AMX_DENSE_MAX_K:
-            dense = ops.dequantize(w.nibbles, w.scales, w.zs, w.out_features, w.group_size)
-            y = torch.nn.functional.linear(x2, dense)
-        else:
-            y = ops.gemm(x2.contiguous(), w.nibbles, w.scales, w.zs, w.out_features, w.group_size)
+        y = _load().gemm(x2.contiguous(), w.nibbles, w.scales, w.zs, w.out_features, w.group_size)
     return y.to(x.dtype).reshape(*x.shape[:-1], w.out_features)

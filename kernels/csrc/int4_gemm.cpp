@@ -12,13 +12,16 @@
 // 64-byte load feeds four channels.
 //
 // AMX (CPUs with AMX-BF16), two schedules:
-//   up to 32 rows: the weight is the A operand (a tile row is one channel); 8 k steps of a pair
+//   up to 64 rows, 32 at a time: the weight is the A operand (a tile row is one channel); 8 k steps of a pair
 //     of weight tiles are looked up into an L1 ring and multiplied at once, C stays in the tiles
 //     over all of K, and C = W x^T is transposed on the way out (x repacked into VNNI pairs);
-//   more rows: x is the A operand (copied into 1 KB tiles, ~1 MB of rows at a time so that they
-//     stay in L2), the weight the B operand (looked up, then transposed into VNNI pairs of k),
-//     ~256 KB of it per block of rows; 2 x 2 tiles of C, fp32 between blocks of 20 k steps.
-// dequantize (AVX512-BF16): the whole weight in bf16, for a dense GEMM where that is faster.
+//   more rows: the weight is the B operand, looked up and transposed into VNNI pairs of k once
+//     per call, ~0.5 MB of tiles at a time (L2); x is the A operand, its tiles loaded where x
+//     lies (rows past M from a zeroed copy); 2 x 2 tiles of C per pair of x tiles and pair of
+//     weight tiles, 8 k steps at a time (x's slice stays in L1), fp32 between k blocks, and y
+//     written a pair of rows by the block's columns at a time. Measured (benchmarks.md): at
+//     about the speed of oneDNN's bf16 GEMM from 96 rows on (0.85-1.1x).
+// dequantize (AVX512-BF16): the whole weight in bf16 (the tests' bit-for-bit check).
 //
 // Everything CPU-specific is compiled with function-level target attributes and chosen on CPUID
 // at run time, so this file builds for any x86-64 target; `isa_level` says what the CPU runs.
@@ -366,32 +369,48 @@ QK_AMX void dequant_tile_vnni(const Problem& p, int64_t tile, uint16_t* dst) {
   }
 }
 
-// C tiles 0..3 hold c[i][j] = x tile a_i x weight tile b_j (c + (2 i + j) * 256 in memory); x
-// tiles go to tiles 4, 5 and weight tiles (VNNI) to 6, 7, one k step (512 bf16) after another.
+// C tiles 0..3 hold c[i][j] = x tile a_i x weight tile b_j (c + (2 i + j) * 256 in memory). The
+// x tiles (tiles 4, 5) are read where x lies, lda elements between rows; the weight tiles (6, 7)
+// are VNNI, 512 bf16 per k step. C starts at zero when `first`, else from c, and goes back to c.
 template <int MT, int NT>
-QK_AMX void rows_tiles(const uint16_t* a0, const uint16_t* a1, const uint16_t* b0, const uint16_t* b1,
-                       int64_t steps, float* c, bool load_c) {
-  if (load_c) {
+QK_AMX void rows_tiles(const uint16_t* a, int64_t lda, const uint16_t* b0, const uint16_t* b1, int64_t steps,
+                       float* c, bool first) {
+  if (first) {
+    tiles_zero<MT, NT>();
+  } else {
     _tile_loadd(0, c, 64);
     if constexpr (NT == 2) _tile_loadd(1, c + 256, 64);
     if constexpr (MT == 2) _tile_loadd(2, c + 512, 64);
     if constexpr (MT == 2 && NT == 2) _tile_loadd(3, c + 768, 64);
-  } else {
-    tiles_zero<MT, NT>();
   }
-  tiles_steps<MT, NT>(a0, a1, b0, b1, steps);  // the same tile roles: A-side tiles first, then B-side
+  const uint16_t* a1 = a + 16 * lda;
+  const int64_t stride = 2 * lda;
+  for (int64_t t = 0; t < steps; ++t) {
+    _tile_loadd(4, a + 32 * t, stride);
+    _tile_loadd(6, b0 + 512 * t, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NT == 2) {
+      _tile_loadd(7, b1 + 512 * t, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if constexpr (MT == 2) {
+      _tile_loadd(5, a1 + 32 * t, stride);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (NT == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
   _tile_stored(0, c, 64);
   if constexpr (NT == 2) _tile_stored(1, c + 256, 64);
   if constexpr (MT == 2) _tile_stored(2, c + 512, 64);
   if constexpr (MT == 2 && NT == 2) _tile_stored(3, c + 768, 64);
 }
 
-QK_AMX void rows_tiles_any(int mt, int nt, const uint16_t* a0, const uint16_t* a1, const uint16_t* b0,
-                           const uint16_t* b1, int64_t steps, float* c, bool load_c) {
-  if (mt == 2 && nt == 2) rows_tiles<2, 2>(a0, a1, b0, b1, steps, c, load_c);
-  else if (mt == 2) rows_tiles<2, 1>(a0, a1, b0, b1, steps, c, load_c);
-  else if (nt == 2) rows_tiles<1, 2>(a0, a1, b0, b1, steps, c, load_c);
-  else rows_tiles<1, 1>(a0, a1, b0, b1, steps, c, load_c);
+QK_AMX void rows_tiles_any(int mt, int nt, const uint16_t* a, int64_t lda, const uint16_t* b0, const uint16_t* b1,
+                           int64_t steps, float* c, bool first) {
+  if (mt == 2 && nt == 2) rows_tiles<2, 2>(a, lda, b0, b1, steps, c, first);
+  else if (mt == 2) rows_tiles<2, 1>(a, lda, b0, b1, steps, c, first);
+  else if (nt == 2) rows_tiles<1, 2>(a, lda, b0, b1, steps, c, first);
+  else rows_tiles<1, 1>(a, lda, b0, b1, steps, c, first);
 }
 
 // C (as rows_tiles wrote it: mt tiles of rows by nt tiles of channels) -> y[m0 .., n0 ..].
@@ -408,16 +427,6 @@ QK_AMX void store_rows(const Problem& p, const float* c, int mt, int nt, int64_t
   }
 }
 
-// Rows m0 .. m0+15 of x (zero past M) -> dst [K/32][16 rows][32 k] bf16: AMX's A operand.
-QK_AMX void tile_rows(const Problem& p, int64_t m0, uint16_t* dst) {
-  const int64_t rows = std::min<int64_t>(16, p.M - m0);
-  for (int64_t t = 0; t < p.K / 32; ++t)
-    for (int64_t i = 0; i < 16; ++i) {
-      const uint16_t* src = p.x + (m0 + std::min(i, rows - 1)) * p.K + 32 * t;  // rows past M read as 0
-      _mm512_store_si512(dst + t * 512 + 32 * i, _mm512_maskz_loadu_epi32(i < rows ? 0xFFFF : 0, src));
-    }
-}
-
 // A block of C that tiles_stored wrote, stored into y one tile product later: vector loads
 // right behind the tile stores of the same lines stall the core.
 struct Pending {
@@ -430,51 +439,52 @@ struct Pending {
   }
 };
 
-// Many rows: x is the A operand, copied into tiles (16 rows x 32 k, 1 KB each, zero rows past M)
-// in blocks of rows of about 1 MB that stay in L2; the weight is dequantized per block of rows,
-// ~256 KB of VNNI tiles at a time, and each pair of weight tiles meets every pair of x tiles with
-// C in the tiles across up to 20 k steps (up to 40 KB of weight tiles, reused from L1), in fp32
-// between k blocks.
+// Many rows: a block of weight tiles (~0.5 MB, stays in L2) is looked up into VNNI bf16 tiles
+// once per call; then for each pair of 16-row x tiles (read where x lies) and each block of up
+// to KMAX k steps (whose x slice stays in L1), every pair of the block's weight tiles is
+// multiplied in, C kept in fp32 between k blocks. Each pair of rows writes the block's columns
+// of y contiguously, converted one tile product after its tile store.
 QK_AMX void amx_many_rows(const Problem& p, int64_t tile0, int64_t tile1) {
+  constexpr int64_t WBYTES = 1 << 19, KMAX = 8;  // measured: 0.5 MB of weight tiles, 8 k steps (16 KB of x tiles)
   tile_config();
-  const int64_t steps = p.K / 32, tile_elems = p.K * 16, mtiles = (p.M + 15) / 16;
-  const int64_t kblocks = (steps + 19) / 20, kstep = (steps + kblocks - 1) / kblocks;
-  const int64_t mblock = std::max<int64_t>(2, (1 << 20) / (2 * tile_elems) / 2 * 2);
-  const int64_t wblock = std::max<int64_t>(2, (1 << 18) / (2 * tile_elems) / 2 * 2);
-  static thread_local std::vector<uint16_t> xs, ws;
+  const int64_t steps = p.K / 32, tile_elems = p.K * 16;
+  const int64_t wblock = std::max<int64_t>(2, WBYTES / (2 * tile_elems) / 2 * 2);
+  const int64_t kblocks = (steps + KMAX - 1) / KMAX, kstep = (steps + kblocks - 1) / kblocks;
+  static thread_local std::vector<uint16_t> ws, xs;
   static thread_local std::vector<float> cs;
-  uint16_t* xbuf = scratch(xs, std::min(mblock, mtiles) * tile_elems);
-  uint16_t* wbuf = scratch(ws, wblock * tile_elems);
-  if (int64_t(cs.size()) < mblock * 512 + 16) cs.resize(mblock * 512 + 16);
+  uint16_t* wbuf = scratch(ws, std::min(wblock, tile1 - tile0) * tile_elems);
+  uint16_t* tail = scratch(xs, 32 * p.K);
+  if (int64_t(cs.size()) < (wblock / 2 + 1) * 1024 + 16) cs.resize((wblock / 2 + 1) * 1024 + 16);
   float* cbuf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(cs.data()) + 63) & ~uintptr_t(63));
   Pending pending;
-  for (int64_t mb = 0; mb < mtiles; mb += mblock) {
-    const int64_t mcount = std::min(mblock, mtiles - mb);
-    for (int64_t i = 0; i < mcount; ++i) tile_rows(p, (mb + i) * 16, xbuf + i * tile_elems);
-    for (int64_t wb = tile0; wb < tile1; wb += wblock) {
-      const int64_t ncount = std::min(wblock, tile1 - wb);
-      for (int64_t j = 0; j < ncount; ++j) dequant_tile_vnni(p, wb + j, wbuf + j * tile_elems);
-      for (int64_t j = 0; j < ncount; j += 2) {
-        const int nt = j + 1 < ncount ? 2 : 1;
-        for (int64_t t = 0; t < steps; t += kstep) {
-          const int64_t n = std::min(kstep, steps - t);
-          const bool first = t == 0, last = t + n == steps;
+  for (int64_t wb = tile0; wb < tile1; wb += wblock) {
+    const int64_t ncount = std::min(wblock, tile1 - wb);
+    for (int64_t j = 0; j < ncount; ++j) dequant_tile_vnni(p, wb + j, wbuf + j * tile_elems);
+    for (int64_t m0 = 0; m0 < p.M; m0 += 32) {
+      const int64_t rows = std::min<int64_t>(32, p.M - m0);
+      const int mt = rows > 16 ? 2 : 1;
+      const uint16_t* a = p.x + m0 * p.K;
+      if (rows != 16 * mt) {  // a partial tile: copy the rows, zero past M
+        std::memcpy(tail, a, rows * p.K * 2);
+        std::memset(tail + rows * p.K, 0, (32 - rows) * p.K * 2);
+        a = tail;
+      }
+      for (int64_t t = 0; t < steps; t += kstep) {
+        const int64_t n = std::min(kstep, steps - t);
+        const bool first = t == 0, last = t + n == steps;
+        for (int64_t j = 0; j < ncount; j += 2) {
+          const int nt = j + 1 < ncount ? 2 : 1;
+          float* c = cbuf + j / 2 * 1024;
+          if (pending.c == c) pending.flush(p);
           const uint16_t* b0 = wbuf + j * tile_elems + t * 512;
-          for (int64_t i = 0; i < mcount; i += 2) {
-            const int mt = i + 1 < mcount ? 2 : 1;
-            const uint16_t* a0 = xbuf + i * tile_elems + t * 512;
-            float* c = cbuf + i / 2 * 1024;
-            if (pending.c == c) pending.flush(p);
-            if (last) prefetch_block(p, nt, mt, (mb + i) * 16, (wb + j) * 16);
-            rows_tiles_any(mt, nt, a0, a0 + tile_elems, b0, b0 + tile_elems, n, c, !first);
-            pending.flush(p);
-            if (last) pending = {c, mt, nt, (mb + i) * 16, (wb + j) * 16};
-          }
+          rows_tiles_any(mt, nt, a + 32 * t, p.K, b0, b0 + tile_elems, n, c, first);
+          pending.flush(p);
+          if (last) pending = {c, mt, nt, m0, (wb + j) * 16};
         }
       }
     }
+    pending.flush(p);
   }
-  pending.flush(p);
   _tile_release();
 }
 
@@ -514,7 +524,7 @@ torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& nibbles, const t
   const int64_t tiles = n_pad / 16;
   if (p.M <= 64) {  // 32 rows at a time (measured: faster than the blocked schedule up to 64 rows)
     std::vector<uint16_t> xs;
-    uint16_t* xv = scratch(xs, 4 * k * 16);
+    uint16_t* xv = scratch(xs, (p.M + 31) / 32 * 32 * k);
     repack_x_all(p, xv);
     at::parallel_for(0, tiles, 2, [&](int64_t t0, int64_t t1) {
       for (int64_t m0 = 0; m0 < p.M; m0 += 32) {
@@ -525,7 +535,7 @@ torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& nibbles, const t
       }
     });
   } else {
-    const int64_t grain = std::max<int64_t>(2, (1 << 18) / (32 * k) / 2 * 2);
+    const int64_t grain = std::max<int64_t>(2, (1 << 19) / (32 * k) / 2 * 2);
     at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) { amx_many_rows(p, t0, t1); });
   }
   return y;

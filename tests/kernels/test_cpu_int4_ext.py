@@ -48,9 +48,10 @@ def _check(y, x, w_packed, scale, zero, args, group_size, g_idx=None, atol_rms=2
     torch.testing.assert_close(y.float(), exact, rtol=2**-7, atol=atol_rms * rms)
 
 
-# (m, k, n, group): M through each schedule (up to 16 and 32 rows: weight tiles in L1; more: blocks
-# of rows, several row blocks and k blocks at K = 1536; 1024+ rows at K < 1024: the dense path),
-# N not a multiple of 16 or 32, K not a multiple of 128.
+# (m, k, n, group): M through each schedule (up to 16 and 32 rows, then up to 64: weight tiles
+# in L1; more: the weight in VNNI tiles, several weight blocks (1000 channels at K = 576), k
+# blocks (K = 576, 960, 1536), a last pair of rows that is one full tile (80), or a partial one
+# copied (100, 300, 2047)), N not a multiple of 16 or 32, K not a multiple of 128.
 CASES = [
     (1, 576, 960, 64),
     (3, 1536, 576, 128),
@@ -58,8 +59,10 @@ CASES = [
     (17, 576, 1536, 64),
     (33, 576, 40, 32),
     (64, 1536, 48, 128),
+    (80, 2048, 64, 128),
     (100, 960, 200, None),
-    (2048, 1536, 48, 64),
+    (300, 576, 1000, 64),
+    (2047, 1536, 48, 64),
     (2048, 576, 24, 32),
 ]
 
