@@ -292,7 +292,10 @@ class ModelRunner:
         spec = self.spec.for_block(block)
         qkv, o = spec.sequential[:2]  # q/k/v (fused or not), o
         mods = lambda names: [get_module(block, n) for n in names]  # noqa: E731
-        norm = lambda name: _identity if name is None else _Norm.of(get_module(block, name), self._like, self.backend)  # noqa: E731
+
+        def norm(name: str | None):
+            return _identity if name is None else _Norm.of(get_module(block, name), self._like, self.backend)
+
         attn = get_module(block, spec.attention)
         scales = (attn.k_scale, attn.v_scale) if self.kv_args is not None else (None, None)
         qkv_mods, o_proj = mods(qkv), get_module(block, o[0])
