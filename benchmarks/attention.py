@@ -11,8 +11,9 @@ bf16 queries; caches bf16, fp8 e4m3 and int8 with per-tensor scales. Fresh block
 seq_lens tensors each step, as the runner passes them, so the torch path plans once per step.
 
 prefill: the same model's attention over one 2048-token prefill chunk made of prompts of n
-tokens each (n = 32-512), all 30 layers: whole prompts (no cached prefix), then the last n/4
+tokens each (n = 32-2048), all 30 layers: whole prompts (no cached prefix), then the last n/4
 tokens of each prompt after a cached prefix of 3n/4 (chunked prefill, prefix caching).
+`--block-size` sets the cache's block size (16 by default; the engine's CPU default is 64).
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
 SCALE = HEAD_DIM**-0.5
 
 
-def make_caches(lens: list[int], dtype: torch.dtype, seed: int = 0):
+def make_caches(lens: list[int], dtype: torch.dtype, seed: int = 0, block: int = BLOCK):
     """Per layer (k_cache, v_cache) holding len(lens) sequences in shuffled blocks, the block
     table int32 [n, max_blocks], and the scales (per tensor) for fp8/int8."""
     g = torch.Generator().manual_seed(seed)
-    used = [-(-n // BLOCK) for n in lens]
+    used = [-(-n // block) for n in lens]
     num_blocks = sum(used) + 8
     order = torch.randperm(num_blocks, generator=g)
     tables = torch.zeros(len(lens), max(used), dtype=torch.int32)
@@ -41,7 +42,7 @@ def make_caches(lens: list[int], dtype: torch.dtype, seed: int = 0):
     for i, n in enumerate(used):
         tables[i, :n] = order[at : at + n]
         at += n
-    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    shape = (num_blocks, block, KV_HEADS, HEAD_DIM)
     caches = []
     for _ in range(LAYERS):
         k, v = (torch.randn(shape, generator=g) for _ in range(2))
@@ -103,14 +104,15 @@ def decode(repeats: int) -> None:
         )
 
 
-def prefill(repeats: int) -> None:
+def prefill(repeats: int, block: int = BLOCK) -> None:
     g = torch.Generator().manual_seed(0)
     ext = cpu_ext.load().paged_prefill
-    print("prefill: one 2048-token chunk of prompts of n tokens, 30 layers, bf16 cache; wall / CPU")
-    print("  torch: gather + SDPA per sequence; ext: the C++ kernel for all; auto: cpu_attention.paged_prefill")
-    for n in (32, 64, 128, 256, 512):
+    print(f"prefill: one 2048-token chunk of prompts of n tokens, 30 layers, bf16 cache, blocks of {block}; wall / CPU")
+    print("  torch: gather + SDPA per sequence; ext: the C++ kernel for all (AMX where it can);")
+    print("  auto: cpu_attention.paged_prefill")
+    for n in (32, 64, 128, 256, 512, 1024, 2048):
         count = 2048 // n
-        caches, tables, _ = make_caches([n] * count, torch.bfloat16)
+        caches, tables, _ = make_caches([n] * count, torch.bfloat16, block=block)
         seq_lens = torch.full((count,), n, dtype=torch.int32)
         for q_len in (n, n // 4):
             query_lens = torch.full((count,), q_len, dtype=torch.int32)
@@ -137,6 +139,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--part", nargs="+", default=["decode", "prefill"], choices=["decode", "prefill"])
+    parser.add_argument("--block-size", type=int, default=BLOCK, help="the prefill caches' block size")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if cpu_ext.load() is None:
@@ -144,7 +147,10 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
     with torch.inference_mode():
         for part in args.part:
-            {"decode": decode, "prefill": prefill}[part](args.repeats)
+            if part == "decode":
+                decode(args.repeats)
+            else:
+                prefill(args.repeats, args.block_size)
 
 
 if __name__ == "__main__":

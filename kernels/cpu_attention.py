@@ -7,9 +7,10 @@ Attention takes the C++ kernels of `kernels/csrc/attention.cpp` (`cpu_ext`), whi
 blocks in place, when they are built and head_dim is a multiple of 16; prefill only for the
 sequences where they beat SDPA (`paged_prefill`). Decode with bf16 queries on a bf16, fp8 or
 int8 cache (head_dim 64 or 128) runs there in two passes per sequence, scores in AMX tiles where
-the CPU has them (`QUANTKIT_NO_AMX=1`: AVX512-BF16 instead); the kernel's header comment says
-more. Otherwise, and with `QUANTKIT_NO_EXT=1`, the batched torch code below
-(`torch_paged_attention`, `torch_paged_prefill`).
+the CPU has them (`QUANTKIT_NO_AMX=1`: AVX512-BF16 instead); prefill with the same queries and
+caches runs wholly in AMX tiles where the CPU has them (`ext.amx_prefill`), every sequence; the
+kernel's header comment says more. Otherwise, and with `QUANTKIT_NO_EXT=1`, the batched torch
+code below (`torch_paged_attention`, `torch_paged_prefill`).
 
 Decode attention in torch does not loop over sequences one by one. Sequences are sorted by length
 and taken in chunks of about `CHUNK_BYTES` of K+V; each chunk's blocks are gathered with
@@ -45,8 +46,8 @@ from quantkit.kernels import cpu_ext
 from quantkit.kernels.reference import _quantize_kv, cap, visible
 
 CHUNK_BYTES = 2 << 20  # K+V gathered per SDPA call: about the size of one core's L2
-PREFILL_TILE = 16  # queries per work item of the C++ prefill
-PREFILL_EXT_WORK = 8192  # the C++ prefill takes a sequence when query_len * seq_len <= this (paged_prefill)
+PREFILL_TILE = 16  # queries per work item of the C++ prefill without AMX (the AMX one takes 256)
+PREFILL_EXT_WORK = 8192  # without AMX, the C++ prefill takes a sequence when query_len * seq_len <= this
 
 
 def kv_store(
@@ -299,17 +300,25 @@ def paged_prefill(
     (q [total_query_tokens, num_heads, head_dim], sequence i's last query_lens[i] of its
     seq_lens[i] tokens back to back); returns q's shape and dtype.
 
-    With the C++ kernels, a sequence with query_len * seq_len <= PREFILL_EXT_WORK is attended
-    by them, in place; a longer one by `torch_paged_prefill` (gathered blocks + SDPA's flash
-    kernel), in the same call. The C++ kernel costs ~5.5 ns per (query head, key) pair on one
-    thread, SDPA ~2 ns plus ~135 us per sequence and layer for the gather and the call, so
-    the C++ kernel wins only on short work. Against SDPA on 2048-token chunks of smollm2
-    prompts (benchmarks/attention.py, one thread, 30 layers, bf16; 2026-12-02): prompts of 32
-    tokens 2.0x, of 64 0.98x, of 128 0.58x, of 512 0.32x; the last 8 tokens after 24 cached
-    4.6x, 16 after 48 2.0x, 32 after 96 0.96x, 128 after 384 0.34x. Level between about 4096
-    and 8192 for query_len * seq_len."""
+    Where the C++ AMX prefill applies (`ext.amx_prefill`: bf16 q, a bf16, fp8 or int8 cache,
+    head_dim 64 or 128, a CPU with AMX-BF16, QUANTKIT_NO_AMX not 1), it takes every sequence:
+    ~0.45 ns per (query head, key) pair on one thread, faster than SDPA at every length measured.
+    Against SDPA on 2048-token chunks of smollm2 prompts (benchmarks/attention.py, one thread,
+    30 layers, bf16, blocks of 16; 2026-12): whole prompts of 32 tokens 5.5x, of 64 3.9x, of 128
+    3.3-3.5x, of 256 3.3-3.4x, of 512 3.1x, of 1024 2.5x, of 2048 2.2x; the last n/4 after 3n/4
+    cached 2.7-7.9x.
+
+    Otherwise, with the C++ kernels, a sequence with query_len * seq_len <= PREFILL_EXT_WORK is
+    attended by them, in place; a longer one by `torch_paged_prefill` (gathered blocks + SDPA's
+    flash kernel), in the same call. That C++ kernel costs ~5.5 ns per (query head, key) pair
+    on one thread, SDPA ~2 ns plus ~135 us per sequence and layer for the gather and the call,
+    so it wins only on short work (2026-12-02: prompts of 32 tokens 2.0x, of 64 0.98x, of 128
+    0.58x, of 512 0.32x; the last 8 tokens after 24 cached 4.6x, 16 after 48 2.0x, 32 after 96
+    0.96x, 128 after 384 0.34x). Level between about 4096 and 8192 for query_len * seq_len."""
     args = (q, k_cache, v_cache, block_tables, seq_lens, query_lens, scale, k_scale, v_scale, window, softcap)
     ext = _ext(q)
+    if ext is not None and ext.amx_prefill(q, k_cache):  # faster than SDPA at every length measured
+        return ext.paged_prefill(*args[:9], window or 0, softcap or 0.0, PREFILL_TILE, 0)
     work = [m * n for m, n in zip(query_lens.tolist(), seq_lens.tolist())] if ext is not None else []
     if not any(0 < w <= PREFILL_EXT_WORK for w in work):
         return torch_paged_prefill(*args)

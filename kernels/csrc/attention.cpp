@@ -21,11 +21,20 @@
 // P · V with the accumulators in registers, fp32. On smollm2's decode step (bf16, one thread) this
 // took the kernel from ~40 to ~20 ms with K/V in L2 and from ~85 to ~75 ms from memory.
 //
+// `prefill_item` (prefill with bf16 q on a CPU with AMX-BF16 that the OS grants it, QUANTKIT_NO_AMX
+// not 1; bf16, fp8 or int8 cache; head_dim 64 or 128; any group, window, softcap): a work item is
+// (sequence, KV head, up to 256 queries), per tile of 16 queries and head, keys in chunks of 128,
+// transposed so that lanes are queries: Sᵀ = K · Qᵀ in AMX tiles (K in place from a bf16 cache whose
+// block size is a multiple of 16), a column-wise online softmax in fp32 with a polynomial 2^x, P
+// rounded to bf16 for Oᵀ = Vᵀ · Pᵀ in AMX tiles (Vᵀ packed once per item); the products are exact,
+// the sums fp32. Against fp64 its error is close to that of rounding the exact result to bf16.
+// It replaced SDPA for the prefill of bf16 models: ~550 GFLOP/s on one core here (2026-12).
+//
 // Vectors are W fp32 lanes in GCC vector extensions: W = 16 (one register) where the compiler
 // targets AVX-512 (-march=native), else 8 (one AVX2 register). Loads of bf16/fp16/fp8/int8
 // use AVX-512 or AVX2/F16C intrinsics where there are such, plain loops elsewhere; with
 // AVX512-BF16 and bf16 queries the q · k dot products run in vdpbf16ps (AMX tiles for decode
-// where the CPU has AMX-BF16, the OS grants the tile state and QUANTKIT_NO_AMX is not 1).
+// and prefill where the CPU has AMX-BF16, the OS grants the tile state and QUANTKIT_NO_AMX is not 1).
 // head_dim 64 and 128 get unrolled loops, other multiples of 16 a generic one.
 
 #include <ATen/ATen.h>
@@ -734,6 +743,391 @@ void run_decode(const Problem& P, std::vector<Item>& items) {
 }
 #endif  // QK_BF16DP
 
+#ifdef QK_AMX
+// ---------------------------------------------------------------- prefill with AMX
+// bf16 q on a bf16, fp8 or int8 cache, head_dim 64 or 128 (the header says when). A work item is
+// (sequence, KV head, up to AMX_QUERIES queries); per tile of 16 queries and per head of the group,
+// keys in chunks of up to CHUNK, transposed so that lanes are queries (no horizontal reductions):
+// Sᵀ = K · Qᵀ in AMX tiles (K the A operand, 16 rows in place from a bf16 cache, Qᵀ in VNNI pairs
+// the B operand, made once per tile), then per query (lane) the max over the chunk, P = 2^(s ·
+// scale · log2 e - max) (polynomial), rounded to bf16 in VNNI pairs of keys, and Oᵀ += Vᵀ · Pᵀ in
+// AMX tiles with fp32 accumulators, rescaled between chunks (online softmax). Vᵀ (and K for fp8 /
+// int8 caches, converted exactly, or a block size not a multiple of 16) is packed once per item,
+// zeros where no query of the item looks. Tiles: Sᵀ = K · Qᵀ: 0-3 Qᵀ (head_dim / 32 of them), 4-5
+// Sᵀ, 6-7 K; Oᵀ = Vᵀ · Pᵀ: 0-3 Oᵀ (64 values of head_dim at a time), 4 Pᵀ, 5-7 Vᵀ.
+
+constexpr int64_t AMX_QUERIES = 256;  // queries per work item: K / V are packed once for them all
+constexpr int64_t CHUNK = 128;  // keys per softmax step, a multiple of 32
+
+struct Lanes {  // per query of a tile: running max (log2 units), sum, this chunk's rescaling
+  __m512 m, l, alpha;
+};
+
+template <typename T>
+struct Aligned {  // n values on 64-byte boundaries: AMX rows that straddle cache lines load at a third of the speed
+  T* p;
+  explicit Aligned(int64_t n) : p(static_cast<T*>(std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64))) {
+    TORCH_CHECK(p, "paged prefill: out of memory.");
+  }
+  ~Aligned() { std::free(p); }
+  Aligned(const Aligned&) = delete;
+  Aligned& operator=(const Aligned&) = delete;
+  T* data() const { return p; }
+};
+
+struct PrefillScratch {
+  Aligned<c10::BFloat16> kp, vt, qt, pt, zero;  // K rows [n][D] (when packed), Vᵀ [n / 32][D][32],
+                                                // Qᵀ [group][D / 2][16][2], Pᵀ [2][CHUNK / 2][16][2], [32][D] zeros
+  Aligned<float> sc, acc;  // Sᵀ [2][CHUNK][16]; Oᵀ [group][D][16]
+  std::vector<const c10::BFloat16*> kt;  // the item's 16-key K tiles
+  std::vector<int64_t> ks;  // their row strides, bytes
+  std::vector<Lanes> lanes;  // [group]
+  PrefillScratch(int64_t n, int64_t D, int64_t g)
+      : kp(n * D), vt(n * D), qt(g * 16 * D), pt(2 * CHUNK * 16), zero(32 * D), sc(2 * CHUNK * 16), acc(g * 16 * D), kt(n / 16),
+        ks(n / 16), lanes(g) {
+    std::memset(zero.data(), 0, 32 * D * sizeof(c10::BFloat16));
+  }
+};
+
+void amx_config_prefill() {  // all eight tiles 16 rows x 64 bytes
+  TileConfig cfg{};
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+INLINE void transpose16(__m512i* r) {  // 16 x 16 dwords, in place
+  __m512i t[16];
+  for (int i = 0; i < 8; i++) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; i++) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 2; i++)
+    for (int j = 0; j < 4; j++) {
+      t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+      t[8 * i + 4 + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
+    }
+  for (int j = 0; j < 8; j++) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xdd);
+  }
+}
+
+// the row of key t of one cache and KV head (checked), or null outside [lo, hi)
+template <typename C>
+INLINE const C* key_row(const Problem& P, const int32_t* table, const C* cache, const int64_t* s, int64_t seq, int64_t t,
+                        int64_t lo, int64_t hi) {
+  if (t < lo || t >= hi) return nullptr;
+  const int64_t block = table[t / P.block_size * P.tables_s1];
+  TORCH_CHECK(0 <= block && block < P.num_blocks, "paged attention: sequence ", seq, " names block ", block,
+              " of a cache with ", P.num_blocks, " blocks.");
+  return cache + block * s[0] + t % P.block_size * s[1];
+}
+
+// key t's row -> bf16 [D] at dst (exact for the caches this path takes); zeros for null
+template <typename C, int NC>
+INLINE void row_bf16(const C* x, c10::BFloat16* dst) {
+  if (!x) {
+    std::memset(dst, 0, NC * W * 2);
+  } else if constexpr (std::is_same_v<C, c10::BFloat16>) {
+    std::memcpy(dst, x, NC * W * 2);
+  } else {
+    for (int c = 0; c < NC; c++)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c * W), (__m256i)_mm512_cvtneps_pbh(loadw(x + c * W)));
+  }
+}
+
+// keys [base, base + n) of the item's KV head (n a multiple of 32), zeros outside [lo, hi): s.vt
+// [n / 32][D][32] (Vᵀ per 32 keys), s.kt / s.ks the K tiles (in place, else packed into s.kp)
+template <typename C, int NC>
+void pack_kv(const Problem& P, const Item& it, int64_t base, int64_t n, int64_t lo, int64_t hi, PrefillScratch& s) {
+  constexpr int64_t D = NC * W;
+  const int32_t* table = P.tables + it.seq * P.tables_s0;
+  const C *kc = reinterpret_cast<const C*>(P.k) + it.kh * P.k_s[2], *vc = reinterpret_cast<const C*>(P.v) + it.kh * P.v_s[2];
+  const bool in_place = std::is_same_v<C, c10::BFloat16> && P.block_size % 16 == 0;
+  __m512i idx[2];  // V rows a, b -> a0 b0 a1 b1 ... of values 0-15 (idx[0]), 16-31 (idx[1]) of 32
+  {
+    alignas(64) int16_t i0[32], i1[32];
+    for (int i = 0; i < 16; i++) i0[2 * i] = i, i0[2 * i + 1] = 32 + i, i1[2 * i] = 16 + i, i1[2 * i + 1] = 48 + i;
+    idx[0] = _mm512_load_si512(i0), idx[1] = _mm512_load_si512(i1);
+  }
+  c10::BFloat16* rows = s.kp.data();  // V rows of 32 keys in bf16 (before K is packed there)
+  for (int64_t k0 = n - 32; k0 >= 0; k0 -= 32) {  // from the end: K rows overwrite V's scratch behind
+    for (int r = 0; r < 32; r++)
+      row_bf16<C, NC>(key_row<C>(P, table, vc, P.v_s, it.seq, base + k0 + r, lo, hi), rows + r * D);
+    c10::BFloat16* dst = s.vt.data() + k0 * D;
+    for (int gi = 0; gi < NC; gi++) {  // values 16 gi .. 16 gi + 15: [16 pairs of keys][16] dwords, transposed
+      __m512i w[16];
+      for (int i = 0; i < 16; i++)
+        w[i] = _mm512_permutex2var_epi16(_mm512_loadu_si512(rows + 2 * i * D + gi / 2 * 32), idx[gi % 2],
+                                         _mm512_loadu_si512(rows + (2 * i + 1) * D + gi / 2 * 32));
+      transpose16(w);
+      for (int i = 0; i < 16; i++) _mm512_storeu_si512(dst + (16 * gi + i) * 32, w[i]);
+    }
+    for (int half = 0; half < 2; half++) {
+      const int64_t t = base + k0 + 16 * half, u = (k0 + 16 * half) / 16;
+      if (t + 16 <= lo || t >= hi) {  // no query of the item looks: not read (it may hold anything)
+        s.kt[u] = s.zero.data(), s.ks[u] = D * 2;
+      } else if (in_place) {
+        const C* x = key_row<C>(P, table, kc, P.k_s, it.seq, t, 0, t + 1);
+        s.kt[u] = reinterpret_cast<const c10::BFloat16*>(x), s.ks[u] = P.k_s[1] * 2;
+      } else {
+        for (int r = 0; r < 16; r++)
+          row_bf16<C, NC>(key_row<C>(P, table, kc, P.k_s, it.seq, t + r, lo, hi), s.kp.data() + (k0 + 16 * half + r) * D);
+        s.kt[u] = s.kp.data() + (k0 + 16 * half) * D, s.ks[u] = D * 2;
+      }
+    }
+  }
+}
+
+// Sᵀ [16 keys][16 queries] per K tile (sc [tiles * 16][16]) = K tiles · Qᵀ (qt); tiles even
+template <int NC>
+INLINE void amx_qk(const c10::BFloat16* qt, const c10::BFloat16* const* kt, const int64_t* ks, int64_t tiles, float* sc) {
+  _tile_loadd(0, qt, 64);
+  _tile_loadd(1, qt + 512, 64);
+  if constexpr (NC == 8) {
+    _tile_loadd(2, qt + 1024, 64);
+    _tile_loadd(3, qt + 1536, 64);
+  }
+  for (int64_t u = 0; u < tiles; u += 2) {
+    const c10::BFloat16 *k0 = kt[u], *k1 = kt[u + 1];
+    const int64_t s0 = ks[u], s1 = ks[u + 1];
+    _tile_zero(4);
+    _tile_zero(5);
+#define QK_STEP(S)                     \
+  _tile_loadd(6, k0 + (S) * 32, s0);   \
+  _tile_dpbf16ps(4, 6, S);             \
+  _tile_loadd(7, k1 + (S) * 32, s1);   \
+  _tile_dpbf16ps(5, 7, S);
+    QK_STEP(0)
+    QK_STEP(1)
+    if constexpr (NC == 8) {
+      QK_STEP(2)
+      QK_STEP(3)
+    }
+#undef QK_STEP
+    _tile_stored(4, sc + u * 256, 64);
+    _tile_stored(5, sc + u * 256 + 256, 64);
+  }
+}
+
+// Oᵀ (acc [D][16]) (+)= Vᵀ (vt: steps of [D][32]) · Pᵀ (pt: steps of [16 pairs][16][2]); `first`: from zero
+template <int NC>
+INLINE void amx_pv(const c10::BFloat16* pt, const c10::BFloat16* vt, int64_t steps, bool first, float* acc) {
+  constexpr int64_t D = NC * W;
+  for (int64_t h = 0; h < D; h += 64) {
+    if (first) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+    } else {
+      _tile_loadd(0, acc + h * 16, 64);
+      _tile_loadd(1, acc + h * 16 + 256, 64);
+      _tile_loadd(2, acc + h * 16 + 512, 64);
+      _tile_loadd(3, acc + h * 16 + 768, 64);
+    }
+    for (int64_t u = 0; u < steps; u++) {
+      const c10::BFloat16* v = vt + u * 32 * D + h * 32;  // rows h .. h + 63 of this step's Vᵀ
+      _tile_loadd(4, pt + u * 512, 64);
+      _tile_loadd(5, v, 64);
+      _tile_dpbf16ps(0, 5, 4);
+      _tile_loadd(6, v + 512, 64);
+      _tile_dpbf16ps(1, 6, 4);
+      _tile_loadd(7, v + 1024, 64);
+      _tile_dpbf16ps(2, 7, 4);
+      _tile_loadd(5, v + 1536, 64);
+      _tile_dpbf16ps(3, 5, 4);
+    }
+    _tile_stored(0, acc + h * 16, 64);
+    _tile_stored(1, acc + h * 16 + 256, 64);
+    _tile_stored(2, acc + h * 16 + 512, 64);
+    _tile_stored(3, acc + h * 16 + 768, 64);
+  }
+}
+
+// 2^x (x <= 127), about 3e-6 relative: p(x - floor x) · 2^floor x with a minimax polynomial p;
+// 2^-125 below -125 and for -inf, never a subnormal (those take a microcode assist, ~150 cycles
+// each); NaN for NaN
+INLINE __m512 exp2_fast(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-125.f), x);  // NaN stays NaN
+  const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF);  // x - floor x, [0, 1)
+  __m512 p = _mm512_set1_ps(1.3534167781472206e-2f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.201146379113197e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.414427548646927e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.930038332939148e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000026226043701f));
+  return _mm512_scalef_ps(p, x);
+}
+
+// Sᵀ of keys c0 .. c0 + nk - 1 (sc [nk][16]; lane j: the query at pos0 + j, j < nq) -> Pᵀ (pt, VNNI
+// pairs of keys), 0 where masked; updates m, l, alpha. mul: scale · k_scale. Returns whether some
+// accumulator needs rescaling.
+bool softmax_chunk(const Problem& P, float* sc, c10::BFloat16* pt, int64_t nq, int64_t pos0, int64_t c0, int64_t nk,
+                   float mul, Lanes& q) {
+  constexpr float LOG2E = 1.4426950408889634f;
+  const bool cap = P.softcap > 0.f || !(mul > 0.f);  // scores transformed before the max
+  const __m512 mul2 = _mm512_set1_ps(cap ? 1.f : mul * LOG2E), neg_inf = _mm512_set1_ps(NEG_INF);
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __mmask16 real = __mmask16((1u << nq) - 1);
+  // keys [a, e) are visible to some query; those outside [a2, e2) (pairs) get P = 0
+  const int64_t a = std::max(c0, P.window ? pos0 - P.window + 1 : 0), e = std::min(c0 + nk, pos0 + nq);
+  const int64_t a2 = (a - c0) / 2 * 2, e2 = std::min(nk, (e - c0 + 1) / 2 * 2);
+  // lane j sees key c0 + i when d <= j (and j <= d + window - 1), d = c0 + i - pos0: all lanes
+  // for i in [f0, f1) (none when nq < 16)
+  int64_t f0 = std::max(a2, P.window ? pos0 - c0 + 16 - P.window : a2), f1 = std::min(e2, pos0 - c0 + 1);
+  if (cap || nq < 16 || f0 > f1) f0 = f1 = a2;
+  __m512 top = neg_inf, t1 = neg_inf, t2 = neg_inf, t3 = neg_inf;
+  int64_t i = f0;
+  for (; i + 4 <= f1; i += 4) {  // four chains: vmaxps has a latency of 4
+    top = _mm512_max_ps(top, _mm512_load_ps(sc + i * 16));
+    t1 = _mm512_max_ps(t1, _mm512_load_ps(sc + i * 16 + 16));
+    t2 = _mm512_max_ps(t2, _mm512_load_ps(sc + i * 16 + 32));
+    t3 = _mm512_max_ps(t3, _mm512_load_ps(sc + i * 16 + 48));
+  }
+  for (; i < f1; i++) top = _mm512_max_ps(top, _mm512_load_ps(sc + i * 16));
+  top = _mm512_max_ps(_mm512_max_ps(top, t1), _mm512_max_ps(t2, t3));
+  auto edge = [&](int64_t i) {  // a key some lanes do not see (or any key, with a softcap): masked, stored
+    __m512 x = _mm512_load_ps(sc + i * 16);
+    const int64_t d = c0 + i - pos0;
+    if (cap) {
+      vf y = (vf)x * mul;
+      if (P.softcap > 0.f) y = P.softcap * vtanh(y * (1.f / P.softcap));
+      x = (__m512)(y * LOG2E);
+    }
+    __mmask16 vis = real & _mm512_cmpge_epi32_mask(lane, _mm512_set1_epi32(int32_t(std::max<int64_t>(d, -1))));
+    if (P.window) vis &= _mm512_cmple_epi32_mask(lane, _mm512_set1_epi32(int32_t(std::min<int64_t>(d + P.window - 1, 16))));
+    x = _mm512_mask_blend_ps(vis, neg_inf, x);
+    _mm512_store_ps(sc + i * 16, x);
+    top = _mm512_max_ps(top, x);
+  };
+  for (int64_t i = a2; i < f0; i++) edge(i);
+  for (int64_t i = f1; i < e2; i++) edge(i);
+  const __m512 m = _mm512_max_ps(q.m, _mm512_mul_ps(top, mul2));
+  const __mmask16 none = _mm512_cmpeq_ps_mask(m, neg_inf);  // no key seen yet
+  const __m512 m0 = _mm512_mask_blend_ps(none, m, _mm512_setzero_ps());
+  const __mmask16 same = _mm512_cmpeq_ps_mask(q.m, m);
+  q.alpha = _mm512_mask_blend_ps(same, exp2_fast(_mm512_sub_ps(q.m, m0)), _mm512_set1_ps(1.f));  // ~0 from -inf
+  const bool rescale = __mmask16(~same & ~_mm512_cmpeq_ps_mask(q.m, neg_inf));  // (a lane at -inf holds zeros)
+  q.m = m;
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5,
+                                         20, 4, 19, 3, 18, 2, 17, 1, 16, 0);  // p0, p1 -> p0_0 p1_0 p0_1 p1_1 ...
+  __m512 sum = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+  std::memset(pt, 0, a2 * 32);
+  auto pair = [&](int64_t i, __m512& acc) {  // keys i, i + 1 -> row i / 2 of Pᵀ
+    const __m512 p0 = exp2_fast(_mm512_fmsub_ps(_mm512_load_ps(sc + i * 16), mul2, m0));
+    const __m512 p1 = exp2_fast(_mm512_fmsub_ps(_mm512_load_ps(sc + i * 16 + 16), mul2, m0));
+    acc = _mm512_add_ps(acc, _mm512_add_ps(p0, p1));
+    _mm512_store_si512(pt + i * 16, _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(p1, p0)));
+  };
+  int64_t k = a2;
+  for (; k + 4 <= e2; k += 4) pair(k, sum), pair(k + 2, sum1);
+  if (k < e2) pair(k, sum);
+  sum = _mm512_add_ps(sum, sum1);
+  std::memset(pt + e2 * 16, 0, (nk - e2) * 32);
+  q.l = _mm512_fmadd_ps(q.l, q.alpha, sum);
+  return rescale;
+}
+
+// Qᵀ of queries q0 .. q0 + nq - 1, head `head` -> qt [D / 2][16][2] (VNNI pairs), zeros past nq
+template <int NC>
+INLINE void load_qt(const Problem& P, int64_t q0, int64_t nq, int64_t head, c10::BFloat16* qt) {
+  for (int c = 0; c < NC / 2; c++) {
+    __m512i r[16];
+    for (int j = 0; j < 16; j++)
+      r[j] = j < nq ? _mm512_loadu_si512(P.q + (q0 + j) * P.q_s0 + head * P.q_s1 + c * 64) : _mm512_setzero_si512();
+    transpose16(r);
+    for (int i = 0; i < 16; i++) _mm512_storeu_si512(qt + (16 * c + i) * 32, r[i]);
+  }
+}
+
+// Oᵀ (acc [D][16]) / l · vmul -> the rows of queries q0 .. q0 + nq - 1, head `head`, bf16
+template <int NC>
+INLINE void store_out(const Problem& P, const float* acc, __m512 l, float vmul, int64_t q0, int64_t nq, int64_t head) {
+  const __m512 inv = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(l, _mm512_setzero_ps(), _CMP_GT_OQ), _mm512_set1_ps(vmul), l);
+  alignas(64) float f[16];
+  _mm512_store_ps(f, inv);
+  for (int g = 0; g < NC; g++) {
+    __m512i r[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(acc + (16 * g + i) * 16);
+    transpose16(r);  // r[j]: values 16 g .. 16 g + 15 of query j
+    for (int64_t j = 0; j < nq; j++) {
+      c10::BFloat16* dst = reinterpret_cast<c10::BFloat16*>(P.out) + ((q0 + j) * P.heads + head) * NC * W + 16 * g;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_castsi512_ps(r[j]), _mm512_set1_ps(f[j]))));
+    }
+  }
+}
+
+template <typename C, int NC>
+void prefill_item(const Problem& P, const Item& it, PrefillScratch& s) {
+  constexpr int64_t D = NC * W;
+  const int64_t g = P.group, hi = it.pos0 + it.nq;
+  const int64_t lo = P.window ? std::max<int64_t>(0, it.pos0 - P.window + 1) : 0, base = lo / 32 * 32;
+  pack_kv<C, NC>(P, it, base, (hi - base + 31) / 32 * 32, lo, hi, s);
+  amx_config_prefill();
+  const float mul = P.scale * (P.k_scale ? P.k_scale[P.k_per_head ? it.kh : 0] : 1.f);
+  const float vmul = P.v_scale ? P.v_scale[P.v_per_head ? it.kh : 0] : 1.f;
+  for (int64_t j0 = 0; j0 < it.nq; j0 += 16) {
+    const int64_t nq = std::min<int64_t>(16, it.nq - j0), pos0 = it.pos0 + j0;
+    const int64_t t_lo = P.window ? std::max<int64_t>(0, pos0 - P.window + 1) / 32 * 32 : 0;  // keys of this tile
+    const int64_t t_hi = base + (pos0 + nq - base + 31) / 32 * 32;
+    for (int64_t h = 0; h < g; h++) {
+      load_qt<NC>(P, it.q0 + j0, nq, it.kh * g + h, s.qt.data() + h * 16 * D);
+      s.lanes[h] = {_mm512_set1_ps(NEG_INF), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    }
+    // steps i: chunk i / g, head i % g (a chunk's K and V stay in L1 for the heads of the group).
+    // The scores of step i + 1 are issued before the softmax of step i: AMX computes them meanwhile.
+    const int64_t steps = (t_hi - t_lo + CHUNK - 1) / CHUNK * g;
+    auto qk = [&](int64_t i) {
+      const int64_t c0 = t_lo + i / g * CHUNK, u = (c0 - base) / 16;
+      amx_qk<NC>(s.qt.data() + i % g * 16 * D, s.kt.data() + u, s.ks.data() + u, std::min(CHUNK, t_hi - c0) / 16,
+                 s.sc.data() + i % 2 * CHUNK * 16);
+    };
+    qk(0);
+    for (int64_t i = 0; i < steps; i++) {
+      if (i + 1 < steps) qk(i + 1);
+      const int64_t c0 = t_lo + i / g * CHUNK, nk = std::min(CHUNK, t_hi - c0);
+      float* acc = s.acc.data() + i % g * 16 * D;
+      c10::BFloat16* pt = s.pt.data() + i % 2 * CHUNK * 16;
+      Lanes& q = s.lanes[i % g];
+      if (softmax_chunk(P, s.sc.data() + i % 2 * CHUNK * 16, pt, nq, pos0, c0, nk, mul, q))
+        for (int64_t d = 0; d < D; d++) _mm512_store_ps(acc + d * 16, _mm512_mul_ps(_mm512_load_ps(acc + d * 16), q.alpha));
+      amx_pv<NC>(pt, s.vt.data() + (c0 - base) * D, nk / 32, c0 == t_lo, acc);
+    }
+    for (int64_t h = 0; h < g; h++)
+      store_out<NC>(P, s.acc.data() + h * 16 * D, s.lanes[h].l, vmul, it.q0 + j0, nq, it.kh * g + h);
+  }
+  _tile_release();
+}
+
+template <typename C, int NC>
+void run_prefill_amx(const Problem& P, std::vector<Item>& items) {
+  std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
+    return a.cost != b.cost ? a.cost > b.cost : a.seq != b.seq ? a.seq < b.seq : a.q0 != b.q0 ? a.q0 < b.q0 : a.kh < b.kh;
+  });
+  int64_t keys = 0;
+  for (const Item& it : items) keys = std::max(keys, it.pos0 + it.nq + 64);
+  const int64_t n = items.size(), threads = at::get_num_threads();
+  if (threads <= 1 || n <= 1 || at::in_parallel_region()) {
+    PrefillScratch s(keys, NC * W, P.group);
+    for (const Item& it : items) prefill_item<C, NC>(P, it, s);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, n), 1, [&](int64_t, int64_t) {
+    PrefillScratch s(keys, NC * W, P.group);
+    for (int64_t i; (i = next.fetch_add(1)) < n;) prefill_item<C, NC>(P, items[i], s);
+  });
+}
+#endif  // QK_AMX
+
 template <typename C, int NC, bool DP = false>
 void run_items(const Problem& P, std::vector<Item>& items, int64_t max_rows) {
   // longest first; a sequence's KV heads one after the other, so its blocks are still in L2
@@ -786,6 +1180,28 @@ void run(const Problem& P, std::vector<Item>& items, int64_t max_rows, bool deco
   if (P.D == 64) return run_items<C, 64 / W>(P, items, max_rows);
   if (P.D == 128) return run_items<C, 128 / W>(P, items, max_rows);
   run_items<C, 0>(P, items, max_rows);
+}
+
+#ifndef QK_BF16DP
+bool amx_usable() { return false; }
+#endif
+
+// the AMX prefill can take these (the header says when)
+bool amx_prefill_ok(at::ScalarType q_type, at::ScalarType cache_type, int64_t D) {
+  return amx_usable() && q_type == at::kBFloat16 && (D == 64 || D == 128) &&
+         (cache_type == at::kBFloat16 || cache_type == at::kFloat8_e4m3fn || cache_type == at::kChar);
+}
+
+void dispatch_amx_prefill(const Problem& P, at::ScalarType cache_type, std::vector<Item>& items) {
+#ifdef QK_AMX
+  auto run = [&](auto c) {
+    using C = decltype(c);
+    P.D == 64 ? run_prefill_amx<C, 4>(P, items) : run_prefill_amx<C, 8>(P, items);
+  };
+  if (cache_type == at::kBFloat16) return run(c10::BFloat16());
+  if (cache_type == at::kFloat8_e4m3fn) return run(c10::Float8_e4m3fn());
+  return run(int8_t());
+#endif
 }
 
 void dispatch(const Problem& P, at::ScalarType cache_type, std::vector<Item>& items, int64_t max_rows, bool decode) {
@@ -900,6 +1316,10 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
   TORCH_CHECK(tile > 0, "paged prefill: tile must be positive.");
   at::Tensor lens_c = seq_lens.contiguous(), qlens_c = query_lens.contiguous();
   const int32_t *lens = lens_c.data_ptr<int32_t>(), *qlens = qlens_c.data_ptr<int32_t>();
+  const bool amx = amx_prefill_ok(P.q_type, k_cache.scalar_type(), P.D);
+#ifdef QK_AMX
+  if (amx) tile = AMX_QUERIES;
+#endif
   std::vector<Item> items;
   int64_t start = 0;
   for (int64_t i = 0; i < num_seqs; i++) {
@@ -915,8 +1335,15 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
     start += qlens[i];
   }
   TORCH_CHECK(start == q.size(0), "paged prefill: q has ", q.size(0), " tokens but query_lens add up to ", start, ".");
-  dispatch(P, k_cache.scalar_type(), items, tile * P.group, false);
+  if (amx)
+    dispatch_amx_prefill(P, k_cache.scalar_type(), items);
+  else
+    dispatch(P, k_cache.scalar_type(), items, tile * P.group, false);
   return out;
+}
+
+bool amx_prefill(const at::Tensor& q, const at::Tensor& k_cache) {
+  return q.dim() == 3 && k_cache.dim() == 4 && amx_prefill_ok(q.scalar_type(), k_cache.scalar_type(), q.size(2));
 }
 
 }  // namespace
@@ -931,4 +1358,5 @@ TORCH_LIBRARY(quantkit_cpu, m) {
       "Tensor query_lens, float scale, Tensor? k_scale, Tensor? v_scale, int window, float softcap, int tile, "
       "int max_work) -> Tensor",
       &paged_prefill);
+  m.def("amx_prefill(Tensor q, Tensor k_cache) -> bool", &amx_prefill);
 }

@@ -262,6 +262,87 @@ def test_prefill_leaves_long_sequences_to_the_caller(ext):
     torch.testing.assert_close(out[:10], want[:10], **TOLERANCES[torch.float32])
 
 
+# --- prefill with AMX (bf16 q; bf16, fp8 and int8 caches; head_dim 64 and 128) --------------
+
+# whole prompts at and across 16-key tiles, 32-key steps, 128-key chunks and 256-query work items;
+# chunks after cached prefixes; one token; none
+AMX_LENS = [16, 32, 40, 100, 300, 1, 64, 129, 0]
+AMX_QUERY_LENS = [16, 32, 9, 100, 300, 1, 1, 129, 0]
+AMX_GROUPS = {"g1": (4, 4), "g3": (9, 3), "g8": (16, 2)}
+
+
+def amx_case(cache, gqa, head_dim=64, block_size=16, lens=AMX_LENS, query_lens=AMX_QUERY_LENS):
+    return make_case(cache, *AMX_GROUPS[gqa], lens, head_dim=head_dim, block_size=block_size, q_tokens=sum(query_lens))
+
+
+@pytest.mark.parametrize("amx", ["on", "off"])
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("gqa", list(AMX_GROUPS))
+@pytest.mark.parametrize("cache", ["bf16", "fp8-tensor", "int8-head"])
+def test_amx_prefill_matches_twin(ext, cache, gqa, head_dim, block_size, amx, monkeypatch):
+    """QUANTKIT_NO_AMX=1 takes `attend` instead (the same results within the tolerance)."""
+    if amx == "off":
+        monkeypatch.setenv("QUANTKIT_NO_AMX", "1")
+    case = amx_case(cache, gqa, head_dim, block_size)
+    assert ext.amx_prefill(case[0], case[1]) == (amx == "on" and cpu_ext_has_amx())
+    out, want = prefill(ext, case, AMX_QUERY_LENS, head_dim**-0.5)
+    torch.testing.assert_close(out, want, **TOLERANCES[torch.bfloat16])
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("window", [1, 7, 16, 40, 200, 1000])  # the token itself, mid-tile, a tile, across, all
+@pytest.mark.parametrize("cache", ["bf16", "int8-tensor"])
+def test_amx_prefill_window_softcap(ext, cache, window, softcap):
+    case = amx_case(cache, "g3", block_size=16)
+    out, want = prefill(ext, case, AMX_QUERY_LENS, 0.3, window, softcap)  # scores up to ±20: the cap bends them
+    torch.testing.assert_close(out, want, **TOLERANCES[torch.bfloat16])
+
+
+def test_amx_prefill_window_skips_the_blocks_before_it(ext):
+    """Blocks wholly before every query's window may hold anything: they are not read."""
+    q, k, v, tables, lens, _, _ = amx_case("bf16", "g3", lens=[300, 100], query_lens=[40, 100])
+    qlens = torch.tensor([40, 100], dtype=torch.int32)
+    want = ref.paged_prefill(q, k, v, tables, lens, qlens, 0.125, window=20)
+    nan_block = int(tables.max()) + 1  # never written: NaN
+    tables = tables.clone()
+    tables[0, :15] = nan_block  # tokens 0-239: the first query (position 260) sees 241 on
+    out = ext.paged_prefill(q, k, v, tables, lens, qlens, 0.125, None, None, 20, 0.0, 16, 0)
+    torch.testing.assert_close(out[:40], want[:40], **TOLERANCES[torch.bfloat16])
+
+
+def test_amx_prefill_on_two_threads(ext):
+    g = torch.Generator().manual_seed(5)
+    lens = torch.randint(1, 600, (12,), generator=g).tolist()
+    qlens = [max(1, n // (1 + i % 3)) for i, n in enumerate(lens)]  # whole prompts and chunks after prefixes
+    case = make_case("bf16", 9, 3, lens, q_tokens=sum(qlens), seed=2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out, want = prefill(ext, case, qlens, 0.125)
+        again, _ = prefill(ext, case, qlens, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(out, want, **TOLERANCES[torch.bfloat16])
+    assert torch.equal(out, again)
+
+
+def test_amx_prefill_takes_only_what_it_can(ext, monkeypatch):
+    bf16 = torch.bfloat16
+    q, cache = torch.zeros(1, 2, 64, dtype=bf16), torch.zeros(1, 16, 1, 64, dtype=bf16)
+    for dtype in (torch.float32, torch.float16):  # other q dtypes, other caches
+        assert not ext.amx_prefill(q.to(dtype), cache)
+        assert not ext.amx_prefill(q, cache.to(dtype))
+    assert not ext.amx_prefill(torch.zeros(1, 2, 80, dtype=bf16), torch.zeros(1, 16, 1, 80, dtype=bf16))
+    monkeypatch.setenv("QUANTKIT_NO_AMX", "1")
+    assert not ext.amx_prefill(q, cache)
+
+
+def cpu_ext_has_amx() -> bool:
+    """Whether this CPU has AMX-BF16 (the kernel also needs the OS to grant the tile state)."""
+    return "amx_bf16" in cpu_ext._cpu_flags().split()
+
+
 # --- the dispatch in cpu_attention / ops, the fallback ---------------------------------------
 
 
@@ -273,8 +354,9 @@ def test_cpu_attention_and_ops_take_the_extension(ext):
 
 
 def test_cpu_prefill_splits_between_the_extension_and_sdpa(ext, monkeypatch):
-    """Sequences with query_len * seq_len <= PREFILL_EXT_WORK go to the C++ kernel, the others
-    to SDPA, in one call."""
+    """Without the AMX prefill, sequences with query_len * seq_len <= PREFILL_EXT_WORK go to the
+    C++ kernel, the others to SDPA, in one call."""
+    monkeypatch.setenv("QUANTKIT_NO_AMX", "1")
     monkeypatch.setattr(cpu_attention, "PREFILL_EXT_WORK", 21 * 21)  # 21 * 21 and 8 * 40 in C++, 33 * 70 in SDPA
     for cache in ("bf16", "int8-head"):
         case = make_case(cache, 6, 2, PREFILL_LENS, q_tokens=sum(QUERY_LENS))

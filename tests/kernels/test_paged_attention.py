@@ -577,3 +577,56 @@ def test_cpu_decode_bf16_error_against_fp64():
         want = torch.softmax(case.q[i].double()[:, None] @ k.transpose(1, 2) * 0.125, dim=-1) @ v  # [heads, 1, D]
         err = (out[i] - want[:, 0]).abs().max().item()
         assert err < 0.25 * TOLERANCES[torch.bfloat16]["atol"] + 2**-8 * want.abs().max().item()
+
+
+# --- the C++ prefill with AMX (attention.cpp: Sᵀ = K·Qᵀ and Oᵀ = Vᵀ·Pᵀ in tiles, P in bf16) ----
+
+AMX_PREFILL_LENS, AMX_PREFILL_QUERY_LENS = [700, 300, 45], [700, 100, 45]  # whole, after 200 cached, whole
+
+
+def _prefill_fp64(case: Case, query_lens: list[int], scale: float) -> list[torch.Tensor]:
+    """Causal attention in fp64 on the cache's (bf16) values: per sequence [q_len, heads, D]."""
+    out, start = [], 0
+    for i, n in enumerate(query_lens):
+        q = case.q[start : start + n].double().transpose(0, 1)  # [heads, n, D]
+        start += n
+        k, v = (x[i].double().transpose(0, 1) for x in (case.keys, case.values))  # [kv_heads, L, D]
+        group = q.shape[0] // k.shape[0]
+        k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+        length = k.shape[1]
+        mask = torch.arange(length)[None, :] <= torch.arange(length - n, length)[:, None]  # [n, L]
+        scores = (q @ k.transpose(1, 2) * scale).masked_fill(~mask, float("-inf"))
+        out.append((torch.softmax(scores, dim=-1) @ v).transpose(0, 1))
+    return out
+
+
+@pytest.mark.parametrize("amx", ["on", "off"])
+def test_cpu_prefill_bf16_error_against_fp64(amx, monkeypatch):
+    """The bf16 prefill against attention in fp64 on the same (bf16) values: well inside the bf16
+    tolerance. The AMX path rounds P to bf16 for P·V (2^-9 relative per weight, errors that
+    average out over the keys); the output's own rounding is 2^-9 relative."""
+    if amx == "off":
+        monkeypatch.setenv("QUANTKIT_NO_AMX", "1")
+    case = make_case(
+        CPU_CACHES["bf16"], 9, 3, seq_lens=AMX_PREFILL_LENS, head_dim=64, q_tokens=sum(AMX_PREFILL_QUERY_LENS)
+    )
+    query_lens = torch.tensor(AMX_PREFILL_QUERY_LENS, dtype=torch.int32)
+    out = cpu_attention.paged_prefill(case.q, *case.cache_args(), query_lens, 0.125).double()
+    for got, want in zip(out.split(AMX_PREFILL_QUERY_LENS), _prefill_fp64(case, AMX_PREFILL_QUERY_LENS, 0.125)):
+        err = (got - want).abs().max().item()
+        assert err < 0.25 * TOLERANCES[torch.bfloat16]["atol"] + 2**-8 * want.abs().max().item()
+
+
+def test_cpu_prefill_with_amx_takes_the_kernel_for_every_sequence():
+    """Where the AMX prefill applies, every sequence goes to it, however long (no SDPA)."""
+    from quantkit.kernels import cpu_ext
+
+    ext = cpu_ext.load()
+    case = make_case(CPU_CACHES["bf16"], 9, 3, seq_lens=[200, 40], head_dim=64, q_tokens=240)
+    if ext is None or not ext.amx_prefill(case.q, case.k_cache):
+        pytest.skip("no AMX prefill here")
+    query_lens = torch.tensor([200, 40], dtype=torch.int32)
+    args = (case.q, *case.cache_args(), query_lens, 0.125)
+    out = cpu_attention.paged_prefill(*args)
+    assert torch.equal(out, ext.paged_prefill(*args, None, None, 0, 0.0, cpu_attention.PREFILL_TILE, 0))
+    torch.testing.assert_close(out, ref.paged_prefill(*args), **TOLERANCES[torch.bfloat16])
