@@ -3,6 +3,7 @@ byte-level BPE tokenizer trained on a few sentences."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -179,3 +180,16 @@ def tiny_corpus(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("data") / "corpus.txt"
     path.write_text("\n\n".join(TEXT * 4))
     return path
+
+
+@contextlib.contextmanager
+def built(extension):
+    """A `cpu_ext.Extension`'s ops, built with QUANTKIT_NO_EXT unset for the duration; skips the
+    tests only where the machine has no C++ compiler (a failed build fails them)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("QUANTKIT_NO_EXT", raising=False)
+        module = extension.load()
+        if module is None and extension.reason().startswith("no C++ compiler"):
+            pytest.skip(extension.reason())
+        assert module is not None, extension.reason()
+        yield module

@@ -23,6 +23,7 @@ import textwrap
 
 import pytest
 import torch
+from conftest import built
 
 from quantkit import ops
 from quantkit.kernels import cpu_attention, cpu_ext
@@ -50,12 +51,7 @@ SEQ_LENS = [1, 15, 16, 17, 33, 100, 0]
 
 @pytest.fixture(scope="module")
 def ext():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("QUANTKIT_NO_EXT", raising=False)
-        module = cpu_ext.load()
-        if module is None and cpu_ext.reason().startswith("no C++ compiler"):
-            pytest.skip(cpu_ext.reason())
-        assert module is not None, cpu_ext.reason()
+    with built(cpu_ext.ATTENTION) as module:
         yield module
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import built
 
 from quantkit import ops
 from quantkit.kernels import cpu_fused
@@ -23,12 +24,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 @pytest.fixture(scope="module")
 def k():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("QUANTKIT_NO_EXT", raising=False)
-        module = cpu_fused.load()
-        if module is None and cpu_fused.reason().startswith("no C++ compiler"):
-            pytest.skip(cpu_fused.reason())
-        assert module is not None, cpu_fused.reason()
+    with built(cpu_fused.EXTENSION) as module:
         yield module
 
 
