@@ -2,7 +2,7 @@
 torch's int4pack kernel and a bf16 GEMM on a prepacked weight (oneDNN), bf16 activations.
 
     python benchmarks/int4_cpu.py [--rows 1 16 64 256 512 1024 2048] [--rounds 5] [--group G]
-                                  [--asym] [--no-int4pack] [--shapes 576x960 ...] [--quick]
+                                  [--asym] [--no-int4pack] [--shapes 576x960 ...] [--quick] [--cold MB]
 
 Shapes (in -> out): smollm2-135m's linears (576 -> 960 q/k/v fused, 576 -> 3072 gate/up
 fused, 1536 -> 576 down, 576 -> 576 o) and 2048 x 2048. Random int4 weights (symmetric, or
@@ -11,12 +11,19 @@ width, else 128 (--group to force one). The kernels are timed interleaved, --rou
 (each a loop of enough calls to last ~20 ms), and the median is printed in ms with each one's
 speed against bf16 (> 1: faster). `ours` is whatever `cpu_int4.gemm` picks for that many rows
 (printed with the path it took). A last table gives ours / bf16 per shape and M.
+
+--cold MB: each kernel cycles through enough distinct copies of its weight (bf16, int4) to
+hold MB megabytes, one copy per call, so that the weight comes from memory as in a model's
+decode (30 layers of smollm2-135m are ~66 MB of int4, ~250 MB of bf16); without it the
+weight stays in the caches between calls.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import itertools
 import platform
 import statistics
 import time
@@ -57,8 +64,21 @@ def _cpu_name() -> str:
     return platform.processor()
 
 
+def _copies(make, nbytes: int, cold_mb: float) -> list:
+    """Enough results of make() to hold cold_mb megabytes (one when cold_mb is 0)."""
+    return [make() for _ in range(max(1, -(-int(cold_mb * 2**20) // nbytes)))]
+
+
+def _clone(weight: cpu_int4.Int4Weight) -> cpu_int4.Int4Weight:
+    if weight.kernel == "int4pack":
+        return weight  # torch's int4pack object is opaque; it stays warm
+    return dataclasses.replace(
+        weight, nibbles=weight.nibbles.clone(), scales=weight.scales.clone(), zs=weight.zs.clone()
+    )
+
+
 def bench_shape(
-    k: int, n: int, rows: list[int], rounds: int, group: int | None, asym: bool, int4pack: bool
+    k: int, n: int, rows: list[int], rounds: int, group: int | None, asym: bool, int4pack: bool, cold_mb: float = 0
 ) -> list[dict]:
     torch.manual_seed(0)
     g = group or (64 if k % 128 else 128)
@@ -70,14 +90,18 @@ def bench_shape(
     prepacked = cpu.prepack_bf16(dense)
     packed4 = cpu.repack_int4_cpu(w_packed, scales, zeros, g) if int4pack else None
     ours, _ = cpu_int4.repack(w_packed, scales, zeros, g)
+    bf16s = itertools.cycle(
+        _copies(lambda: cpu.prepack_bf16(dense), 2 * n * k, cold_mb) if prepacked is not None else [None]
+    )
+    ourss = itertools.cycle(_copies(lambda: _clone(ours), ours.nbytes, cold_mb))
     out = []
     for m in rows:
         x = torch.randn(m, k, dtype=torch.bfloat16)
         impls = {
             "bf16": _timer(
-                (lambda: cpu.bf16_linear(x, prepacked)) if prepacked is not None else (lambda: x @ dense.t())
+                (lambda: cpu.bf16_linear(x, next(bf16s))) if prepacked is not None else (lambda: x @ dense.t())
             ),
-            "ours": _timer(lambda: cpu_int4.gemm(x, ours)),
+            "ours": _timer(lambda: cpu_int4.gemm(x, next(ourss))),
         }
         if packed4 is not None:
             impls["int4pack"] = _timer(lambda: cpu.int4_gemm_cpu(x, packed4))
@@ -112,6 +136,7 @@ def main() -> None:
     p.add_argument("--no-int4pack", action="store_true", help="leave torch's int4pack out (slow at many rows)")
     p.add_argument("--shapes", nargs="+", default=None, help="in x out, e.g. 576x3072")
     p.add_argument("--quick", action="store_true", help="2048 x 2048 only, 3 rounds")
+    p.add_argument("--cold", type=float, default=0, metavar="MB", help="cycle through MB of weight copies per kernel")
     a = p.parse_args()
     torch.set_num_threads(1)
     shapes = [(2048, 2048)] if a.quick else SHAPES
@@ -120,13 +145,14 @@ def main() -> None:
     kernel = "AMX" if cpu_int4.available() else f"torch's int4pack ({cpu_int4.reason()})"
     print(
         f"W4A16 CPU GEMM, {datetime.date.today()}, torch {torch.__version__}, {_cpu_name()}, 1 thread, "
-        f"{'asymmetric' if a.asym else 'symmetric'} weights; ours: {kernel}\n"
+        f"{'asymmetric' if a.asym else 'symmetric'} weights, "
+        f"{f'weights from memory ({a.cold:g} MB per kernel)' if a.cold else 'weights in cache'}; ours: {kernel}\n"
     )
     print("| in→out | M | bf16 prepacked ms | ours ms | int4pack ms | int4pack vs bf16 | ours vs bf16 | ours ran |")
     print("|---|---|---|---|---|---|---|---|")
     rows = []
     for k, n in shapes:
-        rows += bench_shape(k, n, a.rows, 3 if a.quick else a.rounds, a.group, a.asym, not a.no_int4pack)
+        rows += bench_shape(k, n, a.rows, 3 if a.quick else a.rounds, a.group, a.asym, not a.no_int4pack, a.cold)
     print("\nours / bf16 speed (> 1: ours faster)\n")
     print("| in→out | " + " | ".join(f"M={m}" for m in a.rows) + " |")
     print("|---|" + "---|" * len(a.rows))

@@ -1,13 +1,16 @@
-"""W4A16 on x86 CPUs: the AMX kernel of `kernels/csrc/int4_gemm.cpp`, and torch's paths where
-the CPU has no AMX.
+"""W4A16 on x86 CPUs: the AMX / AVX512-BF16 kernel of `kernels/csrc/int4_gemm.cpp`, and torch's
+paths where the CPU has no AMX.
 
     weight, why = repack(w_packed, scales, zeros, group_size, g_idx)   # once, at load
     y = gemm(x, weight)                                                 # x [..., K] -> y [..., N]
 
 `repack` picks the kernel once per weight and says why (`Int4Weight.kernel`):
 
-- `amx` (AMX-BF16, the extension built): up to `AMX_FEW_ROWS` rows (32 at a time), the weight
-  is looked up into bf16 8 k steps at a time, in L1, and multiplied at once; more rows, the
+- `amx` (AMX-BF16, the extension built): up to `GEMV_ROWS` rows (decode), no tiles: the weight
+  streams once, looked up into bf16 and multiplied with x by AVX512-BF16 dot products (lanes
+  along k, fp32 sums; ~2x faster than the tiles at one row, where they waste 15 of 16 tile
+  rows); up to `AMX_FEW_ROWS` rows (32 at a time), the weight
+  is looked up into bf16 8 k steps at a time, in L1, and multiplied at once on the tiles; more rows, the
   weight is looked up once per call into VNNI tiles (~0.5 MB at a time, in L2) and x's tiles
   are read in place, 8 k steps at a time. The choice is made in the C++ per call; a dense path
   (whole weight dequantized + oneDNN) measured slower than both at every M and is not taken.
@@ -43,6 +46,7 @@ from quantkit.kernels import cpu, cpu_ext, reference
 from quantkit.packing import unpack
 
 KERNELS = ("amx", "int4pack")
+GEMV_ROWS = 4  # the C++ kernel's AVX512-BF16 dot products up to here (measured: ~2x the tiles at 4 rows, slower at 8)
 AMX_FEW_ROWS = 64  # the C++ kernel's crossover (measured: the two schedules are level at 64-96 rows)
 DENSE_MIN_M = 512  # int4pack: from here dequantize + fp32 matmul wins (measured on AVX2)
 
@@ -158,11 +162,16 @@ def repack(
     s, zs = (torch.nn.functional.pad(t, pad).contiguous() for t in (s, zs))
     nibbles = _nibbles(torch.nn.functional.pad(u, pad))
     weight = Int4Weight("amx", n, k, g, source, nibbles, s, zs, perm)
-    return weight, f"AMX tiles (weight looked up per 32 rows up to {AMX_FEW_ROWS} rows, once per call above)"
+    return weight, (
+        f"AVX512-BF16 dot products up to {GEMV_ROWS} rows, AMX tiles above "
+        f"(weight looked up per 32 rows up to {AMX_FEW_ROWS} rows, once per call above)"
+    )
 
 
 def amx_path(weight: Int4Weight, m: int) -> str:
     """Which schedule the C++ kernel takes for m rows of an `amx` weight (for benchmarks)."""
+    if m <= GEMV_ROWS:
+        return "AVX512-BF16 dot products"
     return "AMX few rows" if m <= AMX_FEW_ROWS else "AMX many rows"
 
 

@@ -78,6 +78,34 @@ def test_amx_matches_twin(m, k, n, group_size, symmetric):
     _check(cpu_int4.gemm(x, weight), x, w_packed, scale, zero, args, group_size)
 
 
+# Few rows (M <= cpu_int4.GEMV_ROWS: the AVX512-BF16 dot-product schedule, then AMX): every M up
+# to 8 through each group size, per channel, odd N (a partial last tile of 16 channels).
+@amx
+@pytest.mark.parametrize("m", range(1, 9))
+@pytest.mark.parametrize("k, n, group_size", [(576, 961, 64), (1536, 77, 128), (256, 33, 32), (320, 19, None)])
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+def test_few_rows_match_twin(m, k, n, group_size, symmetric):
+    w_packed, scale, zero, args = _quantized(n, k, group_size, symmetric, seed=m)
+    weight, why = cpu_int4.repack(w_packed, scale, zero, group_size)
+    assert weight.kernel == "amx", why
+    x = torch.randn(m, k, dtype=torch.bfloat16)
+    _check(cpu_int4.gemm(x, weight), x, w_packed, scale, zero, args, group_size)
+
+
+@amx
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_few_rows_act_order(m):
+    k, g = 512, 128
+    order = torch.randperm(k, generator=torch.Generator().manual_seed(2))
+    g_idx = torch.empty(k, dtype=torch.int32)
+    g_idx[order] = (torch.arange(k) // g).to(torch.int32)
+    w_packed, scale, zero, args = _quantized(45, k, g, False, g_idx)
+    weight, _ = cpu_int4.repack(w_packed, scale, zero, g, g_idx)
+    assert weight.kernel == "amx" and weight.perm is not None
+    x = torch.randn(m, k, dtype=torch.bfloat16)
+    _check(cpu_int4.gemm(x, weight), x, w_packed, scale, zero, args, g, g_idx)
+
+
 @amx
 def test_amx_fp32_activations_leading_dims_and_act_order():
     k, g = 256, 64
