@@ -26,7 +26,7 @@ from quantkit.runtime.sequence import SamplingParams
 KINDS = {  # profiler op name -> part of the forward
     "gemm": ("mm", "linear", "matmul", "addmm", "mkldnn", "_weight_int4pack", "_weight_int8pack", "_int_mm"),
     "attention": ("scaled_dot_product", "paged", "index_select", "_flash_attention", "quantkit_attention"),
-    "kv store": ("index_copy", "index_put"),
+    "kv store": ("index_copy", "index_put", "kv_store"),
 }
 
 
