@@ -165,9 +165,18 @@ def test_without_the_build_the_ops_run_the_twins(monkeypatch):
     assert ops.fused_kernel("cpu").why == "disabled by QUANTKIT_NO_EXT=1"
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.int8])
+@pytest.mark.parametrize(
+    "cache_dtype, per_head",
+    [
+        (torch.bfloat16, False),
+        (torch.float32, False),
+        (torch.float8_e4m3fn, False),
+        (torch.float8_e4m3fn, True),
+        (torch.int8, False),
+        (torch.int8, True),
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("per_head", [False, True])
 def test_kv_store_writes_what_the_twin_writes(k, cache_dtype, dtype, per_head):
     """Strided k/v views of a fused q/k/v output, a skipped token, slots across blocks; fp8 /
     int8 with scales that push values past the range (clamped), bit for bit."""
@@ -177,10 +186,8 @@ def test_kv_store_writes_what_the_twin_writes(k, cache_dtype, dtype, per_head):
     key, value = kv[:, :2], kv[:, 2:]
     slots = torch.tensor([17, 3, -1, 40, 0, 41])
     scales = (None, None)
-    if cache_dtype.itemsize == 1:
+    if cache_dtype.itemsize == 1:  # float caches take no scales
         scales = (torch.tensor([0.05, 0.2] if per_head else [0.05]), torch.tensor([0.3, 0.1] if per_head else [0.3]))
-    elif per_head:
-        pytest.skip("float caches take no scales")
     caches = [torch.zeros(6, 8, 2, 16, dtype=cache_dtype) for _ in range(4)]
     k.kv_store_(key, value, caches[0], caches[1], slots, *scales)
     ref.kv_store(key, value, caches[2], caches[3], slots, *scales)
