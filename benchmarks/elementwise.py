@@ -5,21 +5,20 @@ rotary, SiLU · up) against the same engine with their torch twins, in one proce
 
 The 64-request workload of `quantkit bench` (prompts 32:512 tokens, outputs 16:256, EOS
 ignored, greedy), bf16, prefix caching off so that every round does the same work. Prints
-each round's wall and CPU seconds and output tokens/s, then the median ratio.
+each round's seconds and output tokens/s, then the median ratio.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
+from throughput import run  # benchmarks/throughput.py: one pass of the workload
 
 from quantkit import ops
 from quantkit.perf.bench import synthetic_workload
 from quantkit.runtime.engine import LLM
-from quantkit.runtime.sequence import SamplingParams
 
 
 def main() -> None:
@@ -33,23 +32,13 @@ def main() -> None:
     requests = synthetic_workload(llm.tokenizer, 64, "32:512", "16:256", vocab_size=llm.model.config.vocab_size)
     kernels = ops._fused
 
-    def run() -> tuple[float, float, int]:
-        for r in requests:
-            llm.add_request(r.prompt, SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True))
-        wall, cpu = time.perf_counter(), time.process_time()
-        tokens = 0
-        while llm.has_unfinished():
-            tokens += len(llm.step())
-        llm.outputs.clear()
-        return time.perf_counter() - wall, time.process_time() - cpu, tokens
-
     rates = {"C++": [], "twins": []}
     for i in range(args.rounds):
         for name, choose in (("C++", kernels), ("twins", lambda *a, **k: None)):
             ops._fused = choose
-            wall, cpu, tokens = run()
-            rates[name].append(tokens / wall)
-            print(f"round {i + 1} {name:5}: {wall:6.1f} s wall, {cpu:6.1f} s CPU, {tokens / wall:6.1f} output tokens/s")
+            seconds, tokens = run(llm, requests)
+            rates[name].append(tokens / seconds)
+            print(f"round {i + 1} {name:5}: {seconds:6.1f} s, {tokens / seconds:6.1f} output tokens/s")
     ops._fused = kernels
     ratio = statistics.median(rates["C++"]) / statistics.median(rates["twins"])
     print(f"C++ / twins, median output tokens/s: {ratio:.2f}x")
