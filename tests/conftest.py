@@ -182,6 +182,25 @@ def tiny_corpus(tmp_path_factory) -> Path:
     return path
 
 
+def shuffled_cache(seq_lens, block_size, shape, dtype, g, spare: int, width: int):
+    """(block_tables int32 [n, width], k_cache, v_cache [blocks, *shape]): each sequence's blocks
+    drawn at random (`g`) from a cache of its blocks plus `spare`, unused table entries -1, every
+    slot holding NaN (fp8: 0x7f, int8: 127) so that a read past a sequence shows."""
+    used = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(used) + spare
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    tables = torch.full((len(seq_lens), width), -1, dtype=torch.int32)
+    for i, n in enumerate(used):
+        tables[i, :n] = torch.tensor(order[:n], dtype=torch.int32)
+        del order[:n]
+    full = (num_blocks, block_size, *shape)
+    if dtype.itemsize == 1:
+        k_cache = torch.full(full, 0x7F, dtype=torch.uint8).view(dtype)
+    else:
+        k_cache = torch.full(full, float("nan"), dtype=dtype)
+    return tables, k_cache, k_cache.clone()
+
+
 @contextlib.contextmanager
 def built(extension):
     """A `cpu_ext.Extension`'s ops, built with QUANTKIT_NO_EXT unset for the duration; skips the

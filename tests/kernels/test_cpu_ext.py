@@ -23,7 +23,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import built
+from conftest import built, shuffled_cache
 
 from quantkit import ops
 from quantkit.kernels import cpu_attention, cpu_ext
@@ -60,19 +60,8 @@ def make_case(cache, heads, kv_heads, seq_lens, head_dim=64, block_size=16, q_to
     K/V stored by the kv_store twin into shuffled blocks of a cache whose other slots hold NaN."""
     dtype, q_dtype, scales = CACHES[cache]
     g = torch.Generator().manual_seed(seed)
-    used = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(used) + 3
-    order = torch.randperm(num_blocks, generator=g).tolist()
-    tables = torch.full((len(seq_lens), max(used) + 1), -1, dtype=torch.int32)
-    for i, n in enumerate(used):
-        tables[i, :n] = torch.tensor(order[:n], dtype=torch.int32)
-        del order[:n]
-    shape = (num_blocks, block_size, kv_heads, head_dim)
-    if dtype.itemsize == 1:
-        k_cache = torch.full(shape, 0x7F, dtype=torch.uint8).view(dtype)
-    else:
-        k_cache = torch.full(shape, float("nan"), dtype=dtype)
-    v_cache = k_cache.clone()
+    width = max(-(-n // block_size) for n in seq_lens) + 1
+    tables, k_cache, v_cache = shuffled_cache(seq_lens, block_size, (kv_heads, head_dim), dtype, g, 3, width)
     total = sum(seq_lens)
     spread = torch.logspace(-0.5, 0.5, kv_heads).reshape(1, kv_heads, 1)
     k = (torch.randn(total, kv_heads, head_dim, generator=g) * spread * 2).to(q_dtype)

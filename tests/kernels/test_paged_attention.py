@@ -18,6 +18,7 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import shuffled_cache
 
 from quantkit import ops
 from quantkit.calibration.kv import fake_quantize_kv, kv_scales
@@ -78,19 +79,8 @@ def make_case(cache: str, heads: int, kv_heads: int, seq_lens=SEQ_LENS, head_dim
     spread = torch.logspace(-0.5, 0.5, kv_heads).reshape(1, kv_heads, 1)
     keys = [(torch.randn(n, kv_heads, head_dim, generator=g) * spread * 2).to(q_dtype) for n in seq_lens]
     values = [(torch.randn(n, kv_heads, head_dim, generator=g) * spread).to(q_dtype) for n in seq_lens]
-    used = [-(-n // BLOCK_SIZE) for n in seq_lens]
-    num_blocks = sum(used) + 2
-    order = torch.randperm(num_blocks, generator=g).tolist()
-    tables = torch.full((len(seq_lens), max(MAX_BLOCKS, *used)), -1, dtype=torch.int32)
-    for i, n in enumerate(used):
-        tables[i, :n] = torch.tensor(order[:n], dtype=torch.int32)
-        del order[:n]
-    shape = (num_blocks, BLOCK_SIZE, kv_heads, head_dim)
-    if dtype.itemsize == 1:
-        k_cache = torch.full(shape, 0x7F, dtype=torch.uint8).view(dtype)
-    else:
-        k_cache = torch.full(shape, float("nan"), dtype=dtype)
-    v_cache = k_cache.clone()
+    width = max(MAX_BLOCKS, *(-(-n // BLOCK_SIZE) for n in seq_lens))
+    tables, k_cache, v_cache = shuffled_cache(seq_lens, BLOCK_SIZE, (kv_heads, head_dim), dtype, g, 2, width)
     args = k_scale = v_scale = None
     k_all, v_all = torch.cat(keys), torch.cat(values)
     if strategy is not None:
