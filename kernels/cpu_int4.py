@@ -30,7 +30,7 @@ to 16 (zero channels). It takes K % 32 == 0 and a group size that is a multiple 
 
 The extension is built with `torch.utils.cpp_extension` on first use, into
 `$QUANTKIT_CACHE/ext/int4-<key>` (the key hashes the source, flags, torch, Python, compiler and
-CPU flags), with `cpu_ext`'s flags and build lock (`cpu_ext` builds only its own source so far).
+CPU flags), by `cpu_ext.Extension` (the same flags and build lock as the other C++ kernels).
 """
 
 from __future__ import annotations

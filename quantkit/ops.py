@@ -76,7 +76,9 @@ def attention_kernel(device: torch.device | str, kv_dtype: torch.dtype, backend:
     from quantkit.kernels import cpu_ext
 
     if cpu_ext.load() is not None:
-        return Kernel("paged attention (quantkit C++; long prefills through SDPA)")
+        return Kernel(
+            "paged attention (quantkit C++; prefill on AMX where the CPU has it, else long ones through SDPA)"
+        )
     return Kernel("batched paged attention (torch CPU: gathered blocks + SDPA)", cpu_ext.reason())
 
 
