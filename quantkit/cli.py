@@ -1129,8 +1129,11 @@ def _size(n: float) -> str:
 def sensitivity(
     model: str = typer.Argument(..., help="Built-in name, local folder or hub id of the float model."),
     scheme: str = _int4_scheme(),
+    method: str = typer.Option(
+        "rtn", help="Quantize each group by rtn, awq or gptq (with its defaults): --target-bits measures with its own."
+    ),
     calib: str = CALIB,
-    samples: int = typer.Option(8, help="Calibration windows the cost is measured on."),
+    samples: int = typer.Option(8, help="Calibration windows the cost is measured on (and the method calibrates on)."),
     seq_len: int = typer.Option(256, help="Tokens per window."),
     seed: int = SEED,
     top: int = typer.Option(20, help="Rows shown, most sensitive first (the JSON has them all)."),
@@ -1139,21 +1142,23 @@ def sensitivity(
 ):
     """The KL divergence from the float model (nats per token) of quantizing each fusion group
     alone (q/k/v, o, gate/up, down) to each format --target-bits chooses among (int4 per
-    group of 128, 64, 32; int8 per channel), rounded to nearest, on a few calibration
-    windows; most sensitive first. Cached, so --target-bits reuses it."""
+    group of 128, 64, 32; int8 per channel), rounded to nearest or by --method, on a few
+    calibration windows; most sensitive first. Cached, so --target-bits reuses it."""
     from quantkit.pipeline import mixed
     from quantkit.scheme import preset
 
     calibration = Calibration(dataset=calib, samples=samples, seq_len=seq_len, seed=seed)
     with _progress() as track:
-        result = mixed.sensitivity(model, preset(scheme), calibration, track, log=lambda m: console.print(m))
+        result = mixed.sensitivity(
+            model, preset(scheme), calibration, track, log=lambda m: console.print(m), method=method
+        )
     _write_json(json_path, result)
     if plot:
         mixed.plot(result, plot)
     names = [c for c in mixed.candidates(preset(scheme)) if c != mixed.FLOAT]
     rows = sorted(result["units"], key=lambda r: -max(r["kld"].get(c, 0.0) for c in names))
     table = _new_table(
-        f"sensitivity of {model} ({scheme}): KL per token (nats) with one group quantized",
+        f"sensitivity of {model} ({scheme}, {method}): KL per token (nats) with one group quantized",
         ("group", "weights", *names),
     )
     for r in rows[:top]:

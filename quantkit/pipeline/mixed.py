@@ -7,9 +7,13 @@ down together), which keeps each AWQ mapping on one scheme and lets vLLM fuse wh
 `sensitivity` measures, for every unit and every candidate format (int4 per group of 128,
 64 or 32 with the requested scheme's symmetry, int8 per channel, float), the mean KL
 divergence per token of the model's next-token distribution from the float model's when
-only that unit is rounded to nearest in that format, on a few calibration windows. Each
-measurement reruns the blocks from the unit's one onward from the float model's cached
-inputs. The result is cached on disk by model and settings.
+only that unit is quantized in that format, on a few calibration windows: rounded to
+nearest, or by the method that will quantize the model (AWQ, GPTQ), which runs on a copy
+of the unit's block with every other linear left float, calibrated on the same windows.
+The method matters: AWQ removes much of each unit's rounding error, and unevenly, so the
+costs it leaves rank the units differently from round-to-nearest's. Each measurement
+reruns the blocks from the unit's one onward from the float model's cached inputs. The
+result is cached on disk by model and settings.
 
 `choose` picks one candidate per unit minimising the summed costs (additive, the usual
 assumption) with the average bits per weight of all units' linears (packed values, scales,
@@ -104,22 +108,30 @@ def sensitivity(
     track: Track = no_progress,
     log: Callable[[str], None] | None = None,
     cache: Path | None = None,
+    method: str = "rtn",
+    options=None,
 ) -> dict:
-    """Per unit and candidate: the mean KL(float ‖ that unit alone rounded to the candidate)
-    per token, in nats, on `calibration`'s windows (see the module's docstring). Returns
-    {"model", "scheme", "calibration", "float_bytes", "units": [{"label", "block", "linears",
-    "params", "kld": {candidate: nats}, "bits": {candidate: bits per weight}}]}; a candidate a
-    unit's widths do not fit is left out. Cached in `cache` (default: quantkit's cache)."""
+    """Per unit and candidate: the mean KL(float ‖ that unit alone quantized to the candidate
+    by `method`, with its `options`, default the method's) per token, in nats, on
+    `calibration`'s windows (see the module's docstring). Returns {"model", "scheme",
+    "method", "calibration", "float_bytes", "units": [{"label", "block", "linears", "params",
+    "kld": {candidate: nats}, "bits": {candidate: bits per weight}}]}; a candidate a unit's
+    widths do not fit is left out. Cached in `cache` (default: quantkit's cache)."""
+    from quantkit.calibration.registry import method as method_entry
     from quantkit.models.loading import resolve_model
 
+    m = method_entry(method)
+    if m.format != "pack-quantized":
+        raise QuantkitError(f"sensitivity measures int4/int8 weight formats by rtn, awq or gptq, not {method}.")
+    options = _search_options(options if options is not None else m.options())
     path = resolve_model(model_name)
-    key = _cache_key(path, scheme, calibration)
+    key = _cache_key(path, scheme, calibration, method, options)
     file = (cache or _cache_dir()) / f"{key}.json"
     if file.is_file():
         if log:
             log(f"sensitivity of {model_name} from the cache ({file})")
         return json.loads(file.read_text())
-    result = _measure(path, scheme, calibration, track)
+    result = _measure(path, scheme, calibration, track, m, options)
     result["model"] = str(model_name)
     write_atomic(file, json.dumps(result))
     return result
@@ -131,30 +143,43 @@ def _cache_dir() -> Path:
     return assets.cache_dir() / "sensitivity"
 
 
-def _cache_key(path: Path, scheme: QuantScheme, calibration) -> str:
+def _search_options(options):
+    """The method's options without those that read or write a saved search: each unit's
+    measurement searches afresh."""
+    names = {f.name for f in dataclasses.fields(options)}
+    return dataclasses.replace(options, **{n: None for n in ("save_search", "load_search") if n in names})
+
+
+def _cache_key(path: Path, scheme: QuantScheme, calibration, method: str, options) -> str:
     files = {f.name: f.stat().st_size for f in sorted(Path(path).glob("*.safetensors"))}
     what = {
         "model": str(Path(path).resolve()),
         "files": files,
         "candidates": {k: v and dataclasses.asdict(v) for k, v in candidates(scheme).items()},
         "calibration": dataclasses.asdict(calibration),
-        "version": 1,
+        "method": method,
+        "options": dataclasses.asdict(options),
+        "version": 3,  # 3: KL without the cancellation of Σ p log p - Σ p log q
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _measure(path: Path, scheme: QuantScheme, calibration, track: Track) -> dict:
+def _measure(path: Path, scheme: QuantScheme, calibration, track: Track, method, options) -> dict:
+    import copy
+
     import torch
 
     from quantkit.calibration import rtn
     from quantkit.calibration.datasets import calibration_samples, load_documents
     from quantkit.calibration.runner import BlockInputs, capture_block_inputs
+    from quantkit.eval.kld import divergence
     from quantkit.kernels import reference
     from quantkit.models.arch import arch_for, get_module
     from quantkit.models.loading import load_float_model
 
     model, tokenizer, _ = load_float_model(path, owned=True)
-    float_bytes = model.dtype.itemsize
+    dtype = model.dtype  # the scales' dtype in the checkpoint, as the method rounds them
+    float_bytes = dtype.itemsize
     model.float()
     spec = arch_for(model.config)
     c = calibration
@@ -171,39 +196,45 @@ def _measure(path: Path, scheme: QuantScheme, calibration, track: Track) -> dict
         def logits(hs):
             return [reference.cap(lm_head(final_norm(h)).float(), softcap) for h in hs]
 
-        # KL(p ‖ q) = Σ p log p - Σ p log q: the float model's side once, per position
-        probs, plogp = [], []
-        for x in logits(inputs[-1]):
-            logp = x.log_softmax(-1)
-            p = logp.exp()
-            plogp.append(torch.where(p > 0, p * logp, 0.0).sum(-1))
-            probs.append(p)
-            del logp
+        base = [x.log_softmax(-1) for x in logits(inputs[-1])]  # the float model's, once
 
-        def kl(hs) -> float:
-            parts = [
-                e - torch.einsum("...v,...v->...", p, q.log_softmax(-1)) for p, e, q in zip(probs, plogp, logits(hs))
-            ]
-            return torch.cat([x.flatten() for x in parts]).mean().item()
+        def kl(hs) -> float:  # Σ p (log p - log q): Σ p log p - Σ p log q loses ~1e-4 nats to cancellation
+            return torch.cat([divergence(b, q).flatten() for b, q in zip(base, logits(hs))]).mean().item()
+
+        def quantized_alone(unit: Unit, args: QuantArgs):
+            """The unit's block with the unit's linears quantized to `args` (by the method, on
+            a copy of the block, or rounded in place), every other linear float; and a
+            function that undoes an in-place rounding."""
+            block = blocks[unit.block]
+            if method.name == "rtn":
+                mods = [get_module(model, n) for n in unit.linears]
+                saved = [m.weight.data.clone() for m in mods]
+                for m in mods:
+                    m.weight.data.copy_(rtn.quantize_weight(m.weight.data, args, dtype)[0])
+                return block, lambda: [m.weight.data.copy_(w) for m, w in zip(mods, saved)]
+            block = copy.deepcopy(block)
+            prefix = f"{spec.blocks}.{unit.block}"
+            names = (f"{prefix}.{n}" for n in spec.for_block(block).linears)
+            others = tuple(n for n in names if n not in unit.linears)
+            alone = scheme.replace(weights=args, overrides=(), ignore=scheme.ignore + others)
+            step = method.make_step(spec, alone, options, {}, dtype, None)
+            step(unit.block, prefix, block, BlockInputs(inputs[unit.block], kwargs[unit.block]))
+            return block, lambda: None
 
         cands = candidates(scheme)
         rows = []
         found = units(model, spec)
         for unit in track(found, "sensitivity (fusion groups)", len(found)):
-            mods = [get_module(model, n) for n in unit.linears]
             kld = {FLOAT: 0.0}
             for name, args in cands.items():
                 if args is None or not unit.fits(args):
                     continue
-                saved = [m.weight.data.clone() for m in mods]
-                for m in mods:
-                    m.weight.data.copy_(rtn.quantize_weight(m.weight.data, args)[0])
-                h = inputs[unit.block]
-                for j in range(unit.block, len(blocks)):
+                block, restore = quantized_alone(unit, args)
+                h = BlockInputs(inputs[unit.block], kwargs[unit.block]).run(block)
+                for j in range(unit.block + 1, len(blocks)):
                     h = BlockInputs(h, kwargs[j]).run(blocks[j])
                 kld[name] = kl(h)
-                for m, w in zip(mods, saved):
-                    m.weight.data.copy_(w)
+                restore()
             bits = {n: unit.bits(a, float_bytes) for n, a in cands.items() if n in kld}
             rows.append(
                 {
@@ -217,6 +248,7 @@ def _measure(path: Path, scheme: QuantScheme, calibration, track: Track) -> dict
             )
     return {
         "scheme": scheme.name,
+        "method": method.name,
         "calibration": dataclasses.asdict(calibration),
         "float_bytes": float_bytes,
         "units": rows,

@@ -288,7 +288,7 @@ def quantize(
     start = time.perf_counter()
     mixed = None
     if target_bits is not None:
-        scheme, mixed = _mixed_precision(model_name, m, scheme, calibration, target_bits, track, log)
+        scheme, mixed = _mixed_precision(model_name, m, options, scheme, calibration, target_bits, track, log)
     model, tokenizer, source, weights, dtype = open_float_model(model_name, log)
     spec = arch_for(model.config)
     scheme = _fit_groups(model, spec, scheme, log)
@@ -388,8 +388,9 @@ def quantize(
 SENSITIVITY_WINDOWS = (8, 256)  # calibration rows × tokens that --target-bits measures sensitivity on
 
 
-def _mixed_precision(model_name, method: Method, scheme: QuantScheme, calibration, target_bits, track, log):
-    """(the mixed scheme, what the provenance records of it) for `--target-bits`."""
+def _mixed_precision(model_name, method: Method, options, scheme: QuantScheme, calibration, target_bits, track, log):
+    """(the mixed scheme, what the provenance records of it) for `--target-bits`: the costs are
+    measured with the method that quantizes the model (`mixed.sensitivity`)."""
     from quantkit.pipeline import mixed
 
     if method.format != "pack-quantized":
@@ -403,7 +404,7 @@ def _mixed_precision(model_name, method: Method, scheme: QuantScheme, calibratio
         raise QuantkitError("--target-bits chooses the per-layer formats itself; drop the scheme's overrides.")
     rows_n, seq_len = SENSITIVITY_WINDOWS
     windows = dataclasses.replace(calibration, samples=rows_n, seq_len=seq_len)
-    sens = mixed.sensitivity(model_name, scheme, windows, track, log)
+    sens = mixed.sensitivity(model_name, scheme, windows, track, log, method=method.name, options=options)
     choice = mixed.choose(sens["units"], target_bits)
     achieved = mixed.achieved_bits(sens["units"], choice)
     if log:
@@ -415,7 +416,7 @@ def _mixed_precision(model_name, method: Method, scheme: QuantScheme, calibratio
     record = {
         "target_bits": target_bits,
         "bits_per_weight": achieved,
-        "sensitivity": {"calibration": sens["calibration"], "scheme": sens["scheme"]},
+        "sensitivity": {"calibration": sens["calibration"], "scheme": sens["scheme"], "method": sens["method"]},
         "choice": choice,
         "kld_sum": sum(r["kld"][choice[r["label"]]] for r in sens["units"]),
     }

@@ -92,6 +92,34 @@ def test_sensitivity_equals_a_direct_computation(tmp_path, tiny_corpus):
     assert mixed.sensitivity(str(path), scheme, calib, cache=tmp_path / "cache") == result
 
 
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_sensitivity_by_the_method_equals_quantizing_that_group_alone(tmp_path, tiny_corpus, method):
+    """A unit's cost by AWQ or GPTQ is that of a checkpoint the pipeline made with only that
+    unit quantized (the same windows calibrate both), read back by transformers."""
+    from quantkit.calibration.datasets import calibration_samples, load_documents
+    from quantkit.models.loading import load_tokenizer
+
+    path = make_tiny_model(tmp_path / "m")
+    calib = Calibration(str(tiny_corpus), 4, 32)
+    scheme = preset("w4a16")  # symmetric: transformers reads it
+    result = mixed.sensitivity(str(path), scheme, calib, cache=tmp_path / "cache", method=method)
+    assert result["method"] == method
+    rtn_costs = mixed.sensitivity(str(path), scheme, calib, cache=tmp_path / "cache")["units"]
+    assert all(v >= 0 for r in result["units"] for v in r["kld"].values())
+    # the method removes some of round-to-nearest's error, summed over the groups
+    for c in ("int4-g64", "int4-g32"):
+        assert sum(r["kld"][c] for r in result["units"]) < sum(r["kld"][c] for r in rtn_costs)
+    row = next(r for r in result["units"] if r["label"] == "model.layers.1.mlp.gate_proj+up_proj")
+    others = tuple(n for r in result["units"] for n in r["linears"] if n not in row["linears"])
+    alone = scheme.replace(weights=mixed.candidates(scheme)["int4-g32"], ignore=scheme.ignore + others)
+    quantize(str(path), alone, tmp_path / "q", method, calib)
+    ids = calibration_samples(load_tokenizer(path), load_documents(str(tiny_corpus), "calib"), 4, 32, 0)
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(path).eval()(ids).logits.log_softmax(-1)
+        quantized = AutoModelForCausalLM.from_pretrained(tmp_path / "q").eval()(ids).logits
+    assert row["kld"]["int4-g32"] == pytest.approx(divergence(base, quantized).mean().item(), rel=1e-3)
+
+
 @pytest.mark.parametrize("method", ["rtn", "awq", "gptq"])
 def test_target_bits_end_to_end(tmp_path, tiny_corpus, method, monkeypatch):
     from quantkit import assets
@@ -131,6 +159,8 @@ def test_the_sensitivity_command_and_refusals(tmp_path, tiny_corpus, monkeypatch
     assert len(rows) == 2 * 4 and (tmp_path / "s.png").stat().st_size > 0
     worst = max(rows, key=lambda x: max(v for k, v in x["kld"].items() if k.startswith("int4")))["label"]
     assert r.output.index(worst) < min(r.output.index(x["label"]) for x in rows if x["label"] != worst)
+    r = CliRunner().invoke(app, ["sensitivity", str(path), "--method", "fp8", *calib], env={"COLUMNS": "250"})
+    assert r.exit_code == 2 and "by rtn, awq or gptq, not fp8" in r.output
     r = CliRunner().invoke(app, ["fp8", "-m", str(path), "-o", str(tmp_path / "f"), "--target-bits", "5"])
     assert r.exit_code == 2 and "No such option" in r.output
     r = CliRunner().invoke(app, ["rtn", "-m", str(path), "-o", str(tmp_path / "r"), "--target-bits", "3", *calib])
