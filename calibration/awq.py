@@ -5,9 +5,10 @@ output): `search_scales` finds per-input-channel scales s that protect the chann
 with large activations, `fold_scales` divides the previous op's outputs by s and
 multiplies the linears' input columns by s (the float function is unchanged), and
 `search_clip` finds per-group clipping ranges whose qparams (`clip_qparams`) the
-final quantization uses. The shape of mit-han-lab/llm-awq `auto_scale.py` / `auto_clip.py`
-without hooks or model knowledge: the caller captures x and names the modules. The
-grid is the one of `quantkit.primitives` (min-max qparams, as round-to-nearest).
+final quantization uses (or, with the `gptq` option, GPTQ rounds the scaled weights with
+error feedback). The shape of mit-han-lab/llm-awq `auto_scale.py` / `auto_clip.py`
+without hooks or model knowledge: the caller captures x and names the modules. The grid
+is the one of `quantkit.primitives` (min-max qparams, as round-to-nearest).
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ from quantkit.calibration.hooks import (
     weight_args,
 )
 from quantkit.calibration.method import QParams
+from quantkit.calibration.registry import GPTQOptions
 from quantkit.errors import QuantkitError
 from quantkit.models.arch import ArchSpec, get_module
 from quantkit.primitives import check_group_size, compute_qparams, fake_quantize, minmax, qparams_from_minmax
-from quantkit.scheme import QuantArgs, QuantScheme
+from quantkit.scheme import QuantArgs, QuantScheme, with_actorder
 
 SCALE_MIN = 1e-4  # floor of s: channels whose activations are all zero stay finite
 
@@ -323,12 +325,19 @@ def awq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_
     """Runner step: per mapping (norm → q,k,v; v → o when shapes allow; norm → gate,up;
     up → down) search activation-aware scales and fold them into the previous op, then
     search per-group clipping ranges for each linear (q and k too: on smollm2 that
-    measured better) and quantize with them. With `load_search` nothing is searched and
-    no calibration data is needed; with `save_search` the search is written when the
-    last block is done (`step.finish()`)."""
+    measured better) and quantize with them; with `gptq`, GPTQ's step quantizes the scaled
+    block instead (its range search in place of the clip search). With `load_search`
+    nothing is searched and no calibration data is needed (but for GPTQ's Hessians); with
+    `save_search` the search is written when the last block is done (`step.finish()`)."""
     o = options
     loaded = _read_search(Path(o.load_search)) if o.load_search else None
     record = {} if o.save_search else None
+    rounding = None
+    if o.gptq:  # GPTQ's own step on the scaled block (true-sequential, act-order static)
+        from quantkit.calibration.gptq import gptq_step
+
+        gptq_options = GPTQOptions(range_search=o.clip)
+        rounding = gptq_step(spec, with_actorder(scheme, "static"), gptq_options, results, scale_dtype, log)
 
     def step(index: int, prefix: str, block: nn.Module, inputs) -> None:
         bspec = spec.for_block(block)
@@ -365,6 +374,9 @@ def awq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_
             fold_scales(b.prev_weight, b.prev_bias, [lin.weight.data for lin in linears] + b.readers, scales, b.offset)
             if record is not None:
                 record[key] = scales
+        if rounding is not None:
+            rounding(index, prefix, block, inputs)
+            return
         summed = {}  # per input: what the clip search scores with
         for name in names:
             full = f"{prefix}.{name}"

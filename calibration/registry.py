@@ -26,6 +26,12 @@ class AWQOptions:
     grid: int = option(20, "Points of the scale-exponent grid in [0, 1).", min=1)
     duo: bool = option(False, "Blend weight magnitudes into the scales (duo scaling).")
     clip: bool = option(True, "Search per-group clipping ranges (else round to nearest).")
+    gptq: bool = option(
+        False,
+        "Round with GPTQ's error feedback after the scales are folded (Hessian of the scaled inputs, "
+        "act-order static, damping 0.05; the group ranges searched under it when --clip) instead of "
+        "rounding each group alone.",
+    )
     module_loss: bool = option(
         False,
         "Score q,k,v scales on the attention output and gate,up on the MLP output "
@@ -91,7 +97,7 @@ METHODS: dict[str, Method] = {
             "weights",
             "quantkit.calibration.awq:awq_step",
             "pack-quantized",
-            needs_data=lambda scheme, o: o.load_search is None,
+            needs_data=lambda scheme, o: o.load_search is None or o.gptq,
             folds_scales=True,
             default_scheme="w4a16",
         ),

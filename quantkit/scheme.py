@@ -161,6 +161,15 @@ def fit_group_size(scheme: QuantScheme, widths: dict[str, int]) -> tuple[QuantSc
     return fit(scheme, parts[id(scheme)]).replace(overrides=overrides), notes
 
 
+def with_actorder(scheme: QuantScheme, actorder: str | None) -> QuantScheme:
+    """`scheme` with its own and every override's weights visiting columns in `actorder`."""
+
+    def one(s: QuantScheme) -> QuantScheme:
+        return s if s.weights is None else s.replace(weights=dataclasses.replace(s.weights, actorder=actorder))
+
+    return one(scheme).replace(overrides=tuple(one(o) for o in scheme.overrides))
+
+
 def _matches(pattern: str, name: str) -> bool:
     if pattern.startswith("re:"):
         return re.match(pattern[3:], name) is not None

@@ -16,7 +16,17 @@ def test_quantize_evaluate_load_and_generate(tiny_llama, tiny_corpus, tmp_path):
     assert prov["algorithm"] == "awq" and prov["options"]["grid"] == 4
     assert prov["weights"]["group_size"] == 64  # auto: 128 does not divide the tiny model's width 64
     assert json.loads((out / "quantkit.json").read_text())["recipe"]["steps"] == [
-        {"awq": {"grid": 4, "duo": False, "clip": True, "module_loss": False, "save_search": None, "load_search": None}}
+        {
+            "awq": {
+                "grid": 4,
+                "duo": False,
+                "clip": True,
+                "gptq": False,
+                "module_loss": False,
+                "save_search": None,
+                "load_search": None,
+            }
+        }
     ]
 
     report = evaluate(out, tiny_llama, ppl=str(tiny_corpus), seq_len=32, limit=2)

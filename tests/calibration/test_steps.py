@@ -51,7 +51,8 @@ def test_awq_folding_keeps_the_float_function(tiny_llama, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "algorithm,options,bound", [("gptq", {}, 0.85), ("awq", {}, 0.95), ("awq", {"module_loss": True}, 0.95)]
+    "algorithm,options,bound",
+    [("gptq", {}, 0.85), ("awq", {}, 0.95), ("awq", {"module_loss": True}, 0.95), ("awq", {"gptq": True}, 0.85)],
 )
 @pytest.mark.parametrize("name", ["w4a16", "w4a16-asym"])
 def test_beats_rtn_on_calibration_data(tiny_llama, algorithm, options, bound, name):
@@ -108,6 +109,30 @@ def test_awq_saved_search_reproduces_the_checkpoint(tiny_llama, tiny_corpus, tmp
     save_file(search, tmp_path / "old.safetensors")
     with pytest.raises(QuantkitError, match="clip maxima for model.layers.0.self_attn.q_proj from an older quantkit"):
         quantize(str(tiny_llama), scheme, tmp_path / "c", "awq", calib, {"load_search": tmp_path / "old.safetensors"})
+
+
+@pytest.mark.parametrize("name", ["w4a16", "w4a16-asym"])
+def test_awq_with_gptq_rounding_keeps_the_scales_and_lowers_the_error(tiny_llama, name):
+    scheme = preset(name).with_group_size(32)
+    float_model = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
+    ids = calibration_ids()
+    plain, _ = run(tiny_llama, "awq", scheme)
+    with_gptq, results = run(tiny_llama, "awq", scheme, gptq=True)
+    for norm in ("input_layernorm", "post_attention_layernorm"):  # block 0 got the same scales
+        a, b = (getattr(m.model.layers[0], norm).weight for m in (plain, with_gptq))
+        assert torch.equal(a, b)  # (block 1's inputs differ: they come out of quantized block 0)
+    assert logits_error(with_gptq, float_model, ids) < 0.9 * logits_error(plain, float_model, ids)
+    assert len(results) == 14
+
+
+def test_awq_with_gptq_from_a_saved_search_reproduces_the_checkpoint(tiny_llama, tiny_corpus, tmp_path):
+    scheme = preset("w4a16-asym").with_group_size(32)
+    calib = Calibration(str(tiny_corpus), 4, 32)
+    search = tmp_path / "s.safetensors"
+    quantize(str(tiny_llama), scheme, tmp_path / "a", "awq", calib, {"gptq": True, "save_search": search})
+    prov = quantize(str(tiny_llama), scheme, tmp_path / "b", "awq", calib, {"gptq": True, "load_search": search})
+    assert prov["calibration"] is not None  # GPTQ's Hessians need the calibration inputs
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
 
 
 def test_gptq_and_awq_record_calibration(tiny_llama, tiny_corpus, tmp_path):

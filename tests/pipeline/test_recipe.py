@@ -183,9 +183,11 @@ def test_print_recipe_then_run_reproduces_the_command(tiny_llama, tmp_path):
 def test_every_command_prints_its_recipe(tiny_llama):
     cases = [
         (
-            ["awq", "--group-size", "64", "--kv-cache", "int8", "--no-clip"],
+            ["awq", "--group-size", "64", "--kv-cache", "int8", "--no-clip", "--gptq"],
             lambda d: (
-                d["steps"][0]["awq"]["clip"] is False and d["steps"][1] == {"kv": {"dtype": "int8", "per_head": False}}
+                d["steps"][0]["awq"]["clip"] is False
+                and d["steps"][0]["awq"]["gptq"] is True
+                and d["steps"][1] == {"kv": {"dtype": "int8", "per_head": False}}
             ),
         ),
         (
