@@ -33,7 +33,7 @@ from quantkit.calibration.hooks import (
     weight_args,
 )
 from quantkit.calibration.method import QParams
-from quantkit.calibration.registry import GPTQOptions
+from quantkit.calibration.registry import METHODS, GPTQOptions
 from quantkit.errors import QuantkitError
 from quantkit.models.arch import ArchSpec, get_module
 from quantkit.primitives import check_group_size, compute_qparams, fake_quantize, minmax, qparams_from_minmax
@@ -333,11 +333,10 @@ def awq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_
     loaded = _read_search(Path(o.load_search)) if o.load_search else None
     record = {} if o.save_search else None
     rounding = None
-    if o.gptq:  # GPTQ's own step on the scaled block (true-sequential, act-order static)
-        from quantkit.calibration.gptq import gptq_step
-
-        gptq_options = GPTQOptions(range_search=o.clip)
-        rounding = gptq_step(spec, with_actorder(scheme, "static"), gptq_options, results, scale_dtype, log)
+    if o.gptq:  # GPTQ's own step on the scaled block (true-sequential, act-order static), through the registry
+        gptq = METHODS["gptq"]
+        ordered = with_actorder(scheme, "static")
+        rounding = gptq.make_step(spec, ordered, GPTQOptions(range_search=o.clip), results, scale_dtype, log)
 
     def step(index: int, prefix: str, block: nn.Module, inputs) -> None:
         bspec = spec.for_block(block)
