@@ -236,7 +236,9 @@ def to_awq_checkpoint(ck: Int4Checkpoint) -> tuple[dict, dict[str, torch.Tensor]
 def to_gptq_checkpoint(ck: Int4Checkpoint) -> tuple[dict, dict[str, torch.Tensor]]:
     """(quantization_config, tensors) of the GPTQ v1 checkpoint."""
     group = ck.args.group_size if ck.args.strategy == "group" else None
-    return gptq.gptq_config(ck.args), _convert(
+    made = read_provenance(ck.path) or {}
+    damp = (made.get("options") or {}).get("damp") if made.get("algorithm") == "gptq" else None  # as GPTQ ran
+    return gptq.gptq_config(ck.args, damp), _convert(
         ck, lambda name, q, scale, zero, g_idx: gptq.to_gptq(q, scale, zero, group, g_idx, name)
     )
 
@@ -255,10 +257,7 @@ def export(src: str | Path, out: str | Path, fmt: str, overwrite: bool = False) 
     if ck.format == fmt:
         raise QuantkitError(f"{src} is already a {fmt} checkpoint; use it as is.")
     qc, tensors = WRITERS[fmt](ck)
-    source = read_provenance(src) or {}
-    if fmt == "gptq" and source.get("algorithm") == "gptq" and "damp" in (source.get("options") or {}):
-        qc["damp_percent"] = source["options"]["damp"]  # what GPTQ ran with, not a default
-    provenance = dict(source, exported_from=str(src), export_format=fmt)
+    provenance = dict(read_provenance(src) or {}, exported_from=str(src), export_format=fmt)
     return save_checkpoint(out, tensors, dict(ck.config, quantization_config=qc), provenance, src, overwrite)
 
 
