@@ -14,11 +14,9 @@ import argparse
 import statistics
 
 import torch
-from throughput import run  # benchmarks/throughput.py: one pass of the workload
+from throughput import engine, run, workload  # benchmarks/throughput.py: the engine, the workload, one pass
 
 from quantkit import ops
-from quantkit.perf.bench import synthetic_workload
-from quantkit.runtime.engine import LLM
 
 
 def main() -> None:
@@ -28,8 +26,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    llm = LLM(args.model, dtype="bfloat16", enable_prefix_caching=False)
-    requests = synthetic_workload(llm.tokenizer, 64, "32:512", "16:256", vocab_size=llm.model.config.vocab_size)
+    llm = engine(args.model)
+    requests = workload(llm)
     kernels = ops._fused
 
     rates = {"C++": [], "twins": []}

@@ -21,6 +21,16 @@ from quantkit.runtime.engine import LLM
 from quantkit.runtime.sequence import SamplingParams
 
 
+def engine(path: str) -> LLM:
+    """The engine every throughput benchmark measures: bf16, prefix caching off (each round does the same work)."""
+    return LLM(path, dtype="bfloat16", enable_prefix_caching=False)
+
+
+def workload(llm: LLM):
+    """The 64-request workload of `quantkit bench`: prompts 32:512 tokens, outputs 16:256."""
+    return synthetic_workload(llm.tokenizer, 64, "32:512", "16:256", vocab_size=llm.model.config.vocab_size)
+
+
 def run(llm: LLM, requests) -> tuple[float, int]:
     for r in requests:
         llm.add_request(r.prompt, SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True))
@@ -38,9 +48,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    llms = {p: LLM(p, dtype="bfloat16", enable_prefix_caching=False) for p in args.paths}
-    first = llms[args.paths[0]]
-    requests = synthetic_workload(first.tokenizer, 64, "32:512", "16:256", vocab_size=first.model.config.vocab_size)
+    llms = {p: engine(p) for p in args.paths}
+    requests = workload(llms[args.paths[0]])
     rates = {p: [] for p in args.paths}
     for i in range(args.rounds):
         for path, llm in llms.items():
