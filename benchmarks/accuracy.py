@@ -5,7 +5,8 @@
 A run is one of
   rtn|awq|gptq:SCHEME:GROUP   INT4 weights (GPTQ with act-order static and range search, the
                               CLI's defaults; gptq:SCHEME:GROUP:minmax takes min-max group ranges,
-                              gptq:SCHEME:GROUP:damp=D another damping;
+                              gptq:SCHEME:GROUP:damp=D another damping,
+                              gptq:SCHEME:GROUP:refine=N N passes of coordinate descent;
                               awq:SCHEME:GROUP:gptq rounds with GPTQ after AWQ's scales)
   rtn|awq|gptq:SCHEME:GROUP:bits=B  mixed precision at B bits per weight (--target-bits),
                               compared with RTN on SCHEME:GROUP
@@ -50,6 +51,8 @@ def make(run: str, model: str, out: Path, calib: Calibration) -> dict:
         options = {"range_search": "minmax" not in rest[1:]}
         damp = next((float(r.removeprefix("damp=")) for r in rest[1:] if r.startswith("damp=")), None)
         options |= {} if damp is None else {"damp": damp}
+        refine = next((int(r.removeprefix("refine=")) for r in rest[1:] if r.startswith("refine=")), None)
+        options |= {} if refine is None else {"refine": refine}
     if algorithm == "awq" and "gptq" in rest[1:]:
         options = {"gptq": True}
     bits = next((float(r.removeprefix("bits=")) for r in rest[1:] if r.startswith("bits=")), None)

@@ -29,8 +29,8 @@ class AWQOptions:
     gptq: bool = option(
         False,
         "Round with GPTQ's error feedback after the scales are folded (Hessian of the scaled inputs, "
-        "act-order static, damping 0.05; the group ranges searched under it when --clip) instead of "
-        "rounding each group alone.",
+        "act-order static, GPTQ's damping and refinement passes; the group ranges searched under it "
+        "when --clip) instead of rounding each group alone.",
     )
     module_loss: bool = option(
         False,
@@ -51,6 +51,12 @@ class GPTQOptions:
     range_search: bool = option(
         True,
         "Search each group's range for the least output error under the Hessian when the group starts (else min-max).",
+    )
+    refine: int = option(
+        2,
+        "Passes of coordinate descent over the rounded weights after the column loop: each column "
+        "rounded again to the grid point with the least output error given the others (qparams kept).",
+        min=0,
     )
 
 

@@ -159,7 +159,7 @@ def _cache_key(path: Path, scheme: QuantScheme, calibration, method: str, option
         "calibration": dataclasses.asdict(calibration),
         "method": method,
         "options": dataclasses.asdict(options),
-        "version": 3,  # 3: KL without the cancellation of Σ p log p - Σ p log q
+        "version": 4,  # 3: KL without the cancellation of Σ p log p - Σ p log q; 4: GPTQ refines its rounding
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -146,7 +146,8 @@ def test_gptq_and_awq_record_calibration(tiny_llama, tiny_corpus, tmp_path):
         "batch_size": 8,
         "min_expert_tokens": 512,
     }
-    assert prov["options"] == {"damp": 0.02, "block_size": 128, "range_search": True}  # every option, defaults included
+    # every option, defaults included
+    assert prov["options"] == {"damp": 0.02, "block_size": 128, "range_search": True, "refine": 2}
 
 
 def test_gptq_reusing_the_attention_outputs_changes_nothing(tiny_llama, monkeypatch):
@@ -174,3 +175,13 @@ def test_gptq_reusing_the_attention_outputs_changes_nothing(tiny_llama, monkeypa
         assert torch.equal(results[name].scale, again[name].scale), name
     for (name, a), b in zip(model.named_parameters(), recomputed.parameters()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("name", ["w4a16", "w4a16-asym"])
+def test_gptq_refinement_lowers_the_error_on_calibration_data(tiny_llama, name):
+    scheme = preset(name).with_group_size(32)
+    float_model = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
+    ids = calibration_ids()
+    plain = logits_error(run(tiny_llama, "gptq", scheme, refine=0)[0], float_model, ids)
+    refined = logits_error(run(tiny_llama, "gptq", scheme, refine=2)[0], float_model, ids)
+    assert refined < 0.97 * plain  # measured 0.89 (sym) and 0.92 (asym)
