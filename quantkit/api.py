@@ -28,6 +28,7 @@ def quantize(
     resume: bool = False,
     max_shard_size: int | str = "5GB",
     target_bits: float | None = None,
+    target_formats: list[str] | None = None,
     device: str = "cpu",
     track: Track = no_progress,
     log: Callable[[str], None] | None = None,
@@ -45,7 +46,8 @@ def quantize(
     interrupted (same arguments) from its last finished block; the checkpoint is written in
     safetensors shards of at most `max_shard_size` (e.g. "5GB", "500MB"). `target_bits` (rtn,
     awq, gptq) gives each layer group its own format (int4 per group of 128/64/32, int8 per
-    channel, float) from its measured sensitivity, averaging at most that many bits per weight.
+    channel, float) from its measured sensitivity, averaging at most that many bits per weight;
+    `target_formats` (e.g. ["int4", "float"]) limits the formats it chooses from.
 
         quantkit.quantize("smollm2-135m", "out/awq", "awq", "w4a16-asym", group_size=64)
     """
@@ -70,6 +72,7 @@ def quantize(
         "device": device,
         "max_shard_size": str(max_shard_size),
     } | ({"target_bits": target_bits} if target_bits is not None else {})
+    raw |= {"target_formats": list(target_formats)} if target_formats is not None else {}
     return run_recipe(from_dict(raw), overwrite=overwrite, track=track, log=log, resume=resume)
 
 

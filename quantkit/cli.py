@@ -145,6 +145,11 @@ TARGET_BITS = typer.Option(
     help="Mixed precision: give each layer group int4 (group 128/64/32), int8 or float, chosen by its measured "
     "sensitivity, averaging at most this many bits per weight (as inspect counts them).",
 )
+TARGET_FORMATS = typer.Option(
+    None,
+    help="With --target-bits: the formats to choose from, comma-separated: int4-g128, int4-g64, int4-g32 "
+    "(int4: all three), int8, float. E.g. int4,float for vLLM's CPU build, which has no int8 weight kernel.",
+)
 
 
 def _int4_scheme():
@@ -222,6 +227,7 @@ def _weights_recipe(
     max_shard_size="5GB",
     min_expert_tokens=Calibration.min_expert_tokens,
     target_bits=None,
+    target_formats=None,
 ) -> dict:
     """The recipe dict a quantizing command means, so each command and `quantkit run` share one path."""
     if kv_cache is not None and kv_cache not in KV_DTYPES:
@@ -237,7 +243,10 @@ def _weights_recipe(
         "output": None if output is None else str(output),
         "device": device,
         "max_shard_size": max_shard_size,
-    } | ({"target_bits": target_bits} if target_bits is not None else {})
+    } | (
+        ({"target_bits": target_bits} if target_bits is not None else {})
+        | ({"target_formats": target_formats.split(",")} if target_formats is not None else {})
+    )
 
 
 def _smooth_steps(smooth: bool) -> list[dict]:
@@ -348,6 +357,7 @@ def rtn(
     resume: bool = RESUME,
     max_shard_size: str = MAX_SHARD_SIZE,
     target_bits: Optional[float] = TARGET_BITS,
+    target_formats: Optional[str] = TARGET_FORMATS,
     device: str = DEVICE,
     print_recipe: bool = PRINT_RECIPE,
     json_path: Optional[Path] = JSON,
@@ -373,6 +383,7 @@ def rtn(
             max_shard_size=max_shard_size,
             min_expert_tokens=min_expert_tokens,
             target_bits=target_bits,
+            target_formats=target_formats,
         ),
         overwrite,
         print_recipe,
@@ -409,6 +420,7 @@ def awq(
     resume: bool = RESUME,
     max_shard_size: str = MAX_SHARD_SIZE,
     target_bits: Optional[float] = TARGET_BITS,
+    target_formats: Optional[str] = TARGET_FORMATS,
     device: str = DEVICE,
     print_recipe: bool = PRINT_RECIPE,
     json_path: Optional[Path] = JSON,
@@ -441,6 +453,7 @@ def awq(
             max_shard_size=max_shard_size,
             min_expert_tokens=min_expert_tokens,
             target_bits=target_bits,
+            target_formats=target_formats,
         ),
         overwrite,
         print_recipe,
@@ -530,6 +543,7 @@ def gptq(
     resume: bool = RESUME,
     max_shard_size: str = MAX_SHARD_SIZE,
     target_bits: Optional[float] = TARGET_BITS,
+    target_formats: Optional[str] = TARGET_FORMATS,
     device: str = DEVICE,
     print_recipe: bool = PRINT_RECIPE,
     json_path: Optional[Path] = JSON,
@@ -557,6 +571,7 @@ def gptq(
             max_shard_size=max_shard_size,
             min_expert_tokens=min_expert_tokens,
             target_bits=target_bits,
+            target_formats=target_formats,
         ),
         overwrite,
         print_recipe,

@@ -39,6 +39,28 @@ from quantkit.progress import Track, no_progress
 from quantkit.scheme import QuantArgs, QuantScheme
 
 FLOAT = "float"
+FORMATS = ("int4-g128", "int4-g64", "int4-g32", "int8", FLOAT)  # what `candidates` offers, by name
+
+
+def allowed_formats(names) -> tuple[str, ...] | None:
+    """The formats `names` (a list, or one comma-separated string) let `--target-bits` choose
+    from, "int4" standing for every int4 group size; None (every format) for None."""
+    if names is None:
+        return None
+    names = names.split(",") if isinstance(names, str) else list(names)
+    picked = []
+    for name in (str(n).strip() for n in names):
+        if name == "int4":
+            picked += [f for f in FORMATS if f.startswith("int4-")]
+        elif name in FORMATS:
+            picked.append(name)
+        else:
+            raise QuantkitError(
+                f"{name!r} is not a format --target-bits chooses; use int4 (every group size) or {', '.join(FORMATS)}."
+            )
+    if all(f == FLOAT for f in picked):
+        raise QuantkitError("the formats to choose from need at least one int format (e.g. int4).")
+    return tuple(f for f in FORMATS if f in picked)
 
 
 def candidates(scheme: QuantScheme) -> dict[str, QuantArgs | None]:
@@ -52,7 +74,7 @@ def candidates(scheme: QuantScheme) -> dict[str, QuantArgs | None]:
         return dataclasses.replace(w, strategy="group", group_size=group)
 
     int8 = QuantArgs(num_bits=8, type="int", symmetric=True, strategy="channel", group_size=None, actorder=w.actorder)
-    return {"int4-g128": int4(128), "int4-g64": int4(64), "int4-g32": int4(32), "int8": int8, FLOAT: None}
+    return dict(zip(FORMATS, (int4(128), int4(64), int4(32), int8, None)))
 
 
 @dataclass(frozen=True)
@@ -245,8 +267,11 @@ def _measure(path: Path, scheme: QuantScheme, calibration, track: Track, method,
     }
 
 
-def choose(rows: list[dict], target_bits: float, resolution: int = 20000) -> dict[str, str]:
-    """label -> candidate for each unit (`sensitivity`'s rows), minimising the summed KL costs
+def choose(
+    rows: list[dict], target_bits: float, formats: tuple[str, ...] | None = None, resolution: int = 20000
+) -> dict[str, str]:
+    """label -> candidate for each unit (`sensitivity`'s rows), among `formats` (None: all, see
+    `allowed_formats`), minimising the summed KL costs
     with the average bits per weight over all units at most `target_bits`: the multiple-choice
     knapsack, solved by dynamic programming over the bits left once every unit has its
     smallest format, cut into `resolution` steps. Each choice's extra bits are rounded up to
@@ -256,7 +281,15 @@ def choose(rows: list[dict], target_bits: float, resolution: int = 20000) -> dic
 
     total = sum(r["params"] for r in rows)
     budget = target_bits * total
-    options = [[(c, r["kld"][c], r["bits"][c] * r["params"]) for c in r["kld"]] for r in rows]
+    options = [
+        [(c, r["kld"][c], r["bits"][c] * r["params"]) for c in r["kld"] if c in (formats or r["kld"])] for r in rows
+    ]
+    for r, opts in zip(rows, options):
+        if not opts:
+            raise QuantkitError(
+                f"none of the formats {', '.join(formats)} fits {r['label']} (it takes {', '.join(r['kld'])}); "
+                "allow one of those."
+            )
     least = sum(min(b for _, _, b in opts) for opts in options)
     if least > budget * (1 + 1e-9):
         raise QuantkitError(
@@ -339,6 +372,6 @@ def plot(result: dict, path) -> Path:
         points = [(i, r["kld"][c]) for i, r in enumerate(rows) if c in r["kld"]]
         ax.plot([i for i, _ in points], [max(k, 1e-9) for _, k in points], marker=".", label=c)
     ax.set(yscale="log", xlabel="fusion group (in model order)", ylabel="mean KL per token (nats)")
-    ax.set_title(f"sensitivity of {result['model']}: each group alone, rounded to nearest")
+    ax.set_title(f"sensitivity of {result['model']}: each group alone, quantized by {result.get('method', 'rtn')}")
     ax.legend()
     return figures.save(fig, path)

@@ -260,6 +260,7 @@ def quantize(
     resume: bool = False,
     max_shard_size: int | str = SHARD_BYTES,
     target_bits: float | None = None,
+    target_formats: tuple[str, ...] | None = None,
 ) -> dict:
     """Quantize `model_name` with `method` (rtn, awq, gptq, fp8; see the registry) and write
     the checkpoint to `out`. `options` are the method's (a dict or its options dataclass);
@@ -274,7 +275,8 @@ def quantize(
 
     With `target_bits`, each fusion group gets its own format (int4 per group of 128, 64 or
     32, int8 per channel, or float) chosen from its measured sensitivity so the average bits
-    per weight stay at most `target_bits` (`pipeline.mixed`); the provenance records the choice."""
+    per weight stay at most `target_bits` (`pipeline.mixed`), among `target_formats` when given
+    (`mixed.allowed_formats`); the provenance records the choice."""
     m = method_entry(method)
     if m.role != "weights":
         raise QuantkitError(f"{method} does not quantize weights; use rtn, awq, gptq or fp8.")
@@ -287,8 +289,16 @@ def quantize(
     check_output(out, overwrite)
     start = time.perf_counter()
     mixed = None
+    if target_formats is not None and target_bits is None:
+        raise QuantkitError(
+            "target_formats (--target-formats) goes with target_bits (--target-bits): "
+            "it limits the formats mixed precision chooses from."
+        )
     if target_bits is not None:
-        scheme, mixed = _mixed_precision(model_name, m, options, scheme, calibration, target_bits, track, log)
+        from quantkit.pipeline.mixed import allowed_formats
+
+        formats = allowed_formats(target_formats)
+        scheme, mixed = _mixed_precision(model_name, m, options, scheme, calibration, target_bits, formats, track, log)
     model, tokenizer, source, weights, dtype = open_float_model(model_name, log)
     spec = arch_for(model.config)
     scheme = _fit_groups(model, spec, scheme, log)
@@ -317,7 +327,7 @@ def quantize(
         "device": device,
         "max_shard_size": max_shard_bytes,
         "target_bits": target_bits,
-    }
+    } | ({"target_formats": list(formats)} if target_formats is not None else {})
     out.parent.mkdir(parents=True, exist_ok=True)
     run = PartialRun(out, args, overwrite=overwrite, resume=resume, max_shard_bytes=max_shard_bytes, log=log)
     try:
@@ -388,7 +398,9 @@ def quantize(
 SENSITIVITY_WINDOWS = (8, 256)  # calibration rows × tokens that --target-bits measures sensitivity on
 
 
-def _mixed_precision(model_name, method: Method, options, scheme: QuantScheme, calibration, target_bits, track, log):
+def _mixed_precision(
+    model_name, method: Method, options, scheme: QuantScheme, calibration, target_bits, formats, track, log
+):
     """(the mixed scheme, what the provenance records of it) for `--target-bits`: the costs are
     measured with the method that quantizes the model (`mixed.sensitivity`)."""
     from quantkit.pipeline import mixed
@@ -405,7 +417,7 @@ def _mixed_precision(model_name, method: Method, options, scheme: QuantScheme, c
     rows_n, seq_len = SENSITIVITY_WINDOWS
     windows = dataclasses.replace(calibration, samples=rows_n, seq_len=seq_len)
     sens = mixed.sensitivity(model_name, scheme, windows, track, log, method=method.name, options=options)
-    choice = mixed.choose(sens["units"], target_bits)
+    choice = mixed.choose(sens["units"], target_bits, formats)
     achieved = mixed.achieved_bits(sens["units"], choice)
     if log:
         counts = collections.Counter(choice.values())
@@ -415,6 +427,7 @@ def _mixed_precision(model_name, method: Method, options, scheme: QuantScheme, c
         )
     record = {
         "target_bits": target_bits,
+        **({"formats": list(formats)} if formats is not None else {}),
         "bits_per_weight": achieved,
         "sensitivity": {"calibration": sens["calibration"], "scheme": sens["scheme"], "method": sens["method"]},
         "choice": choice,

@@ -17,6 +17,7 @@ command's `--print-recipe`, and stored in the checkpoint's `quantkit.json`.
     eval: {ppl: wiki, limit: 8, max_ppl_increase: 0.05}
     output: out/smollm2-awq
     target_bits: 4.56             # optional: mixed precision, a format per layer under this average
+    target_formats: [int4, float] # optional, with target_bits: the formats to choose from (default: all)
 """
 
 from __future__ import annotations
@@ -124,7 +125,18 @@ EVAL: dict[str, tuple[object, Kind]] = {  # the keyword arguments of quantkit.ev
     "max_kld": (None, _optional(NUMBER)),
     "min_top1": (None, _optional((lambda v: FRACTION[0](v) and v <= 1, "a fraction in (0, 1], e.g. 0.9"))),
 }
-TOP = ("model", "scheme", "steps", "calibration", "eval", "output", "device", "max_shard_size", "target_bits")
+TOP = (
+    "model",
+    "scheme",
+    "steps",
+    "calibration",
+    "eval",
+    "output",
+    "device",
+    "max_shard_size",
+    "target_bits",
+    "target_formats",
+)
 
 
 @dataclass(frozen=True)
@@ -166,6 +178,7 @@ class Recipe:
     device: str = "cpu"
     max_shard_size: str = "5GB"  # the checkpoint's safetensors shards, at most
     target_bits: float | None = None  # mixed precision: average bits per weight, at most
+    target_formats: tuple[str, ...] | None = None  # with target_bits: the formats to choose from (None: all)
 
     def replace(self, **changes) -> Recipe:
         return dataclasses.replace(self, **changes)
@@ -179,7 +192,8 @@ class Recipe:
         if self.eval is not None:
             d["eval"] = {k: list(v) if isinstance(v, tuple) else v for k, v in self.eval.items()}
         d |= {"output": self.output, "device": self.device, "max_shard_size": self.max_shard_size}
-        return d | ({"target_bits": self.target_bits} if self.target_bits is not None else {})
+        d |= {"target_bits": self.target_bits} if self.target_bits is not None else {}
+        return d | ({"target_formats": list(self.target_formats)} if self.target_formats is not None else {})
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
@@ -379,6 +393,7 @@ def from_dict(d) -> Recipe:
         device=_check("device", d.get("device", "cpu"), TEXT),
         max_shard_size=_shard_size(d.get("max_shard_size", "5GB")),
         target_bits=_target_bits(d.get("target_bits"), steps),
+        target_formats=_target_formats(d.get("target_formats"), d.get("target_bits")),
     )
 
 
@@ -390,6 +405,24 @@ def _target_bits(value, steps) -> float | None:
     if weights and METHODS[weights[0]].format != "pack-quantized":
         raise _bad("target_bits", value, f"null with the {weights[0]} step (it mixes int4/int8 for rtn, awq, gptq)")
     return float(value)
+
+
+def _target_formats(value, target_bits) -> tuple[str, ...] | None:
+    from quantkit.pipeline.mixed import FORMATS, allowed_formats
+
+    if value is None:
+        return None
+    if target_bits is None:
+        raise QuantkitError(
+            "target_formats (--target-formats) goes with target_bits (--target-bits): "
+            "it limits the formats mixed precision chooses from."
+        )
+    if not isinstance(value, (str, list)) or isinstance(value, list) and not all(isinstance(v, str) for v in value):
+        raise _bad("target_formats", value, f"a list of formats: int4 (every group size), {', '.join(FORMATS)}")
+    try:
+        return allowed_formats(value)
+    except QuantkitError as e:
+        raise QuantkitError(f"target_formats: {e}") from None
 
 
 def _shard_size(value) -> str:
@@ -514,6 +547,7 @@ def run_recipe(
             resume=resume,
             max_shard_size=recipe.max_shard_size,
             target_bits=recipe.target_bits,
+            target_formats=recipe.target_formats,
         )
     if recipe.eval is not None:
         from quantkit.eval.gates import evaluate_gates

@@ -68,6 +68,28 @@ def test_more_bits_never_cost_more_and_too_few_are_refused():
         mixed.choose(rows, 4.0)
 
 
+def test_the_choice_keeps_to_the_allowed_formats():
+    rng = random.Random(2)
+    for trial in range(20):
+        rows = random_rows(rng, 6)
+        target = rng.uniform(4.4, 9.0)
+        allowed = mixed.allowed_formats("int4,float")
+        assert allowed == ("int4-g128", "int4-g64", "int4-g32", "float")
+        choice = mixed.choose(rows, target, allowed)
+        assert set(choice.values()) <= set(allowed) and mixed.achieved_bits(rows, choice) <= target + 1e-9
+        # the same as the choice over rows that only offer those formats
+        kept = [r | {"kld": {c: k for c, k in r["kld"].items() if c in allowed}} for r in rows]
+        assert choice == mixed.choose(kept, target), trial
+    assert mixed.allowed_formats(["int8", " int4-g64"]) == ("int4-g64", "int8")
+    assert mixed.allowed_formats(None) is None
+    with pytest.raises(QuantkitError, match="'int3' is not a format --target-bits chooses; use int4"):
+        mixed.allowed_formats("int4,int3")
+    with pytest.raises(QuantkitError, match="at least one int format"):
+        mixed.allowed_formats("float")
+    with pytest.raises(QuantkitError, match="none of the formats int4-g64 fits u0"):
+        mixed.choose(random_rows(rng, 2), 6.0, ("int4-g64",))
+
+
 def test_sensitivity_equals_a_direct_computation(tmp_path, tiny_corpus):
     from quantkit.calibration.datasets import calibration_samples, load_documents
     from quantkit.models.loading import load_tokenizer
@@ -143,6 +165,28 @@ def test_target_bits_end_to_end(tmp_path, tiny_corpus, method, monkeypatch):
     assert "mixed precision" in shown.output and next(iter(mp["choice"])) in shown.output
 
 
+def test_target_formats_keep_the_checkpoint_to_int4(tmp_path, tiny_corpus, monkeypatch):
+    from quantkit import assets
+
+    monkeypatch.setattr(assets, "cache_dir", lambda: tmp_path / "cache")
+    path = make_tiny_model(tmp_path / "m")
+    calib = ["--calib", str(tiny_corpus), "--samples", "4", "--seq-len", "32"]
+    common = ["rtn", "-m", str(path), "--scheme", "w4a16", "--target-bits", "6", *calib]
+    r = CliRunner().invoke(app, [*common, "-o", str(tmp_path / "all")])
+    assert r.exit_code == 0, r.output
+    prov = json.loads((tmp_path / "all" / "quantkit.json").read_text())
+    assert "int8" in prov["mixed_precision"]["choice"].values()  # else the test proves nothing
+    r = CliRunner().invoke(app, [*common, "-o", str(tmp_path / "q"), "--target-formats", "int4,float"])
+    assert r.exit_code == 0, r.output
+    prov = json.loads((tmp_path / "q" / "quantkit.json").read_text())
+    mp = prov["mixed_precision"]
+    assert mp["formats"] == ["int4-g128", "int4-g64", "int4-g32", "float"]
+    assert set(mp["choice"].values()) <= set(mp["formats"]) and mp["bits_per_weight"] <= 6
+    assert prov["recipe"]["target_formats"] == mp["formats"]  # the recipe names them one by one
+    groups = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["config_groups"]
+    assert {g["weights"]["num_bits"] for g in groups.values()} == {4}
+
+
 def test_the_sensitivity_command_and_refusals(tmp_path, tiny_corpus, monkeypatch):
     from quantkit import assets
 
@@ -165,4 +209,11 @@ def test_the_sensitivity_command_and_refusals(tmp_path, tiny_corpus, monkeypatch
     assert r.exit_code == 2 and "No such option" in r.output
     r = CliRunner().invoke(app, ["rtn", "-m", str(path), "-o", str(tmp_path / "r"), "--target-bits", "3", *calib])
     assert r.exit_code == 2 and "is below what the smallest formats take" in r.output
+    assert not (tmp_path / "r").exists()
+    r = CliRunner().invoke(app, ["rtn", "-m", str(path), "-o", str(tmp_path / "r"), "--target-formats", "int4", *calib])
+    assert r.exit_code == 2 and "goes with target_bits (--target-bits)" in r.output
+    r = CliRunner().invoke(
+        app, ["rtn", "-m", str(path), "-o", str(tmp_path / "r"), "--target-bits", "5", "--target-formats", "int5"]
+    )
+    assert r.exit_code == 2 and "'int5' is not a format" in r.output
     assert not (tmp_path / "r").exists()

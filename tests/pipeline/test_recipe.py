@@ -84,6 +84,12 @@ def same_tensors(a, b) -> bool:
         ({"model": None}, "model is missing"),
         ({"steps": [["rtn"]]}, "steps[0]: ['rtn'] is not allowed; use one of rtn, awq"),
         ({"scheme": {"preset": ["w4a16"]}}, "scheme: unknown scheme ['w4a16']"),
+        ({"target_formats": ["int4"]}, "target_formats (--target-formats) goes with target_bits (--target-bits)"),
+        (
+            {"target_bits": 5, "target_formats": ["int3"]},
+            "target_formats: 'int3' is not a format --target-bits chooses; use int4 (every group size) or int4-g128",
+        ),
+        ({"target_bits": 5, "target_formats": 4}, "target_formats: 4 is not allowed; use a list of formats"),
     ],
 )
 def test_validation_errors_name_the_key_and_the_allowed_values(changes, message):
