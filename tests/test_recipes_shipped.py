@@ -28,7 +28,10 @@ def test_the_issue_s_recipes_are_shipped():
 
 
 @pytest.mark.parametrize("name", SHIPPED)
-def test_shipped_recipe_runs_on_a_tiny_model(name, tiny_llama, tiny_corpus, tmp_path):
+def test_shipped_recipe_runs_on_a_tiny_model(name, tiny_llama, tiny_corpus, tmp_path, monkeypatch):
+    from quantkit.pipeline import mixed
+
+    monkeypatch.setattr(mixed, "_cache_dir", lambda: tmp_path / "sensitivity")  # --target-bits measures
     shipped = load_recipe(RECIPES / name)
     assert shipped.model == "smollm2-135m"
     tiny = [
@@ -49,6 +52,8 @@ def test_shipped_recipe_runs_on_a_tiny_model(name, tiny_llama, tiny_corpus, tmp_
     weight_step = next(s.name for s in shipped.steps if s.name not in ("smooth", "kv"))  # after any transform
     assert prov["algorithm"] == weight_step and prov["recipe"]["model"] == str(tiny_llama)
     assert (prov["kv_cache"] is not None) == any(s.name == "kv" for s in shipped.steps)
+    if shipped.target_bits is not None:
+        assert prov["mixed_precision"]["bits_per_weight"] <= shipped.target_bits
     model = quantkit.load(tmp_path / "q")
     with torch.no_grad():
         logits = model(torch.arange(12).reshape(1, 12)).logits
