@@ -224,12 +224,6 @@ def _column_loop(W, Hinv, gid, args, block_size, scale_dtype, grams=None):
     return Q, torch.cat([s for s, _ in qp], 1), None if zeros[0] is None else torch.cat(zeros, 1)
 
 
-def layer_error(W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor) -> float:
-    """tr((W − Q)·H·(W − Q)ᵀ): the output error GPTQ minimises (H ∝ XᵀX)."""
-    D = (W - Q).float()
-    return ((D @ H) * D).sum().item()
-
-
 @torch.no_grad()
 def refine_rounding(W, Q, H, gid, scale, zero_point, args, passes: int = 1, block_size: int = 128):
     """Coordinate descent on a rounding Q of W (QuantEase, Behdin et al. 2023): with every
@@ -238,18 +232,18 @@ def refine_rounding(W, Q, H, gid, scale, zero_point, args, passes: int = 1, bloc
     clamped at its ends) by the grid point nearest to that. Visiting every column `passes`
     times can only lower the error. W, Q fp32 [out, n] and H [n, n] in one column order,
     gid [n] each column's group (its column of scale / zero_point); returns the new Q.
-    G = (W − Q)·H is kept up to date: inside a block of block_size columns after each
+    G = H·(W − Q)ᵀ is kept up to date: inside a block of block_size columns after each
     column, for the rest once per block."""
     out, n = Q.shape
-    Q = Q.clone()
-    G = (W - Q) @ H  # G [out, n]
+    Qt = Q.T.contiguous()  # Qt [n, out]: a column of Q is a row, contiguous
+    Gt = H @ (W - Q).T  # Gt [n, out]
     gids, fast = gid.tolist(), {}
     for _ in range(passes):
         for i1 in range(0, n, block_size):
             i2 = min(i1 + block_size, n)
-            Gb, Hb = G[:, i1:i2].clone(), H[i1:i2, i1:i2]  # Gb [out, b], Hb [b, b]
+            Gb, Hb = Gt[i1:i2].clone(), H[i1:i2, i1:i2]  # Gb [b, out], Hb [b, b]
             diag = Hb.diagonal().tolist()
-            moved = torch.zeros(out, i2 - i1)  # moved [out, b]: old minus new Q
+            moved = Qt.new_zeros(i2 - i1, out)  # old minus new values of the block's columns
             for k in range(i2 - i1):
                 g = gids[i1 + k]
                 if g not in fast:
@@ -257,13 +251,13 @@ def refine_rounding(W, Q, H, gid, scale, zero_point, args, passes: int = 1, bloc
                     if args.strategy == "group":
                         s, z = s[:, g : g + 1], None if z is None else z[:, g : g + 1]
                     fast[g] = _column_qparams(s, z, out)
-                q = Q[:, i1 + k]  # q [out], a view
-                new = _fake_quantize_column(q + Gb[:, k] / diag[k], *fast[g], args.qmin, args.qmax)
-                moved[:, k] = q - new
-                Gb += moved[:, k, None] * Hb[k][None, :]
+                q = Qt[i1 + k]  # q [out], a view
+                new = _fake_quantize_column(q + Gb[k] / diag[k], *fast[g], args.qmin, args.qmax)
+                moved[k] = q - new
+                Gb += Hb[:, k, None] * moved[k][None, :]
                 q.copy_(new)
-            G += moved @ H[i1:i2]
-    return Q
+            Gt += H[:, i1:i2] @ moved
+    return Qt.T
 
 
 def _column_qparams(scale, zero, out):
