@@ -49,14 +49,17 @@ def make(run: str, model: str, out: Path, calib: Calibration) -> dict:
     if algorithm == "gptq":
         qscheme = qscheme.replace(weights=dataclasses.replace(qscheme.weights, actorder="static"))
         options = {"range_search": "minmax" not in rest[1:]}
-        damp = next((float(r.removeprefix("damp=")) for r in rest[1:] if r.startswith("damp=")), None)
-        options |= {} if damp is None else {"damp": damp}
-        refine = next((int(r.removeprefix("refine=")) for r in rest[1:] if r.startswith("refine=")), None)
-        options |= {} if refine is None else {"refine": refine}
+        for key, kind in (("damp", float), ("refine", int)):
+            if (value := _setting(rest, key, kind)) is not None:
+                options[key] = value
     if algorithm == "awq" and "gptq" in rest[1:]:
         options = {"gptq": True}
-    bits = next((float(r.removeprefix("bits=")) for r in rest[1:] if r.startswith("bits=")), None)
-    return quantize(model, qscheme, out, algorithm, calib, options, target_bits=bits)
+    return quantize(model, qscheme, out, algorithm, calib, options, target_bits=_setting(rest, "bits", float))
+
+
+def _setting(rest: list[str], key: str, kind):
+    """The value of `key=VALUE` among a run's settings, as `kind`, or None."""
+    return next((kind(r.removeprefix(f"{key}=")) for r in rest[1:] if r.startswith(f"{key}=")), None)
 
 
 def main() -> None:
