@@ -40,6 +40,10 @@ from quantkit.scheme import QuantArgs, QuantScheme
 
 FLOAT = "float"
 FORMATS = ("int4-g128", "int4-g64", "int4-g32", "int8", FLOAT)  # what `candidates` offers, by name
+FORMATS_NEED_BITS = (  # the refusal of target_formats without target_bits (recipe and pipeline)
+    "target_formats (--target-formats) goes with target_bits (--target-bits): "
+    "it limits the formats mixed precision chooses from."
+)
 
 
 def allowed_formats(names) -> tuple[str, ...] | None:

@@ -288,15 +288,12 @@ def quantize(
     out = Path(out)
     check_output(out, overwrite)
     start = time.perf_counter()
+    from quantkit.pipeline.mixed import FORMATS_NEED_BITS, allowed_formats
+
     mixed = None
     if target_formats is not None and target_bits is None:
-        raise QuantkitError(
-            "target_formats (--target-formats) goes with target_bits (--target-bits): "
-            "it limits the formats mixed precision chooses from."
-        )
+        raise QuantkitError(FORMATS_NEED_BITS)
     if target_bits is not None:
-        from quantkit.pipeline.mixed import allowed_formats
-
         formats = allowed_formats(target_formats)
         scheme, mixed = _mixed_precision(model_name, m, options, scheme, calibration, target_bits, formats, track, log)
     model, tokenizer, source, weights, dtype = open_float_model(model_name, log)

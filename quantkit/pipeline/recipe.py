@@ -408,15 +408,12 @@ def _target_bits(value, steps) -> float | None:
 
 
 def _target_formats(value, target_bits) -> tuple[str, ...] | None:
-    from quantkit.pipeline.mixed import FORMATS, allowed_formats
+    from quantkit.pipeline.mixed import FORMATS, FORMATS_NEED_BITS, allowed_formats
 
     if value is None:
         return None
     if target_bits is None:
-        raise QuantkitError(
-            "target_formats (--target-formats) goes with target_bits (--target-bits): "
-            "it limits the formats mixed precision chooses from."
-        )
+        raise QuantkitError(FORMATS_NEED_BITS)
     if not isinstance(value, (str, list)) or isinstance(value, list) and not all(isinstance(v, str) for v in value):
         raise _bad("target_formats", value, f"a list of formats: int4 (every group size), {', '.join(FORMATS)}")
     try:
