@@ -7,7 +7,8 @@ A run is one of
                               CLI's defaults; gptq:SCHEME:GROUP:minmax takes min-max group ranges,
                               gptq:SCHEME:GROUP:damp=D another damping,
                               gptq:SCHEME:GROUP:refine=N N passes of coordinate descent;
-                              awq:SCHEME:GROUP:gptq rounds with GPTQ after AWQ's scales)
+                              awq:SCHEME:GROUP:gptq rounds with GPTQ after AWQ's scales;
+                              gptq:...:guided=N and awq:...:gptq:guided=N loss-guided Hessians)
   rtn|awq|gptq:SCHEME:GROUP:bits=B  mixed precision at B bits per weight (--target-bits),
                               compared with RTN on SCHEME:GROUP
   fp8:fp8-dynamic|fp8[:smooth] FP8 weights and activations (smooth: SmoothQuant first)
@@ -54,6 +55,8 @@ def make(run: str, model: str, out: Path, calib: Calibration) -> dict:
                 options[key] = value
     if algorithm == "awq" and "gptq" in rest[1:]:
         options = {"gptq": True}
+    if (groups := _setting(rest, "guided", int)) is not None:
+        options["guided"] = groups
     return quantize(model, qscheme, out, algorithm, calib, options, target_bits=_setting(rest, "bits", float))
 
 

@@ -333,10 +333,13 @@ def awq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_
     loaded = _read_search(Path(o.load_search)) if o.load_search else None
     record = {} if o.save_search else None
     rounding = None
+    if o.guided and not o.gptq:
+        raise QuantkitError("guided Hessians are GPTQ's (--guided goes with --gptq).")
     if o.gptq:  # GPTQ's own step on the scaled block (true-sequential, act-order static), through the registry
         gptq = METHODS["gptq"]
         ordered = with_actorder(scheme, "static")
-        rounding = gptq.make_step(spec, ordered, GPTQOptions(range_search=o.clip), results, scale_dtype, log)
+        gopts = GPTQOptions(range_search=o.clip, guided=o.guided)
+        rounding = gptq.make_step(spec, ordered, gopts, results, scale_dtype, log)
 
     def step(index: int, prefix: str, block: nn.Module, inputs) -> None:
         bspec = spec.for_block(block)

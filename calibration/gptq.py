@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from quantkit.calibration.awq import ClipInputs, clip_qparams, search_clip
-from quantkit.calibration.hooks import Replay, by_args, reduce_each, reduce_inputs, targets
+from quantkit.calibration.hooks import Replay, by_args, reduce_each, reduce_inputs, targets, weight_args
 from quantkit.calibration.method import QParams
 from quantkit.calibration.registry import HESSIAN_BYTES
 from quantkit.errors import QuantkitError
@@ -295,9 +295,19 @@ def gptq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale
     before it were quantized. Once the attention's linears are all done, its outputs are
     computed once and reused by the later groups' passes. In a sparse block, one Hessian
     per expert: every expert's gate/up are quantized after one pass (or a few, HESSIAN_BYTES
-    of Hessians at a time), then every expert's down."""
+    of Hessians at a time), then every expert's down. With `options.guided` (dense blocks),
+    each linear's groups of rows are quantized under their own loss-guided Hessians
+    (`calibration.guided`; the block's `inputs.guides`)."""
+
+    guided = getattr(options, "guided", 0)
+    if guided and any(s.weights is not None and s.weights.actorder == "group" for s in (scheme, *scheme.overrides)):
+        raise QuantkitError(
+            "guided Hessians split a linear's rows, which act-order group cannot; use --act-order static."
+        )
 
     def step(index: int, prefix: str, block: nn.Module, inputs) -> None:
+        if guided and inputs.guides is None:
+            raise QuantkitError("GPTQ's guided Hessians need the loss gradients; quantize through quantkit.quantize.")
         bspec = spec.for_block(block)
         attention = [n for n in bspec.linears if n.startswith(bspec.attention + ".")]
         done, replay = set(), None
@@ -306,6 +316,10 @@ def gptq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale
                 replay = Replay(get_module(block, bspec.attention), len(inputs.hidden))
             done.update(n for group in stage for n in group)
             groups = [names for names in (targets(scheme, prefix, g) for g in stage) if names]
+            if guided:
+                for names in groups:
+                    _quantize_guided(block, names, prefix, inputs, replay, scheme, options, results, scale_dtype, log)
+                continue
             for chunk in _chunks(block, groups):
                 if len(stage) == 1:
                     names = chunk[0]
@@ -368,3 +382,40 @@ def _quantize_part(block, part, prefix, H, args, options, results, scale_dtype, 
         linear.weight.data.copy_(w)
         g_idx = r.g_idx.clone() if r.g_idx is not None else None  # one tensor per linear on disk
         results[f"{prefix}.{name}"] = QParams(scale.clone(), None if zero is None else zero.clone(), g_idx)
+
+
+def _quantize_guided(block, names, prefix, inputs, replay, scheme, options, results, scale_dtype, log):
+    """Each linear of `names` (they read one input) quantized group of rows by group of rows,
+    each under its own loss-guided Hessian (`guided.hessians`). A per-tensor scale cannot
+    differ between groups: such a linear is quantized under the mean of its groups' Hessians."""
+    from quantkit.calibration import guided
+
+    fulls = [f"{prefix}.{n}" for n in names]
+    first = get_module(block, names[0])
+    state = reduce_inputs(block, first, inputs, fulls[0], guided.hessians([inputs.guides[f] for f in fulls]), replay)
+    for name, full, hs in zip(names, fulls, state):
+        linear, args = get_module(block, name), weight_args(scheme, prefix, name)
+        hs = [_finite(H, full) for H in hs]
+        if args.strategy == "tensor":
+            hs = [sum(hs) / len(hs)]
+        bounds = guided.group_bounds(linear.out_features, len(hs))
+        parts = [
+            quantize_weight(
+                linear.weight.data[bounds[k] : bounds[k + 1]],
+                H,
+                args,
+                options.block_size,
+                options.damp,
+                scale_dtype=scale_dtype,
+                log=log,
+                name=f"{full} rows {bounds[k]}:{bounds[k + 1]}",
+                range_search=options.range_search,
+                refine=options.refine,
+            )
+            for k, H in enumerate(hs)
+        ]
+        linear.weight.data.copy_(torch.cat([p.weight for p in parts]))
+        scale = torch.cat([p.scale for p in parts]) if args.strategy != "tensor" else parts[0].scale
+        zeros = [p.zero_point for p in parts]
+        zero = None if zeros[0] is None else torch.cat(zeros) if args.strategy != "tensor" else zeros[0]
+        results[full] = QParams(scale, zero, None)

@@ -21,6 +21,13 @@ class RTNOptions:
     """Round-to-nearest has no options."""
 
 
+GUIDED_HELP = (
+    "Weight GPTQ's Hessians by the float model's loss gradients (GuidedQuant): this many groups of "
+    "output channels per linear, each quantized under its own Hessian; one backward pass over the "
+    "calibration text first (dense models). 0: plain Hessians."
+)
+
+
 @dataclass(frozen=True)
 class AWQOptions:
     grid: int = option(20, "Points of the scale-exponent grid in [0, 1).", min=1)
@@ -32,6 +39,7 @@ class AWQOptions:
         "act-order static, GPTQ's damping and refinement passes; the group ranges searched under it "
         "when --clip) instead of rounding each group alone.",
     )
+    guided: int = option(0, "With --gptq: " + GUIDED_HELP[0].lower() + GUIDED_HELP[1:], min=0)
     module_loss: bool = option(
         False,
         "Score q,k,v scales on the attention output and gate,up on the MLP output "
@@ -56,6 +64,11 @@ class GPTQOptions:
         2,
         "Passes of coordinate descent over the rounded weights after the column loop: each column "
         "rounded again to the grid point with the least output error given the others (qparams kept).",
+        min=0,
+    )
+    guided: int = option(
+        0,
+        GUIDED_HELP,
         min=0,
     )
 

@@ -31,6 +31,7 @@ class BlockInputs:
 
     hidden: list[torch.Tensor]  # per batch: [batch, seq, hidden]
     kwargs: list[dict]  # per batch: the block's keyword arguments (mask, rotary embeddings, ...)
+    guides: dict[str, torch.Tensor] | None = None  # full linear name -> loss weights (calibration.guided)
 
     @torch.no_grad()
     def run(self, block: nn.Module) -> list[torch.Tensor]:
@@ -124,6 +125,7 @@ def run_blocks(
     io: InMemory | None = None,
     min_expert_tokens: int = Calibration.min_expert_tokens,
     expert_tokens: dict[str, list[int]] | None = None,
+    guides: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """Call `step` on every decoder block in order, feeding each the previous block's
     quantized outputs. With `samples` None, steps get no inputs (e.g. RTN). `io` says
@@ -132,7 +134,8 @@ def run_blocks(
     In a sparse (mixture-of-experts) block the step sees every expert calibrated: the
     tokens routed to each expert are counted first (into `expert_tokens`, by block), and an
     expert routed fewer than `min_expert_tokens` runs on all tokens for its statistics while
-    the block's output keeps the real routing (`moe.cover`)."""
+    the block's output keeps the real routing (`moe.cover`). `guides` (the loss weights of
+    `calibration.guided`) reach the steps as their inputs' `guides`."""
     device = torch.device(device)
     io = io or InMemory()
     blocks = get_module(model, spec.blocks)
@@ -147,7 +150,7 @@ def run_blocks(
     for i in track(range(io.start, n), label, n - io.start):
         io.load(i, blocks[i])
         block = blocks[i].to(device)
-        inputs = None if hidden is None else BlockInputs(hidden, kwargs[i])
+        inputs = None if hidden is None else BlockInputs(hidden, kwargs[i], guides)
         prefix = f"{spec.blocks}.{i}"
         with moe.cover(block, spec, inputs, min_expert_tokens, {} if expert_tokens is None else expert_tokens, prefix):
             step(i, prefix, block, inputs)

@@ -11,7 +11,8 @@ only that unit is quantized in that format, on a few calibration windows: rounde
 nearest, or by the method that will quantize the model (AWQ, GPTQ), which runs on a copy
 of the unit's block with every other linear left float, calibrated on the same windows.
 The method matters: AWQ removes much of each unit's rounding error, and unevenly, so the
-costs it leaves rank the units differently from round-to-nearest's. Each measurement
+costs it leaves rank the units differently from round-to-nearest's (with guided Hessians,
+GPTQ's loss gradients come from one backward pass over the same windows). Each measurement
 reruns the blocks from the unit's one onward from the float model's cached inputs. The
 result is cached on disk by model and settings.
 
@@ -184,7 +185,8 @@ def _cache_key(path: Path, scheme: QuantScheme, calibration, method: str, option
         "candidates": {k: v and dataclasses.asdict(v) for k, v in candidates(scheme).items()},
         "calibration": dataclasses.asdict(calibration),
         "method": method,
-        "options": dataclasses.asdict(options),
+        # guided 0 (off) is left out: costs measured before the option existed stay valid
+        "options": {k: v for k, v in dataclasses.asdict(options).items() if (k, v) != ("guided", 0)},
         "version": 4,  # 3: KL without the cancellation of Σ p log p - Σ p log q; 4: GPTQ refines its rounding
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
@@ -211,6 +213,14 @@ def _measure(path: Path, scheme: QuantScheme, calibration, track: Track, method,
     c = calibration
     samples = calibration_samples(tokenizer, load_documents(c.dataset, "calib"), c.samples, c.seq_len, c.seed)
     blocks = get_module(model, spec.blocks)
+    found = units(model, spec)
+    guides = None
+    if getattr(options, "guided", 0):  # the loss weights of guided Hessians, on the same windows
+        from quantkit.calibration import guided
+
+        guided.check_dense(spec, path)
+        linears = [n for unit in found for n in unit.linears]
+        guides = guided.loss_gradients(model, spec, samples, options.guided, linears, c.batch_size)
     final_norm, lm_head = get_module(model, spec.final_norm), get_module(model, spec.lm_head)
     softcap = getattr(model.config, "final_logit_softcapping", None)
     with torch.no_grad():
@@ -236,12 +246,11 @@ def _measure(path: Path, scheme: QuantScheme, calibration, track: Track, method,
             others = tuple(n for n in names if n not in unit.linears)
             alone = scheme.replace(weights=args, overrides=(), ignore=scheme.ignore + others)
             step = method.make_step(spec, alone, options, {}, dtype, None)
-            step(unit.block, prefix, block, BlockInputs(inputs[unit.block], kwargs[unit.block]))
+            step(unit.block, prefix, block, BlockInputs(inputs[unit.block], kwargs[unit.block], guides))
             return block
 
         cands = candidates(scheme)
         rows = []
-        found = units(model, spec)
         for unit in track(found, "sensitivity (fusion groups)", len(found)):
             kld = {FLOAT: 0.0}
             for name, args in cands.items():

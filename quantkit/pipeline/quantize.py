@@ -298,6 +298,10 @@ def quantize(
         scheme, mixed = _mixed_precision(model_name, m, options, scheme, calibration, target_bits, formats, track, log)
     model, tokenizer, source, weights, dtype = open_float_model(model_name, log)
     spec = arch_for(model.config)
+    if getattr(options, "guided", 0):
+        from quantkit.calibration.guided import check_dense
+
+        check_dense(spec, model_name)
     scheme = _fit_groups(model, spec, scheme, log)
     if log and spec.moe is not None and (note := vllm_moe_note(scheme)):
         log(note)
@@ -328,7 +332,8 @@ def quantize(
     out.parent.mkdir(parents=True, exist_ok=True)
     run = PartialRun(out, args, overwrite=overwrite, resume=resume, max_shard_bytes=max_shard_bytes, log=log)
     try:
-        _check_disk(run, model, spec, scheme, linears, dtype, calibration if args["calibration"] else None)
+        guided = getattr(options, "guided", 0) > 0
+        _check_disk(run, model, spec, scheme, linears, dtype, calibration if args["calibration"] else None, guided)
         samples, blocks = None, len(get_module(model, spec.blocks))
         if (needs_data or kv is not None) and run.next_block < blocks:
             c = calibration
@@ -336,6 +341,12 @@ def quantize(
         if not run.started and log:
             log(f"resuming {out}: {run.next_block} of {blocks} blocks were done")
         io = _Stream(model, spec, scheme, weights, dtype, results, run, carried)
+        guides = None
+        if samples is not None and getattr(options, "guided", 0):
+            with io.capture():
+                guides = _loss_gradients(
+                    model, spec, weights, dtype, samples, options.guided, linears, calibration, track, run.folder
+                )
         if run.step_state is not None:
             step.restore(run.step_state["steps"])
             expert_tokens.update(run.step_state["expert_tokens"])
@@ -353,6 +364,7 @@ def quantize(
                     io,
                     calibration.min_expert_tokens,
                     expert_tokens,
+                    guides,
                 )
         step.finish()
         if not run.tail_written:
@@ -433,6 +445,32 @@ def _mixed_precision(
     return mixed.mixed_scheme(scheme, sens["units"], choice), record
 
 
+def _loss_gradients(model, spec, weights, dtype, samples, groups, linears, calibration, track, folder):
+    """`guided.loss_gradients` on the streaming model: each block's float weights read for
+    its turn and released after; the output projection read from the files (the input
+    embeddings' when tied); the blocks' inputs kept in the run's `folder` meanwhile."""
+    from quantkit.calibration import guided
+
+    key = f"{spec.lm_head}.weight"
+    if key not in weights:  # tied to the input embeddings
+        embed = model.get_input_embeddings()
+        key = next(f"{n}.weight" for n, m in model.named_modules() if m is embed)
+
+    return guided.loss_gradients(
+        model,
+        spec,
+        samples,
+        groups,
+        linears,
+        calibration.batch_size,
+        load=lambda module, prefix: load_weights(module, prefix, weights, dtype),
+        release=release_weights,
+        head_weight=lambda: weights.read([key])[key].to(dtype).float(),
+        track=track,
+        spill=folder,
+    )
+
+
 class _Stream(InMemory):
     """How `run_blocks` gets and leaves each block in a streaming run: weights read from the
     model's files before the block, packed tensors written (and the run committed) after."""
@@ -496,13 +534,15 @@ class _Stream(InMemory):
         self.run.commit(len(self.blocks), None, self.carried(), tail_written=True)
 
 
-def _check_disk(run: PartialRun, model, spec, scheme, linears, dtype, calibration) -> None:
+def _check_disk(run: PartialRun, model, spec, scheme, linears, dtype, calibration, guided=False) -> None:
     """Refuse to start when the rest of the checkpoint (plus one shard rewritten at the end,
-    and the saved inputs of two blocks) will not fit on the output's disk."""
+    and the saved inputs of two blocks, or of every block for guided Hessians' backward pass)
+    will not fit on the output's disk."""
     size = checkpoint_bytes(model, scheme, linears, dtype)
     inputs = 0
     if calibration is not None:
-        inputs = 2 * calibration.samples * calibration.seq_len * model.config.get_text_config().hidden_size * 4
+        kept = len(get_module(model, spec.blocks)) if guided else 2
+        inputs = kept * calibration.samples * calibration.seq_len * model.config.get_text_config().hidden_size * 4
     need = max(0, size - run.writer.total_bytes) + min(size, run.writer.max_bytes) + inputs + (16 << 20)
     check_disk(run.folder, need)
 

@@ -114,17 +114,19 @@ def test_sensitivity_equals_a_direct_computation(tmp_path, tiny_corpus):
     assert mixed.sensitivity(str(path), scheme, calib, cache=tmp_path / "cache") == result
 
 
-@pytest.mark.parametrize("method", ["awq", "gptq"])
-def test_sensitivity_by_the_method_equals_quantizing_that_group_alone(tmp_path, tiny_corpus, method):
-    """A unit's cost by AWQ or GPTQ is that of a checkpoint the pipeline made with only that
-    unit quantized (the same windows calibrate both), read back by transformers."""
+@pytest.mark.parametrize("method, options", [("awq", {}), ("gptq", {}), ("gptq", {"guided": 2})])
+def test_sensitivity_by_the_method_equals_quantizing_that_group_alone(tmp_path, tiny_corpus, method, options):
+    """A unit's cost by AWQ or GPTQ (guided Hessians too) is that of a checkpoint the pipeline
+    made with only that unit quantized (the same windows calibrate both), read back by transformers."""
     from quantkit.calibration.datasets import calibration_samples, load_documents
+    from quantkit.calibration.registry import METHODS
     from quantkit.models.loading import load_tokenizer
 
     path = make_tiny_model(tmp_path / "m")
     calib = Calibration(str(tiny_corpus), 4, 32)
     scheme = preset("w4a16")  # symmetric: transformers reads it
-    result = mixed.sensitivity(str(path), scheme, calib, cache=tmp_path / "cache", method=method)
+    opts = METHODS[method].options(**options)
+    result = mixed.sensitivity(str(path), scheme, calib, cache=tmp_path / "cache", method=method, options=opts)
     assert result["method"] == method
     rtn_costs = mixed.sensitivity(str(path), scheme, calib, cache=tmp_path / "cache")["units"]
     assert all(v >= 0 for r in result["units"] for v in r["kld"].values())
@@ -134,7 +136,7 @@ def test_sensitivity_by_the_method_equals_quantizing_that_group_alone(tmp_path, 
     row = next(r for r in result["units"] if r["label"] == "model.layers.1.mlp.gate_proj+up_proj")
     others = tuple(n for r in result["units"] for n in r["linears"] if n not in row["linears"])
     alone = scheme.replace(weights=mixed.candidates(scheme)["int4-g32"], ignore=scheme.ignore + others)
-    quantize(str(path), alone, tmp_path / "q", method, calib)
+    quantize(str(path), alone, tmp_path / "q", method, calib, options)
     ids = calibration_samples(load_tokenizer(path), load_documents(str(tiny_corpus), "calib"), 4, 32, 0)
     with torch.no_grad():
         base = AutoModelForCausalLM.from_pretrained(path).eval()(ids).logits.log_softmax(-1)

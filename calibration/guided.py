@@ -1,0 +1,182 @@
+"""Loss-guided Hessians (GuidedQuant, Kim et al., ICML 2025).
+
+GPTQ minimises each linear's output error ‖ΔW·X‖², every token and every output channel
+counting alike. What the model's loss feels of an output error Δy at token t is, to first
+order, Σ_j g_tj·Δy_tj with g = ∂loss/∂y; its expectation (the Fisher, diagonal over output
+channels) weighs each channel's squared error by g_tj². Split the linear's output channels
+into `groups` contiguous groups and average g² within each: group k's rows are then
+quantized under H_k = 2/n · Σ_t w_tk·x_t·x_tᵀ, w_tk the mean of g_tj² over the group's
+channels j at token t (scaled to mean 1 over the tokens).
+
+`loss_gradients` gets every w from one backward pass of the float model over the
+calibration rows (loss: the next-token cross-entropy of the rows themselves), block by
+block like the calibration runner: a forward pass keeps each block's inputs on disk, then
+the blocks run backward from the last, each loaded, run again with its input requiring a
+gradient, and released. `hessians` is the runner's reducer that folds a linear's inputs
+into its groups' H_k (see `calibration.hooks.reduce_inputs`).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from quantkit.calibration.runner import BlockInputs, capture_block_inputs
+from quantkit.errors import QuantkitError
+from quantkit.malloc import trim_freed_memory
+from quantkit.models.arch import ArchSpec, get_module
+from quantkit.progress import Track, no_progress
+
+
+def check_dense(spec: ArchSpec, model_name) -> None:
+    """Refuse a mixture of experts: an expert sees only its routed tokens, whose loss weights
+    this module does not align."""
+    if spec.moe is not None:
+        raise QuantkitError(
+            f"guided Hessians are for dense models; {model_name} has mixture-of-experts blocks: drop --guided."
+        )
+
+
+def group_bounds(out: int, groups: int) -> list[int]:
+    """The first row of each of `groups` contiguous groups of `out` output channels, and out."""
+    return [out * k // groups for k in range(groups + 1)]
+
+
+def channel_means(g: torch.Tensor, groups: int) -> torch.Tensor:
+    """g [..., out] → [tokens, groups]: the mean of g² over each group's channels."""
+    g2 = g.detach().float().reshape(-1, g.shape[-1]).square()
+    b = group_bounds(g.shape[-1], groups)
+    return torch.stack([g2[:, b[k] : b[k + 1]].mean(-1) for k in range(groups)], -1)
+
+
+def loss_gradients(
+    model: nn.Module,
+    spec: ArchSpec,
+    samples: torch.Tensor,
+    groups: int,
+    names: list[str],
+    batch_size: int = 8,
+    load: Callable[[nn.Module, str], None] = lambda module, prefix: None,
+    release: Callable[[nn.Module], None] = lambda module: None,
+    head_weight: Callable[[], torch.Tensor] | None = None,
+    track: Track = no_progress,
+    spill: Path | None = None,
+) -> dict[str, torch.Tensor]:
+    """full linear name → w [tokens, groups] (fp32, mean 1 per group; tokens in the order of
+    `samples` [rows, seq], row by row) for each linear of `names`, from the gradients of the
+    next-token cross-entropy of `samples` under the float model.
+
+    `load(module, prefix)` fills a module's weights before it runs and `release(module)`
+    drops them after (the streaming pipeline's; the defaults leave the model as it is);
+    the embeddings must be loaded already (capture). `head_weight()` gives the output
+    projection [vocab, hidden] (default: the model's lm_head). Each block's inputs are kept
+    in `spill` (a folder; default: a temporary one) between the forward and the backward pass."""
+    blocks = get_module(model, spec.blocks)
+    final_norm = get_module(model, spec.final_norm)
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    device = samples.device
+    hidden, kwargs = capture_block_inputs(model, spec, samples, batch_size, device)
+    wanted = set(names)
+    found: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    n = len(blocks)
+    with tempfile.TemporaryDirectory(dir=spill, prefix="quantkit-gradients-") as tmp:
+        steps = iter(track(range(2 * n + 1), "loss gradients (blocks forward, then back)", 2 * n + 1))
+        with torch.no_grad():
+            for i, block in enumerate(blocks):
+                next(steps)
+                torch.save(hidden, Path(tmp) / f"{i}.pt")
+                load(block, f"{spec.blocks}.{i}")
+                hidden = BlockInputs(hidden, kwargs[i]).run(block)
+                release(block)
+                trim_freed_memory()
+        next(steps)
+        load(final_norm, spec.final_norm)
+        head = head_weight() if head_weight is not None else get_module(model, spec.lm_head).weight
+        rows = samples.split(batch_size)
+        grads = [_head_gradient(h, r, final_norm, head, softcap) for h, r in zip(hidden, rows)]
+        release(final_norm)
+        del head, hidden
+        for i in reversed(range(n)):
+            next(steps)
+            block, prefix = blocks[i], f"{spec.blocks}.{i}"
+            load(block, prefix)
+            for p in block.parameters():
+                p.requires_grad_(False)
+            inside = {f"{prefix}.{k}": m for k, m in block.named_modules() if f"{prefix}.{k}" in wanted}
+            per_batch: dict[str, list[torch.Tensor]] = {k: [] for k in inside}
+            hooks = [m.register_forward_hook(_keep_gradient(per_batch[k], groups)) for k, m in inside.items()]
+            try:
+                inputs = torch.load(Path(tmp) / f"{i}.pt")
+                for b, (h, kw) in enumerate(zip(inputs, kwargs[i])):
+                    h = h.detach().requires_grad_()
+                    with torch.enable_grad():
+                        out = block(h, **kw)
+                        out = out[0] if isinstance(out, tuple) else out
+                        out.backward(grads[b])
+                    grads[b] = h.grad
+            finally:
+                for hook in hooks:
+                    hook.remove()
+            release(block)
+            trim_freed_memory()  # the backward pass's temporaries (see quantkit.malloc)
+            for k, chunks in per_batch.items():
+                found[k] = chunks
+    missing = [k for k, v in found.items() if not v]
+    if missing:
+        raise ValueError(f"no gradient reached {missing[0]}")  # a linear the blocks never call: a bug, not input
+    out = {}
+    for k, chunks in found.items():
+        w = torch.cat(chunks)  # [tokens, groups]
+        out[k] = w / w.mean(0).clamp_min(torch.finfo(torch.float32).tiny)
+    return out
+
+
+def _keep_gradient(into: list, groups: int):
+    # a forward hook that appends, once the backward pass reaches it, the group means of the
+    # squared gradient of the module's output
+    def hook(module, args, output):
+        output.register_hook(lambda g: into.append(channel_means(g, groups)))
+
+    return hook
+
+
+def _head_gradient(h, rows, final_norm, head, softcap):
+    """∂(Σ next-token cross-entropy)/∂h for the last block's output h [b, seq, hidden], one
+    row at a time (the logits of a whole batch can take gigabytes)."""
+    from quantkit.kernels import reference
+
+    grads = []
+    for x, ids in zip(h, rows):
+        x = x[None].detach().requires_grad_()
+        with torch.enable_grad():
+            logits = reference.cap(nn.functional.linear(final_norm(x), head).float(), softcap)[0]
+            loss = nn.functional.cross_entropy(logits[:-1], ids[1:].to(logits.device), reduction="sum")
+            loss.backward()
+        grads.append(x.grad[0])
+    return torch.stack(grads)
+
+
+def hessians(weights: list[torch.Tensor]):
+    """The reducer `state = add(state, x, n)` of `hooks.reduce_inputs` for linears that read
+    one input: state is, per linear (its w [tokens, groups] in `weights`), the list of its
+    groups' H_k = 2/n·Σ_t w_tk·x_t·x_tᵀ [in, in] over the n tokens seen so far."""
+
+    def add(state, x, n):
+        x = x.reshape(-1, x.shape[-1]).float()  # x [t, in]
+        t, d = x.shape
+        if state is None:
+            state = [[torch.zeros(d, d, device=x.device) for _ in range(w.shape[1])] for w in weights]
+        total = n + t
+        for w, hs in zip(weights, state):
+            wt = w[n:total].to(x.device)  # wt [t, groups]
+            if wt.shape[0] != t:
+                raise ValueError(f"{t} tokens at offset {n}, but the loss gradients cover {w.shape[0]}")
+            for k, H in enumerate(hs):
+                H.mul_(n / total).addmm_(x.T * wt[:, k], x, alpha=2 / total)
+        return state, total
+
+    return add
