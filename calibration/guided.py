@@ -65,6 +65,7 @@ def loss_gradients(
     head_weight: Callable[[], torch.Tensor] | None = None,
     track: Track = no_progress,
     spill: Path | None = None,
+    device: str | torch.device = "cpu",
 ) -> dict[str, torch.Tensor]:
     """full linear name → w [tokens, groups] (fp32, mean 1 per group; tokens in the order of
     `samples` [rows, seq], row by row) for each linear of `names`, from the gradients of the
@@ -74,11 +75,12 @@ def loss_gradients(
     drops them after (the streaming pipeline's; the defaults leave the model as it is);
     the embeddings must be loaded already (capture). `head_weight()` gives the output
     projection [vocab, hidden] (default: the model's lm_head). Each block's inputs are kept
-    in `spill` (a folder; default: a temporary one) between the forward and the backward pass."""
+    in `spill` (a folder; default: a temporary one) between the forward and the backward pass.
+    Blocks run on `device`; the weights returned are on the CPU."""
     blocks = get_module(model, spec.blocks)
     final_norm = get_module(model, spec.final_norm)
     softcap = getattr(model.config, "final_logit_softcapping", None)
-    device = samples.device
+    device = torch.device(device)
     hidden, kwargs = capture_block_inputs(model, spec, samples, batch_size, device)
     wanted = set(names)
     found: dict[str, list[torch.Tensor]] = {n: [] for n in names}
@@ -90,27 +92,29 @@ def loss_gradients(
                 next(steps)
                 torch.save(hidden, Path(tmp) / f"{i}.pt")
                 load(block, f"{spec.blocks}.{i}")
-                hidden = BlockInputs(hidden, kwargs[i]).run(block)
-                release(block)
+                hidden = BlockInputs(hidden, kwargs[i]).run(block.to(device))
+                release(block.to("cpu"))
                 trim_freed_memory()
         next(steps)
         load(final_norm, spec.final_norm)
         head = head_weight() if head_weight is not None else get_module(model, spec.lm_head).weight
         rows = samples.split(batch_size)
-        grads = [_head_gradient(h, r, final_norm, head, softcap) for h, r in zip(hidden, rows)]
-        release(final_norm)
+        norm = final_norm.to(device)
+        grads = [_head_gradient(h, r, norm, head.to(device), softcap) for h, r in zip(hidden, rows)]
+        release(final_norm.to("cpu"))
         del head, hidden
         for i in reversed(range(n)):
             next(steps)
             block, prefix = blocks[i], f"{spec.blocks}.{i}"
             load(block, prefix)
+            block.to(device)
             for p in block.parameters():
                 p.requires_grad_(False)
             inside = {f"{prefix}.{k}": m for k, m in block.named_modules() if f"{prefix}.{k}" in wanted}
             per_batch: dict[str, list[torch.Tensor]] = {k: [] for k in inside}
             hooks = [m.register_forward_hook(_keep_gradient(per_batch[k], groups)) for k, m in inside.items()]
             try:
-                inputs = torch.load(Path(tmp) / f"{i}.pt")
+                inputs = torch.load(Path(tmp) / f"{i}.pt", map_location=device)
                 for b, (h, kw) in enumerate(zip(inputs, kwargs[i])):
                     h = h.detach().requires_grad_()
                     with torch.enable_grad():
@@ -121,10 +125,10 @@ def loss_gradients(
             finally:
                 for hook in hooks:
                     hook.remove()
-            release(block)
+            release(block.to("cpu"))
             trim_freed_memory()  # the backward pass's temporaries (see quantkit.malloc)
             for k, chunks in per_batch.items():
-                found[k] = chunks
+                found[k] = [c.cpu() for c in chunks]
     missing = [k for k, v in found.items() if not v]
     if missing:
         raise ValueError(f"no gradient reached {missing[0]}")  # a linear the blocks never call: a bug, not input

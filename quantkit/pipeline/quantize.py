@@ -298,7 +298,8 @@ def quantize(
         scheme, mixed = _mixed_precision(model_name, m, options, scheme, calibration, target_bits, formats, track, log)
     model, tokenizer, source, weights, dtype = open_float_model(model_name, log)
     spec = arch_for(model.config)
-    if getattr(options, "guided", 0):
+    guided = getattr(options, "guided", 0)  # loss-guided Hessians: groups of output channels per linear
+    if guided:
         from quantkit.calibration.guided import check_dense
 
         check_dense(spec, model_name)
@@ -332,8 +333,7 @@ def quantize(
     out.parent.mkdir(parents=True, exist_ok=True)
     run = PartialRun(out, args, overwrite=overwrite, resume=resume, max_shard_bytes=max_shard_bytes, log=log)
     try:
-        guided = getattr(options, "guided", 0) > 0
-        _check_disk(run, model, spec, scheme, linears, dtype, calibration if args["calibration"] else None, guided)
+        _check_disk(run, model, spec, scheme, linears, dtype, calibration if args["calibration"] else None, guided > 0)
         samples, blocks = None, len(get_module(model, spec.blocks))
         if (needs_data or kv is not None) and run.next_block < blocks:
             c = calibration
@@ -342,10 +342,10 @@ def quantize(
             log(f"resuming {out}: {run.next_block} of {blocks} blocks were done")
         io = _Stream(model, spec, scheme, weights, dtype, results, run, carried)
         guides = None
-        if samples is not None and getattr(options, "guided", 0):
+        if samples is not None and guided:
             with io.capture():
                 guides = _loss_gradients(
-                    model, spec, weights, dtype, samples, options.guided, linears, calibration, track, run.folder
+                    model, spec, weights, dtype, samples, guided, linears, calibration, track, run.folder, device
                 )
         if run.step_state is not None:
             step.restore(run.step_state["steps"])
@@ -445,7 +445,7 @@ def _mixed_precision(
     return mixed.mixed_scheme(scheme, sens["units"], choice), record
 
 
-def _loss_gradients(model, spec, weights, dtype, samples, groups, linears, calibration, track, folder):
+def _loss_gradients(model, spec, weights, dtype, samples, groups, linears, calibration, track, folder, device):
     """`guided.loss_gradients` on the streaming model: each block's float weights read for
     its turn and released after; the output projection read from the files (the input
     embeddings' when tied); the blocks' inputs kept in the run's `folder` meanwhile."""
@@ -468,6 +468,7 @@ def _loss_gradients(model, spec, weights, dtype, samples, groups, linears, calib
         head_weight=lambda: weights.read([key])[key].to(dtype).float(),
         track=track,
         spill=folder,
+        device=device,
     )
 
 
