@@ -362,20 +362,26 @@ def _finite(H, name):
     return H
 
 
-def _quantize_part(block, part, prefix, H, args, options, results, scale_dtype, log):
-    linears = [get_module(block, n) for n in part]
-    r = quantize_weight(
-        torch.cat([lin.weight.data for lin in linears]),
+def _quantize_with(options, W, H, args, scale_dtype, log, name) -> GPTQResult:
+    """`quantize_weight` with the step's options (GPTQOptions)."""
+    return quantize_weight(
+        W,
         H,
         args,
         options.block_size,
         options.damp,
         scale_dtype=scale_dtype,
         log=log,
-        name=f"{prefix}.{'+'.join(part)}",
+        name=name,
         range_search=options.range_search,
         refine=options.refine,
     )
+
+
+def _quantize_part(block, part, prefix, H, args, options, results, scale_dtype, log):
+    linears = [get_module(block, n) for n in part]
+    weight = torch.cat([lin.weight.data for lin in linears])
+    r = _quantize_with(options, weight, H, args, scale_dtype, log, f"{prefix}.{'+'.join(part)}")
     rows = [lin.out_features for lin in linears]
     zeros = r.zero_point.split(rows) if r.zero_point is not None else [None] * len(rows)
     for name, linear, w, scale, zero in zip(part, linears, r.weight.split(rows), r.scale.split(rows), zeros):
@@ -400,17 +406,8 @@ def _quantize_guided(block, names, prefix, inputs, replay, scheme, options, resu
             hs = [sum(hs) / len(hs)]
         bounds = guided.group_bounds(linear.out_features, len(hs))
         parts = [
-            quantize_weight(
-                linear.weight.data[bounds[k] : bounds[k + 1]],
-                H,
-                args,
-                options.block_size,
-                options.damp,
-                scale_dtype=scale_dtype,
-                log=log,
-                name=f"{full} rows {bounds[k]}:{bounds[k + 1]}",
-                range_search=options.range_search,
-                refine=options.refine,
+            _quantize_with(
+                options, linear.weight.data[bounds[k] : bounds[k + 1]], H, args, scale_dtype, log, f"{full} group {k}"
             )
             for k, H in enumerate(hs)
         ]
