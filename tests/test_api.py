@@ -22,6 +22,7 @@ def test_quantize_evaluate_load_and_generate(tiny_llama, tiny_corpus, tmp_path):
                 "duo": False,
                 "clip": True,
                 "gptq": False,
+                "guided": 0,
                 "module_loss": False,
                 "save_search": None,
                 "load_search": None,
