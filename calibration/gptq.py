@@ -299,7 +299,7 @@ def gptq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale
     each linear's groups of rows are quantized under their own loss-guided Hessians
     (`calibration.guided`; the block's `inputs.guides`)."""
 
-    guided = getattr(options, "guided", 0)
+    guided = options.guided
     if guided and any(s.weights is not None and s.weights.actorder == "group" for s in (scheme, *scheme.overrides)):
         raise QuantkitError(
             "guided Hessians split a linear's rows, which act-order group cannot; use --act-order static."
@@ -412,7 +412,5 @@ def _quantize_guided(block, names, prefix, inputs, replay, scheme, options, resu
             for k, H in enumerate(hs)
         ]
         linear.weight.data.copy_(torch.cat([p.weight for p in parts]))
-        scale = torch.cat([p.scale for p in parts]) if args.strategy != "tensor" else parts[0].scale
-        zeros = [p.zero_point for p in parts]
-        zero = None if zeros[0] is None else torch.cat(zeros) if args.strategy != "tensor" else zeros[0]
-        results[full] = QParams(scale, zero, None)
+        zero = None if parts[0].zero_point is None else torch.cat([p.zero_point for p in parts])
+        results[full] = QParams(torch.cat([p.scale for p in parts]), zero, None)  # per tensor: one part

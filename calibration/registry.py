@@ -66,11 +66,7 @@ class GPTQOptions:
         "rounded again to the grid point with the least output error given the others (qparams kept).",
         min=0,
     )
-    guided: int = option(
-        0,
-        GUIDED_HELP,
-        min=0,
-    )
+    guided: int = option(0, GUIDED_HELP, min=0)
 
 
 @dataclass(frozen=True)
