@@ -78,8 +78,6 @@ def loss_gradients(
     in `spill` (a folder; default: a temporary one) between the forward and the backward pass.
     Blocks run on `device`; the weights returned are on the CPU."""
     blocks = get_module(model, spec.blocks)
-    final_norm = get_module(model, spec.final_norm)
-    softcap = getattr(model.config, "final_logit_softcapping", None)
     device = torch.device(device)
     hidden, kwargs = capture_block_inputs(model, spec, samples, batch_size, device)
     wanted = set(names)
@@ -96,39 +94,56 @@ def loss_gradients(
                 release(block.to("cpu"))
                 trim_freed_memory()
         next(steps)
-        load(final_norm, spec.final_norm)
-        head = head_weight() if head_weight is not None else get_module(model, spec.lm_head).weight
-        rows = samples.split(batch_size)
-        norm = final_norm.to(device)
-        grads = [_head_gradient(h, r, norm, head.to(device), softcap) for h, r in zip(hidden, rows)]
-        release(final_norm.to("cpu"))
-        del head, hidden
+        grads = _output_gradients(model, spec, hidden, samples.split(batch_size), load, release, head_weight, device)
+        del hidden
         for i in reversed(range(n)):
             next(steps)
-            block, prefix = blocks[i], f"{spec.blocks}.{i}"
-            load(block, prefix)
-            block.to(device)
-            for p in block.parameters():
-                p.requires_grad_(False)
-            inside = {f"{prefix}.{k}": m for k, m in block.named_modules() if f"{prefix}.{k}" in wanted}
-            per_batch: dict[str, list[torch.Tensor]] = {k: [] for k in inside}
-            hooks = [m.register_forward_hook(_keep_gradient(per_batch[k], groups)) for k, m in inside.items()]
-            try:
-                inputs = torch.load(Path(tmp) / f"{i}.pt", map_location=device)
-                for b, (h, kw) in enumerate(zip(inputs, kwargs[i])):
-                    h = h.detach().requires_grad_()
-                    with torch.enable_grad():
-                        out = block(h, **kw)
-                        out = out[0] if isinstance(out, tuple) else out
-                        out.backward(grads[b])
-                    grads[b] = h.grad
-            finally:
-                for hook in hooks:
-                    hook.remove()
-            release(block.to("cpu"))
-            trim_freed_memory()  # the backward pass's temporaries (see quantkit.malloc)
-            for k, chunks in per_batch.items():
+            inputs, prefix = Path(tmp) / f"{i}.pt", f"{spec.blocks}.{i}"
+            kept = _block_backward(blocks[i], prefix, inputs, kwargs[i], grads, wanted, groups, load, release, device)
+            for k, chunks in kept.items():
                 found[k] = [c.cpu() for c in chunks]
+    return _normalised(found)
+
+
+def _output_gradients(model, spec, hidden, rows, load, release, head_weight, device) -> list[torch.Tensor]:
+    # ∂loss/∂(the last block's output), one tensor per batch of `hidden`
+    final_norm = get_module(model, spec.final_norm)
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    load(final_norm, spec.final_norm)
+    head = head_weight() if head_weight is not None else get_module(model, spec.lm_head).weight
+    norm = final_norm.to(device)
+    grads = [_head_gradient(h, r, norm, head.to(device), softcap) for h, r in zip(hidden, rows)]
+    release(final_norm.to("cpu"))
+    return grads
+
+
+def _block_backward(block, prefix, inputs, kwargs, grads, wanted, groups, load, release, device) -> dict:
+    # runs `block` again on its saved `inputs` and back from `grads` (replaced in place by the
+    # gradients of its inputs); returns {linear name: [w chunks]} for its linears in `wanted`
+    load(block, prefix)
+    block.to(device)
+    for p in block.parameters():
+        p.requires_grad_(False)
+    inside = {f"{prefix}.{k}": m for k, m in block.named_modules() if f"{prefix}.{k}" in wanted}
+    per_batch: dict[str, list[torch.Tensor]] = {k: [] for k in inside}
+    hooks = [m.register_forward_hook(_keep_gradient(per_batch[k], groups)) for k, m in inside.items()]
+    try:
+        for b, (h, kw) in enumerate(zip(torch.load(inputs, map_location=device), kwargs)):
+            h = h.detach().requires_grad_()
+            with torch.enable_grad():
+                out = block(h, **kw)
+                out = out[0] if isinstance(out, tuple) else out
+                out.backward(grads[b])
+            grads[b] = h.grad
+    finally:
+        for hook in hooks:
+            hook.remove()
+    release(block.to("cpu"))
+    trim_freed_memory()  # the backward pass's temporaries (see quantkit.malloc)
+    return per_batch
+
+
+def _normalised(found: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
     missing = [k for k, v in found.items() if not v]
     if missing:
         raise ValueError(f"no gradient reached {missing[0]}")  # a linear the blocks never call: a bug, not input
