@@ -249,8 +249,6 @@ def evaluate_gates(
     is also appended to its `quantkit.json` (`evaluations`) and its model card rewritten
     ("recorded": true).
     """
-    from quantkit.eval.kld import Comparer, Recorder
-
     tasks = [t for t in tasks if t]
     _check_args(baseline, ppl, tasks, max_ppl_increase, min_recovery, max_kld, min_top1)
     if baseline is not None:
@@ -259,33 +257,11 @@ def evaluate_gates(
     options = dict(
         limit=limit, seq_len=seq_len, num_fewshot=num_fewshot, batch_size=batch_size, track=track or no_progress
     )
-    scored, comparer = {}, None
-    with tempfile.TemporaryDirectory(prefix="quantkit-kld-") as folder:
-        if baseline is not None:
-            recorder = Recorder(folder) if ppl else None
-            scored["baseline"] = measure(baseline, ppl, tasks, manager, **options, observe=recorder)
-            gc.collect()
-            if recorder is not None and recorder.full_from == 0:
-                raise QuantkitError(
-                    f"{folder} cannot hold the baseline's log-probabilities of one window (2 bytes per token of "
-                    "the vocabulary per position, 1 GiB kept free); set TMPDIR to a larger disk."
-                )
-            comparer = Comparer(folder, recorder.full_from) if ppl else None
-        scored["candidate"] = measure(candidate, ppl, tasks, manager, **options, observe=comparer)
-        gc.collect()
+    scored, comparer = _score(candidate, baseline, ppl, tasks, manager, options)
     rows, failures = compare(scored["candidate"], scored.get("baseline"), max_ppl_increase, min_recovery)
     if comparer is not None:
         scored["candidate"]["kld"] = comparer.summary()
-        more_rows, more_failures = kld_rows(scored["candidate"]["kld"], max_kld, min_top1)
-        after_ppl = 1 + next((i for i, row in enumerate(rows) if row["metric"] == "ppl"), -1)
-        rows[after_ppl:after_ppl] = more_rows
-        failures += more_failures
-    seeds = {}
-    if tasks:
-        from quantkit.eval import tasks as builtin
-        from quantkit.eval.harness import SEEDS
-
-        seeds = {"lm_eval": SEEDS, **({"wiki_cloze": builtin.CLOZE_SEED} if "wiki_cloze" in tasks else {})}
+        _add_kld_rows(rows, failures, scored["candidate"]["kld"], max_kld, min_top1)
     report = {
         "candidate": str(candidate),
         "baseline": None if baseline is None else str(baseline),
@@ -307,7 +283,46 @@ def evaluate_gates(
         "results": {"candidate": scored["candidate"], "baseline": scored.get("baseline")},
         "data_sha256": scored["candidate"]["data_sha256"],
         "versions": _versions(),
-        "seeds": seeds,
+        "seeds": _seeds(tasks),
     }
     report["recorded"] = record_evaluation(resolve_model(candidate), report)
     return report
+
+
+def _score(candidate, baseline, ppl, tasks, manager, options) -> tuple[dict, object]:
+    # ({"baseline"?, "candidate"}: each a `measure`, the kld.Comparer that saw the candidate or None);
+    # the baseline's log-probabilities live in a temporary folder until the candidate is scored
+    from quantkit.eval.kld import Comparer, Recorder
+
+    scored, comparer = {}, None
+    with tempfile.TemporaryDirectory(prefix="quantkit-kld-") as folder:
+        if baseline is not None:
+            recorder = Recorder(folder) if ppl else None
+            scored["baseline"] = measure(baseline, ppl, tasks, manager, **options, observe=recorder)
+            gc.collect()
+            if recorder is not None and recorder.full_from == 0:
+                raise QuantkitError(
+                    f"{folder} cannot hold the baseline's log-probabilities of one window (2 bytes per token of "
+                    "the vocabulary per position, 1 GiB kept free); set TMPDIR to a larger disk."
+                )
+            comparer = Comparer(folder, recorder.full_from) if ppl else None
+        scored["candidate"] = measure(candidate, ppl, tasks, manager, **options, observe=comparer)
+        gc.collect()
+    return scored, comparer
+
+
+def _add_kld_rows(rows: list, failures: list, stats: dict, max_kld, min_top1) -> None:
+    # the kld rows go right after the ppl row (first when there is none)
+    more_rows, more_failures = kld_rows(stats, max_kld, min_top1)
+    after_ppl = 1 + next((i for i, row in enumerate(rows) if row["metric"] == "ppl"), -1)
+    rows[after_ppl:after_ppl] = more_rows
+    failures += more_failures
+
+
+def _seeds(tasks: list[str]) -> dict:
+    if not tasks:
+        return {}
+    from quantkit.eval import tasks as builtin
+    from quantkit.eval.harness import SEEDS
+
+    return {"lm_eval": SEEDS, **({"wiki_cloze": builtin.CLOZE_SEED} if "wiki_cloze" in tasks else {})}
