@@ -302,6 +302,72 @@ async def _sse(request: Request, streams: list[RequestStream], n: int, chat: boo
     yield "data: [DONE]\n\n"
 
 
+def _error_response(metrics, status: int, message: str, code: str, kind: str, headers=None) -> JSONResponse:
+    metrics.errors.labels(code).inc()
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status, headers)
+
+
+def _add_error_handlers(app: FastAPI, metrics) -> None:
+    # every error leaves in OpenAI's shape and is counted by its code
+    @app.exception_handler(APIError)
+    async def api_error(request, e: APIError):
+        return _error_response(metrics, e.status, e.message, e.code, e.kind, e.headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, e: HTTPException):
+        return _error_response(
+            metrics,
+            e.status_code,
+            str(e.detail),
+            "not_found" if e.status_code == 404 else "http_error",
+            "invalid_request_error",
+            getattr(e, "headers", None),
+        )
+
+    @app.exception_handler(Exception)
+    async def internal_error(request, e: Exception):
+        return _error_response(metrics, 500, f"internal error: {e}", "internal_error", "server_error")
+
+
+async def _open_request(request: Request, api_key: str | None, max_body_bytes: int, served_model_name: str) -> dict:
+    _check_key(request, api_key)
+    body = await _read_json(request, max_body_bytes)
+    model = body.get("model", served_model_name)
+    if model != served_model_name:
+        raise APIError(
+            404, f"model {model!r} does not exist; this server serves {served_model_name!r}.", "model_not_found"
+        )
+    return body
+
+
+async def _respond(
+    request: Request, engine: AsyncEngine, served_model_name: str, body: dict, prompts: list, chat: bool
+):
+    params, fit = _sampling(body, chat, engine.context)
+    stream_options = _get(body, "stream_options", {})
+    if not isinstance(stream_options, dict):
+        raise _bad("stream_options must be an object.")
+    streams = await _start(engine, prompts, params, fit)
+    rid, kind = (
+        (f"chatcmpl-{uuid.uuid4().hex}", "chat.completion") if chat else (f"cmpl-{uuid.uuid4().hex}", "text_completion")
+    )
+    head = {"id": rid, "object": kind, "created": int(time.time()), "model": served_model_name}
+    if _get(body, "stream", False):
+        usage = stream_options.get("include_usage") is True
+        events = _sse(request, streams, len(params), chat, head, usage, engine.metrics)
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return await _collect(request, streams, len(params), chat, head, params[0].logprobs is not None)
+
+
+def _chat_prompt(engine: AsyncEngine, served_model_name: str, messages: list[dict]) -> str:
+    if not getattr(engine.tokenizer, "chat_template", None):
+        raise _bad(f"{served_model_name} has no chat template; use /v1/completions.", "no_chat_template")
+    try:
+        return engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:
+        raise _bad(f"the chat template failed on these messages: {e}", "invalid_messages") from None
+
+
 def create_app(
     engine: AsyncEngine, served_model_name: str, api_key: str | None = None, max_body_bytes: int = 1 << 20
 ) -> FastAPI:
@@ -316,57 +382,7 @@ def create_app(
         await asyncio.to_thread(engine.stop)
 
     app = FastAPI(title="quantkit", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-
-    def error(status: int, message: str, code: str, kind: str, headers: dict | None = None) -> JSONResponse:
-        metrics.errors.labels(code).inc()
-        return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status, headers)
-
-    @app.exception_handler(APIError)
-    async def api_error(request, e: APIError):
-        return error(e.status, e.message, e.code, e.kind, e.headers)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request, e: HTTPException):
-        return error(
-            e.status_code,
-            str(e.detail),
-            "not_found" if e.status_code == 404 else "http_error",
-            "invalid_request_error",
-            getattr(e, "headers", None),
-        )
-
-    @app.exception_handler(Exception)
-    async def internal_error(request, e: Exception):
-        return error(500, f"internal error: {e}", "internal_error", "server_error")
-
-    async def open_request(request: Request) -> dict:
-        _check_key(request, api_key)
-        body = await _read_json(request, max_body_bytes)
-        model = body.get("model", served_model_name)
-        if model != served_model_name:
-            raise APIError(
-                404, f"model {model!r} does not exist; this server serves {served_model_name!r}.", "model_not_found"
-            )
-        return body
-
-    async def respond(request: Request, body: dict, prompts: list, chat: bool):
-        params, fit = _sampling(body, chat, engine.context)
-        stream_options = _get(body, "stream_options", {})
-        if not isinstance(stream_options, dict):
-            raise _bad("stream_options must be an object.")
-        streams = await _start(engine, prompts, params, fit)
-        rid, kind = (
-            (f"chatcmpl-{uuid.uuid4().hex}", "chat.completion")
-            if chat
-            else (f"cmpl-{uuid.uuid4().hex}", "text_completion")
-        )
-        head = {"id": rid, "object": kind, "created": int(time.time()), "model": served_model_name}
-        if _get(body, "stream", False):
-            events = _sse(
-                request, streams, len(params), chat, head, stream_options.get("include_usage") is True, metrics
-            )
-            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await _collect(request, streams, len(params), chat, head, params[0].logprobs is not None)
+    _add_error_handlers(app, metrics)
 
     @app.get("/health")
     async def health():
@@ -379,34 +395,19 @@ def create_app(
     @app.get("/v1/models")
     async def models(request: Request):
         _check_key(request, api_key)
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": served_model_name,
-                    "object": "model",
-                    "created": created,
-                    "owned_by": "quantkit",
-                    "max_model_len": engine.context,
-                }
-            ],
-        }
+        card = {"id": served_model_name, "object": "model", "created": created, "owned_by": "quantkit"}
+        return {"object": "list", "data": [card | {"max_model_len": engine.context}]}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await open_request(request)
-        return await respond(request, body, _prompts(body.get("prompt")), chat=False)
+        body = await _open_request(request, api_key, max_body_bytes, served_model_name)
+        return await _respond(request, engine, served_model_name, body, _prompts(body.get("prompt")), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await open_request(request)
+        body = await _open_request(request, api_key, max_body_bytes, served_model_name)
         messages = _messages(body.get("messages"))
-        if not getattr(engine.tokenizer, "chat_template", None):
-            raise _bad(f"{served_model_name} has no chat template; use /v1/completions.", "no_chat_template")
-        try:
-            prompt = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as e:
-            raise _bad(f"the chat template failed on these messages: {e}", "invalid_messages") from None
-        return await respond(request, body, [prompt], chat=True)
+        prompt = _chat_prompt(engine, served_model_name, messages)
+        return await _respond(request, engine, served_model_name, body, [prompt], chat=True)
 
     return app
