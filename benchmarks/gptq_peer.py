@@ -237,7 +237,7 @@ def cpu_model() -> str:
         return platform.processor() or "unknown"
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=SCHEMES)
@@ -259,181 +259,224 @@ def main() -> None:
     p.add_argument("--no-check", action="store_true", help="skip the `quantkit eval` cross-check")
     p.add_argument("--out", type=Path, default=Path("out/gptq-peer"))
     p.add_argument("--fresh", action="store_true", help="forget results.json and the checkpoints")
-    a = p.parse_args()
+    return p.parse_args()
 
-    from quantkit.calibration.datasets import calibration_samples, load_documents
-    from quantkit.models.loading import load_tokenizer, resolve_model
-    from quantkit.version import __version__
 
-    if a.fresh and a.out.exists():
-        shutil.rmtree(a.out)
-    a.out.mkdir(parents=True, exist_ok=True)
-    out = a.out.resolve()
-    results_path = out / "results.json"
-    results = json.loads(results_path.read_text()) if results_path.exists() else {}
+class Run:
+    """One run's arguments, output folder and results (results.json, saved after every step, so
+    an interrupted run resumes); the inputs and the peer's state are set by `main`."""
 
-    def save() -> None:
-        results_path.write_text(json.dumps(results, indent=2))
+    def __init__(self, a: argparse.Namespace):
+        if a.fresh and a.out.exists():
+            shutil.rmtree(a.out)
+        a.out.mkdir(parents=True, exist_ok=True)
+        self.a, self.out = a, a.out.resolve()
+        self.results_path = self.out / "results.json"
+        self.results = json.loads(self.results_path.read_text()) if self.results_path.exists() else {}
+        self.qk = str(Path(sys.executable).with_name("quantkit"))
+        self.env = dict(os.environ)
+        self.model_dir: Path | None = None
+        self.calib_path: Path | None = None
+        self.peer_missing: str | None = None
+        self.evaluator: Evaluator | None = None
 
-    qk = str(Path(sys.executable).with_name("quantkit"))
-    env = dict(os.environ)
-    threads = env.get("OMP_NUM_THREADS", "unset")
+    def save(self) -> None:
+        self.results_path.write_text(json.dumps(self.results, indent=2))
 
-    # 1. inputs, once
-    model_dir = resolve_model(a.model)
-    calib_path = out / "calib.json"
-    if not calib_path.exists():
-        samples = calibration_samples(
-            load_tokenizer(model_dir), load_documents("news", "calib"), a.samples, a.seq_len, 0
-        )
-        rows = samples.tolist()
-        digest = hashlib.sha256(json.dumps(rows).encode()).hexdigest()
-        calib_path.write_text(json.dumps({"dataset": "news", "seed": 0, "sha256": digest, "samples": rows}))
-    calib = json.loads(calib_path.read_text())
-    print(f"model {model_dir}; calibration news {a.samples} × {a.seq_len}, sha256 {calib['sha256'][:16]}", flush=True)
-
-    peer_python = Path(a.peer_python)
-    peer_missing = None
-    if a.no_peer:
-        peer_missing = "not run (--no-peer)"
-    elif not peer_python.exists():
-        peer_missing = f"{peer_python} does not exist (see the docstring for the peer's environment)"
-    else:
-        probe = subprocess.run(
-            [str(peer_python), "-c", "import gptqmodel; print(gptqmodel.__version__)"],
-            capture_output=True,
-            text=True,
-            env=env | {"GPTQMODEL_CPU_WORKERS": env.get("GPTQMODEL_CPU_WORKERS", "2")},
-        )
-        if probe.returncode != 0:
-            peer_missing = f"`import gptqmodel` failed: {probe.stderr.strip().splitlines()[-1:]}"
-
-    # 2. quantize
-    def quantkit_run(key: str, cmd: list[str], folder: Path) -> None:
-        if key in results and folder.is_dir():
+    def quantkit(self, key: str, cmd: list[str], folder: Path) -> None:
+        """Run a quantkit command that writes `folder`, unless results has it already."""
+        if key in self.results and folder.is_dir():
             return
         print(f"{key}: {' '.join(cmd)}", flush=True)
-        r = timed(cmd, out / f"{key.replace('/', '-')}.log", env)
+        r = timed(cmd, self.out / f"{key.replace('/', '-')}.log", self.env)
         if r["rc"] != 0:
-            raise SystemExit(f"{key} failed (rc {r['rc']}): {tail(out / (key.replace('/', '-') + '.log'))}")
+            raise SystemExit(f"{key} failed (rc {r['rc']}): {tail(self.out / (key.replace('/', '-') + '.log'))}")
         prov = json.loads((folder / "quantkit.json").read_text())
-        results[key] = r | {
+        self.results[key] = r | {
             "cmd": cmd,
             "inner_wall_s": prov.get("wall_time_s"),
             "peak_rss_mib": prov.get("peak_rss_mib"),
         }
-        save()
+        self.save()
         print(f"  {r['wall_s']} s wall, {r['cpu_s']} s CPU", flush=True)
 
-    for scheme in a.schemes:
-        common = ["-m", a.model, "--scheme", scheme, "--group-size", str(a.group_size)]
-        folder = out / f"rtn-{scheme}"
-        quantkit_run(f"{scheme}/rtn", [qk, "rtn", *common, "-o", str(folder), "--overwrite"], folder)
-        folder = out / f"quantkit-gptq-{scheme}"
-        calib_args = ["--calib", "news", "--samples", str(a.samples), "--seq-len", str(a.seq_len)]
-        quantkit_run(
-            f"{scheme}/quantkit-gptq",
-            [qk, "gptq", *common, *calib_args, "--damp", str(a.damp), "-o", str(folder), "--overwrite"],
-            folder,
-        )
-        key, folder = f"{scheme}/gptqmodel", out / f"gptqmodel-{scheme}"
-        if peer_missing is None and not (key in results and results[key].get("rc") == 0 and folder.is_dir()):
-            shutil.rmtree(folder, ignore_errors=True)
-            args = {
-                "model": str(model_dir),
-                "calib": str(calib_path),
-                "out": str(folder),
-                "group_size": a.group_size,
-                "sym": scheme == "w4a16",
-                "damp": a.damp,
-                "extra": {k: json.loads(v) for k, v in (item.split("=", 1) for item in a.peer_config)},
-            }
-            cmd = [str(peer_python), "-c", PEER, json.dumps(args)]
-            print(f"{key}: {peer_python} -c PEER {json.dumps(args)}", flush=True)
-            log = out / f"gptqmodel-{scheme}.log"
-            peer_env = env | {"GPTQMODEL_CPU_WORKERS": env.get("GPTQMODEL_CPU_WORKERS", "2")}
-            r = timed(cmd, log, peer_env, cwd=out)
-            line = next((s for s in log.read_text().splitlines() if s.startswith("PEER_RESULT ")), None)
-            if r["rc"] != 0 or line is None or not folder.is_dir():
-                results[key] = r | {"error": tail(log)}
-                save()
-                print(f"  GPTQModel failed (rc {r['rc']}): {tail(log)}", flush=True)
-            else:
-                results[key] = r | json.loads(line.removeprefix("PEER_RESULT "))
-                results[key]["max_damp"] = max_damp(folder)
-                save()
-                print(f"  {r['wall_s']} s wall, {r['cpu_s']} s CPU", flush=True)
-
-    # 3. evaluate
-    evaluator = None
-
-    def ppl(key: str, folder: Path | None) -> dict:
-        nonlocal evaluator
+    def ppl(self, key: str, folder: Path | None) -> dict:
+        """This evaluator's result for `folder` (None: the float model), measured once."""
+        a = self.a
         ekey = f"eval {a.windows}x{a.eval_seq_len}/{key}"
-        if ekey not in results:
-            if evaluator is None:
-                evaluator = Evaluator(model_dir, a.windows, a.eval_seq_len)
-            results[ekey] = evaluator.ppl(folder) | {"text_sha256": evaluator.text_sha256}
-            save()
-            print(f"{ekey}: ppl {results[ekey]['ppl']:.4f} ({results[ekey]['eval_s']} s)", flush=True)
-        return results[ekey]
+        if ekey not in self.results:
+            if self.evaluator is None:
+                self.evaluator = Evaluator(self.model_dir, a.windows, a.eval_seq_len)
+            self.results[ekey] = self.evaluator.ppl(folder) | {"text_sha256": self.evaluator.text_sha256}
+            self.save()
+            print(f"{ekey}: ppl {self.results[ekey]['ppl']:.4f} ({self.results[ekey]['eval_s']} s)", flush=True)
+        return self.results[ekey]
 
-    base = ppl("float", None)["ppl"]
+
+def prepare_inputs(run: Run) -> None:
+    """1. The float model's folder and the calibration rows, in OUT/calib.json (written once)."""
+    from quantkit.calibration.datasets import calibration_samples, load_documents
+    from quantkit.models.loading import load_tokenizer, resolve_model
+
+    a = run.a
+    run.model_dir = resolve_model(a.model)
+    run.calib_path = run.out / "calib.json"
+    if not run.calib_path.exists():
+        samples = calibration_samples(
+            load_tokenizer(run.model_dir), load_documents("news", "calib"), a.samples, a.seq_len, 0
+        )
+        rows = samples.tolist()
+        digest = hashlib.sha256(json.dumps(rows).encode()).hexdigest()
+        run.calib_path.write_text(json.dumps({"dataset": "news", "seed": 0, "sha256": digest, "samples": rows}))
+    calib = json.loads(run.calib_path.read_text())
+    print(
+        f"model {run.model_dir}; calibration news {a.samples} × {a.seq_len}, sha256 {calib['sha256'][:16]}",
+        flush=True,
+    )
+
+
+def peer_env(env: dict) -> dict:
+    return env | {"GPTQMODEL_CPU_WORKERS": env.get("GPTQMODEL_CPU_WORKERS", "2")}
+
+
+def why_no_peer(a: argparse.Namespace, env: dict) -> str | None:
+    """Why the peer cannot run (None: it can)."""
+    peer_python = Path(a.peer_python)
+    if a.no_peer:
+        return "not run (--no-peer)"
+    if not peer_python.exists():
+        return f"{peer_python} does not exist (see the docstring for the peer's environment)"
+    probe = subprocess.run(
+        [str(peer_python), "-c", "import gptqmodel; print(gptqmodel.__version__)"],
+        capture_output=True,
+        text=True,
+        env=peer_env(env),
+    )
+    if probe.returncode != 0:
+        return f"`import gptqmodel` failed: {probe.stderr.strip().splitlines()[-1:]}"
+    return None
+
+
+def quantize(run: Run, scheme: str) -> None:
+    """2. RTN and quantkit's GPTQ (quantkit's commands), then GPTQModel's GPTQ, for one scheme."""
+    a, out, qk = run.a, run.out, run.qk
+    common = ["-m", a.model, "--scheme", scheme, "--group-size", str(a.group_size)]
+    folder = out / f"rtn-{scheme}"
+    run.quantkit(f"{scheme}/rtn", [qk, "rtn", *common, "-o", str(folder), "--overwrite"], folder)
+    folder = out / f"quantkit-gptq-{scheme}"
+    calib_args = ["--calib", "news", "--samples", str(a.samples), "--seq-len", str(a.seq_len)]
+    run.quantkit(
+        f"{scheme}/quantkit-gptq",
+        [qk, "gptq", *common, *calib_args, "--damp", str(a.damp), "-o", str(folder), "--overwrite"],
+        folder,
+    )
+    key, folder = f"{scheme}/gptqmodel", out / f"gptqmodel-{scheme}"
+    if run.peer_missing is None and not (key in run.results and run.results[key].get("rc") == 0 and folder.is_dir()):
+        quantize_peer(run, scheme, key, folder)
+
+
+def quantize_peer(run: Run, scheme: str, key: str, folder: Path) -> None:
+    a = run.a
+    shutil.rmtree(folder, ignore_errors=True)
+    args = {
+        "model": str(run.model_dir),
+        "calib": str(run.calib_path),
+        "out": str(folder),
+        "group_size": a.group_size,
+        "sym": scheme == "w4a16",
+        "damp": a.damp,
+        "extra": {k: json.loads(v) for k, v in (item.split("=", 1) for item in a.peer_config)},
+    }
+    peer_python = Path(a.peer_python)
+    cmd = [str(peer_python), "-c", PEER, json.dumps(args)]
+    print(f"{key}: {peer_python} -c PEER {json.dumps(args)}", flush=True)
+    log = run.out / f"gptqmodel-{scheme}.log"
+    r = timed(cmd, log, peer_env(run.env), cwd=run.out)
+    line = next((s for s in log.read_text().splitlines() if s.startswith("PEER_RESULT ")), None)
+    if r["rc"] != 0 or line is None or not folder.is_dir():
+        run.results[key] = r | {"error": tail(log)}
+        run.save()
+        print(f"  GPTQModel failed (rc {r['rc']}): {tail(log)}", flush=True)
+    else:
+        run.results[key] = r | json.loads(line.removeprefix("PEER_RESULT "))
+        run.results[key]["max_damp"] = max_damp(folder)
+        run.save()
+        print(f"  {r['wall_s']} s wall, {r['cpu_s']} s CPU", flush=True)
+
+
+def evaluate(run: Run) -> tuple[float, list[tuple]]:
+    """3. The float model's ppl and a row (scheme, method, ppl or None, its run, note) per checkpoint."""
+    out, results = run.out, run.results
+    base = run.ppl("float", None)["ppl"]
     rows = []
-    for scheme in a.schemes:
-        rtn = ppl(f"{scheme}/rtn", out / f"rtn-{scheme}")["ppl"]
+    for scheme in run.a.schemes:
+        rtn = run.ppl(f"{scheme}/rtn", out / f"rtn-{scheme}")["ppl"]
         rows.append((scheme, "RTN", rtn, results[f"{scheme}/rtn"], None))
-        qg = ppl(f"{scheme}/quantkit-gptq", out / f"quantkit-gptq-{scheme}")
+        qg = run.ppl(f"{scheme}/quantkit-gptq", out / f"quantkit-gptq-{scheme}")
         rows.append((scheme, "quantkit GPTQ", qg["ppl"], results[f"{scheme}/quantkit-gptq"], None))
         peer = results.get(f"{scheme}/gptqmodel")
-        if peer_missing is not None and not (peer and peer.get("rc") == 0):
-            rows.append((scheme, "GPTQModel GPTQ", None, None, f"missing: {peer_missing}"))
+        if run.peer_missing is not None and not (peer and peer.get("rc") == 0):
+            rows.append((scheme, "GPTQModel GPTQ", None, None, f"missing: {run.peer_missing}"))
         elif peer is None or peer.get("rc") != 0:
             rows.append((scheme, "GPTQModel GPTQ", None, None, f"failed: {(peer or {}).get('error')}"))
         else:
-            e = ppl(f"{scheme}/gptqmodel", out / f"gptqmodel-{scheme}")
+            e = run.ppl(f"{scheme}/gptqmodel", out / f"gptqmodel-{scheme}")
             rows.append((scheme, "GPTQModel GPTQ", e["ppl"], peer, None))
+    return base, rows
 
-    # 4. cross-check with quantkit's own eval
+
+def cross_check(run: Run) -> list[tuple]:
+    """4. `quantkit eval` on the symmetric checkpoints: (name, this evaluator's ppl, its result)."""
+    a, out, results = run.a, run.out, run.results
     checks = []
-    if not a.no_check and "w4a16" in a.schemes:
-        for name in ("quantkit-gptq", "gptqmodel"):
-            folder, key = out / f"{name}-w4a16", f"check {a.windows}/{name}-w4a16"
-            ours = results.get(f"eval {a.windows}x{a.eval_seq_len}/w4a16/{name}")
-            if ours is None or not folder.is_dir():
-                continue
-            if key not in results:
-                j = out / f"check-{name}.json"
-                cmd = [qk, "eval", str(folder), "--ppl", "wiki", "--limit", str(a.windows)]
-                cmd += ["--seq-len", str(a.eval_seq_len), "--json", str(j)]
-                print(f"{key}: {' '.join(cmd)}", flush=True)
-                r = timed(cmd, out / f"check-{name}.log", env)
-                results[key] = r | (
-                    {"ppl": json.loads(j.read_text())["ppl"]}
-                    if r["rc"] == 0
-                    else {"error": tail(out / f"check-{name}.log")}
-                )
-                save()
-            checks.append((name, ours["ppl"], results[key]))
+    if a.no_check or "w4a16" not in a.schemes:
+        return checks
+    for name in ("quantkit-gptq", "gptqmodel"):
+        folder, key = out / f"{name}-w4a16", f"check {a.windows}/{name}-w4a16"
+        ours = results.get(f"eval {a.windows}x{a.eval_seq_len}/w4a16/{name}")
+        if ours is None or not folder.is_dir():
+            continue
+        if key not in results:
+            j = out / f"check-{name}.json"
+            cmd = [run.qk, "eval", str(folder), "--ppl", "wiki", "--limit", str(a.windows)]
+            cmd += ["--seq-len", str(a.eval_seq_len), "--json", str(j)]
+            print(f"{key}: {' '.join(cmd)}", flush=True)
+            r = timed(cmd, out / f"check-{name}.log", run.env)
+            results[key] = r | (
+                {"ppl": json.loads(j.read_text())["ppl"]}
+                if r["rc"] == 0
+                else {"error": tail(out / f"check-{name}.log")}
+            )
+            run.save()
+        checks.append((name, ours["ppl"], results[key]))
+    return checks
 
-    # report
+
+def print_header(run: Run, base: float, rows: list[tuple]) -> None:
+    import transformers
+
+    from quantkit.version import __version__
+
+    a = run.a
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except Exception:
         rev = "?"
-    import transformers
-
+    threads = run.env.get("OMP_NUM_THREADS", "unset")
     peer_versions = next((r[3]["versions"] for r in rows if r[3] and "versions" in r[3]), None)
     print()
     print(
         f"{datetime.date.today()}, {cpu_model()}, {os.cpu_count()} CPUs, OMP_NUM_THREADS={threads}; "
         f"quantkit {__version__} (git {rev}), torch {torch.__version__}, transformers {transformers.__version__}; "
-        f"GPTQModel: {json.dumps(peer_versions) if peer_versions else peer_missing or 'failed'}"
+        f"GPTQModel: {json.dumps(peer_versions) if peer_versions else run.peer_missing or 'failed'}"
     )
     print(
         f"float {a.model}: wiki ppl {base:.4f} ({a.windows} × {a.eval_seq_len}, this evaluator); calibration "
         f"news {a.samples} × {a.seq_len}, seed 0; group {a.group_size}; damp {a.damp}\n"
     )
+
+
+def print_table(base: float, rows: list[tuple]) -> None:
     print("| scheme | method | wiki ppl | Δ vs float | Δ / Δ(RTN) | wall time | CPU time |")
     print("|---|---|---|---|---|---|---|")
     print(f"| | float | {base:.4f} | | | | |")
@@ -447,6 +490,10 @@ def main() -> None:
             f"| {scheme} | {method} | {value:.4f} | {value - base:+.4f} | {frac:.2f} | "
             f"{run['wall_s']:.0f} s | {run['cpu_s']:.0f} s |"
         )
+
+
+def print_details(run: Run, checks: list[tuple]) -> None:
+    a, results = run.a, run.results
     for scheme in a.schemes:
         peer = results.get(f"{scheme}/gptqmodel") or {}
         if peer.get("rc") == 0:
@@ -466,6 +513,19 @@ def main() -> None:
     for name, ours, check in checks:
         theirs = f"{check['ppl']:.4f}" if "ppl" in check else f"failed: {check.get('error')}"
         print(f"cross-check {name} w4a16: this evaluator {ours:.4f}, `quantkit eval --limit {a.windows}` {theirs}")
+
+
+def main() -> None:
+    run = Run(parse_args())
+    prepare_inputs(run)
+    run.peer_missing = why_no_peer(run.a, run.env)
+    for scheme in run.a.schemes:
+        quantize(run, scheme)
+    base, rows = evaluate(run)
+    checks = cross_check(run)
+    print_header(run, base, rows)
+    print_table(base, rows)
+    print_details(run, checks)
 
 
 def max_damp(folder: Path) -> float | None:
