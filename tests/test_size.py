@@ -1,6 +1,6 @@
 """Small units (STYLE.md, principle 11): no Python file over 600 lines and no function over 80
-lines (from `def` to its last line; `@triton.jit` kernels are exempt: a kernel is one launch
-that does not split well) in the library, the kernels, calibration, the benchmarks and the tests."""
+lines (from `def` to its last line, docstring included; `@triton.jit` kernels are exempt) in
+the library, the kernels, calibration, the benchmarks and the tests."""
 
 import ast
 from pathlib import Path
