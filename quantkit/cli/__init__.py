@@ -1256,6 +1256,3 @@ def _coverage_table(experts: dict) -> Table:
         )
     return table
 
-
-if __name__ == "__main__":
-    app()
