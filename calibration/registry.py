@@ -96,7 +96,7 @@ METHODS: dict[str, Method] = {
     for m in (
         Method(
             "rtn",
-            "Round-to-nearest: the baseline for AWQ and GPTQ (no calibration data).",
+            "Round-to-nearest INT4 or INT8 weights: the baseline for AWQ and GPTQ (no calibration data).",
             RTNOptions,
             "weights",
             "quantkit.calibration.rtn:rtn_step",
@@ -107,7 +107,7 @@ METHODS: dict[str, Method] = {
         ),
         Method(
             "awq",
-            "AWQ (Lin et al.): activation-aware scales folded into the previous op, then per-group clipping.",
+            "AWQ INT4 (Lin et al.): activation-aware scales folded into the previous op, then per-group clipping.",
             AWQOptions,
             "weights",
             "quantkit.calibration.awq:awq_step",
@@ -118,7 +118,7 @@ METHODS: dict[str, Method] = {
         ),
         Method(
             "gptq",
-            "GPTQ (Frantar et al.): Hessian-based error feedback, true-sequential, act-order.",
+            "GPTQ INT4 or INT8 (Frantar et al.): Hessian-based error feedback, true-sequential, act-order.",
             GPTQOptions,
             "weights",
             "quantkit.calibration.gptq:gptq_step",
