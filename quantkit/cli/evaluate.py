@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from quantkit.cli.common import command, console, new_table, out, progress, quiet_lm_eval, rows_table, write_json
@@ -127,35 +128,28 @@ def eval(
     the perplexity windows), exiting 1 when a gate fails."""
     text = None if ppl.lower() == "none" else ppl
     task_list = [t.strip() for t in (tasks or "").split(",") if t.strip()]
-    max_increase = _fraction(max_ppl_increase)
-    gates = (max_increase, min_recovery, max_kld, min_top1)
-    if baseline is None and not task_list and text and all(g is None for g in gates):
+    gates = {"max_ppl_increase": _fraction(max_ppl_increase), "min_recovery": min_recovery}
+    gates |= {"max_kld": max_kld, "min_top1": min_top1}
+    if baseline is None and not task_list and text and all(g is None for g in gates.values()):
         return _perplexity(model, text, seq_len, limit, batch_size, json_path)
     from quantkit.eval.gates import evaluate_gates
 
     if task_list:
         quiet_lm_eval()
+    scope = {"ppl": text, "tasks": task_list, "limit": limit, "seq_len": seq_len, "batch_size": batch_size}
     with progress() as track:
         report = evaluate_gates(
-            model,
-            baseline,
-            ppl=text,
-            tasks=task_list,
-            limit=limit,
-            seq_len=seq_len,
-            num_fewshot=num_fewshot,
-            include_path=include_path,
-            max_ppl_increase=max_increase,
-            min_recovery=min_recovery,
-            max_kld=max_kld,
-            min_top1=min_top1,
-            track=track,
-            batch_size=batch_size,
+            model, baseline, **scope, num_fewshot=num_fewshot, include_path=include_path, **gates, track=track
         )
     if json_path:
         write_json(json_path, report)
+    show_gates(report)
+
+
+def show_gates(report: dict) -> None:
+    """The gate table, a sentence per failed gate, and exit code 1 if one failed."""
     out.print(gate_table(report))
     for failure in report["failures"]:
-        console.print(f"[bold red]gate failed:[/] {failure}")
+        console.print(f"[bold red]gate failed:[/] {escape(failure)}")
     if report["failures"]:
         raise typer.Exit(1)

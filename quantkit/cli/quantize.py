@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.markup import escape
 
 from quantkit.calibration.method import Calibration, Method, describe
 from quantkit.calibration.registry import METHODS, KVOptions, weight_methods
@@ -24,7 +23,6 @@ from quantkit.cli.common import (
     SEED,
     SEQ_LEN,
     command,
-    console,
     note,
     out,
     progress,
@@ -33,7 +31,7 @@ from quantkit.cli.common import (
     rows_table,
     write_json,
 )
-from quantkit.cli.evaluate import gate_table
+from quantkit.cli.evaluate import show_gates
 from quantkit.errors import QuantkitError
 from quantkit.pipeline import options as run_options
 from quantkit.scheme import PRESETS
@@ -236,13 +234,8 @@ def _run_recipe(
     out.print(
         rows_table(f"{name} → {output or recipe.output}", _kv_rows(prov) if name == "kv" else _quantize_rows(prov))
     )
-    gates = prov.get("gates")
-    if gates is not None:
-        out.print(gate_table(gates))
-        for failure in gates["failures"]:
-            console.print(f"[bold red]gate failed:[/] {escape(failure)}")
-        if gates["failures"]:
-            raise typer.Exit(1)
+    if prov.get("gates") is not None:
+        show_gates(prov["gates"])
 
 
 @command
