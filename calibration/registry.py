@@ -96,7 +96,8 @@ METHODS: dict[str, Method] = {
     for m in (
         Method(
             "rtn",
-            "Round-to-nearest INT4 or INT8 weights: the baseline for AWQ and GPTQ (no calibration data).",
+            "Round-to-nearest INT4 (or INT8, W8A8) weights: the baseline for AWQ and GPTQ (calibration text is read "
+            "only for smoothing and KV-cache scales).",
             RTNOptions,
             "weights",
             "quantkit.calibration.rtn:rtn_step",
