@@ -71,7 +71,7 @@ def transforms_for(entry: Method) -> list[Method]:
 
 def groups(entry: Method) -> bool:
     """Whether the method's default scheme has weight groups (so a group size to choose)."""
-    return preset(entry.default_scheme).weights.strategy == "group"
+    return entry.default_scheme is not None and preset(entry.default_scheme).weights.strategy == "group"
 
 
 def quantize_recipe(
