@@ -128,6 +128,10 @@ EVAL: dict[str, tuple[object, Kind]] = {  # the keyword arguments of quantkit.ev
 }
 
 
+def _transforms() -> list[str]:
+    return [name for name, m in METHODS.items() if m.role == "transform"]
+
+
 def _top() -> tuple[str, ...]:
     return ("model", "scheme", "steps", "calibration", "eval", "output", *run_options.recipe_keys())
 
@@ -347,7 +351,8 @@ def _steps(value) -> tuple[Step, ...]:
     if not re.fullmatch(r"t*wk?|k", roles):
         raise QuantkitError(
             f"steps: [{', '.join(s.name for s in steps)}] cannot run; a recipe has one weight step "
-            f"({', '.join(weight_methods())}), optionally after smooth and before kv, or kv alone."
+            f"({', '.join(weight_methods())}), optionally after {' or '.join(_transforms())} and before kv, "
+            "or kv alone."
         )
     return steps
 
