@@ -172,7 +172,7 @@ class Recipe:
     calibration: Calibration = Calibration()
     eval: dict | None = None  # evaluate_gates keyword arguments, defaults filled in
     output: str | None = None
-    run: run_options.RunOptions = run_options.RunOptions()  # its recipe keys (device, max_shard_size, ...)
+    run: run_options.RunOptions = run_options.RunOptions()  # its recipe keys; kv_cache, overwrite, ... unused
 
     def __getattr__(self, name: str):
         """`recipe.device`, `recipe.max_shard_size`, ...: the run options it holds."""
