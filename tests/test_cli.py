@@ -1,5 +1,7 @@
 import dataclasses
 import json
+import subprocess
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -310,3 +312,11 @@ def test_a_run_option_reaches_every_quantizing_command_and_the_recipe(monkeypatc
     assert "label" not in yaml.safe_load(r.stdout)  # None is left out, as target_bits is
     prov = quantize(tiny_llama, tmp_path / "q", "rtn", group_size=32, label="api")
     assert prov["recipe"]["label"] == "api"
+
+
+def test_python_m_quantkit_cli_runs_the_app():
+    """benchmarks/ab_quantize.sh and ab_bench.sh call `python -m quantkit.cli`."""
+    from quantkit.version import __version__
+
+    r = subprocess.run([sys.executable, "-m", "quantkit.cli", "--version"], capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == f"quantkit {__version__}"
