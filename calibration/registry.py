@@ -96,7 +96,8 @@ METHODS: dict[str, Method] = {
     for m in (
         Method(
             "rtn",
-            "Round-to-nearest: the baseline for AWQ and GPTQ (no calibration data).",
+            "Round-to-nearest INT4 (or INT8, W8A8) weights: the baseline for AWQ and GPTQ (calibration text is read "
+            "only for smoothing and KV-cache scales).",
             RTNOptions,
             "weights",
             "quantkit.calibration.rtn:rtn_step",
@@ -107,7 +108,7 @@ METHODS: dict[str, Method] = {
         ),
         Method(
             "awq",
-            "AWQ (Lin et al.): activation-aware scales folded into the previous op, then per-group clipping.",
+            "AWQ INT4 (Lin et al.): activation-aware scales folded into the previous op, then per-group clipping.",
             AWQOptions,
             "weights",
             "quantkit.calibration.awq:awq_step",
@@ -118,7 +119,7 @@ METHODS: dict[str, Method] = {
         ),
         Method(
             "gptq",
-            "GPTQ (Frantar et al.): Hessian-based error feedback, true-sequential, act-order.",
+            "GPTQ INT4 or INT8 (Frantar et al.): Hessian-based error feedback, true-sequential, act-order.",
             GPTQOptions,
             "weights",
             "quantkit.calibration.gptq:gptq_step",

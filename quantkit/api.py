@@ -8,7 +8,8 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
-from quantkit.calibration.datasets import Calibration
+from quantkit.calibration.method import Calibration
+from quantkit.pipeline.options import RunOptions
 from quantkit.progress import Track, no_progress
 
 
@@ -21,28 +22,29 @@ def quantize(
     group_size: int | str = "auto",
     actorder: str | None = None,
     calibration: Calibration | None = None,
-    kv_cache: str | None = None,
-    kv_per_head: bool = False,
+    kv_cache: str | None = RunOptions.kv_cache,
+    kv_per_head: bool = RunOptions.kv_per_head,
     smooth: bool = False,
-    overwrite: bool = False,
-    resume: bool = False,
-    max_shard_size: int | str = "5GB",
-    target_bits: float | None = None,
-    target_formats: list[str] | None = None,
-    device: str = "cpu",
+    overwrite: bool = RunOptions.overwrite,
+    resume: bool = RunOptions.resume,
+    max_shard_size: int | str = RunOptions.max_shard_size,
+    target_bits: float | None = RunOptions.target_bits,
+    target_formats: list[str] | None = RunOptions.target_formats,
+    device: str = RunOptions.device,
     track: Track = no_progress,
     log: Callable[[str], None] | None = None,
     **options,
 ) -> dict:
-    """Quantize `model` (built-in name, folder or hub id) with `method` (rtn, awq, gptq or
-    fp8) into the checkpoint folder `output`, and return its provenance (what
-    `quantkit.json` records). `scheme` defaults to the method's (w4a16, or fp8-dynamic
-    for fp8); `group_size` "auto" takes 128 or the largest power of two below it that
-    divides every quantized layer's input width; `actorder` (GPTQ: "static", "group" or
-    "none") defaults to the method's ("static" for gptq); `options` are the method's own (e.g.
-    grid=10 for awq, damp=0.05 for gptq; see `quantkit.calibration.registry`); `kv_cache`
-    ("fp8"/"int8") also calibrates KV-cache scales; `smooth` runs SmoothQuant first (fp8, w8a8).
-    The model streams block by block from its files; `resume` continues a run that was
+    """Quantize `model` (built-in name, folder or hub id) with `method` (a weight method of
+    `quantkit.calibration.registry`: rtn, awq, gptq or fp8) into the checkpoint folder
+    `output`, and return its provenance (what `quantkit.json` records). `scheme` defaults to
+    the method's (w4a16, or fp8-dynamic for fp8); `group_size` "auto" takes 128 or the largest
+    power of two below it that divides every quantized layer's input width; `actorder` (GPTQ:
+    "static", "group" or "none") defaults to the method's ("static" for gptq); `options` are the
+    method's own (e.g. grid=10 for awq, damp=0.05 for gptq; see `quantkit.calibration.registry`);
+    `smooth` runs SmoothQuant first (fp8, w8a8). The run options are `RunOptions`'
+    (`quantkit.pipeline.options`): `kv_cache` ("fp8"/"int8") also calibrates KV-cache scales;
+    the model streams block by block from its files; `resume` continues a run that was
     interrupted (same arguments) from its last finished block; the checkpoint is written in
     safetensors shards of at most `max_shard_size` (e.g. "5GB", "500MB"). `target_bits` (rtn,
     awq, gptq) gives each layer group its own format (int4 per group of 128/64/32, int8 per
@@ -51,29 +53,27 @@ def quantize(
 
         quantkit.quantize("smollm2-135m", "out/awq", "awq", "w4a16-asym", group_size=64)
     """
-    from quantkit.calibration.registry import method as method_entry
+    from quantkit.pipeline import options as run_options
     from quantkit.pipeline.recipe import from_dict, run_recipe
 
-    entry = method_entry(method)
-    weights = {} if group_size == "auto" else {"group_size": group_size}
-    actorder = actorder or entry.default_actorder
-    if actorder not in (None, "none"):
-        weights["actorder"] = actorder
-    raw = {
-        "model": str(model),
-        "scheme": {"preset": scheme or entry.default_scheme} | weights,
-        "steps": [
-            *([{"smooth": {}}] if smooth else []),
-            {method: options},
-            *([{"kv": {"dtype": kv_cache, "per_head": kv_per_head}}] if kv_cache else []),
-        ],
-        "calibration": dataclasses.asdict(calibration or Calibration()),
-        "output": str(output),
-        "device": device,
-        "max_shard_size": str(max_shard_size),
-    } | ({"target_bits": target_bits} if target_bits is not None else {})
-    raw |= {"target_formats": list(target_formats)} if target_formats is not None else {}
-    return run_recipe(from_dict(raw), overwrite=overwrite, track=track, log=log, resume=resume)
+    given = locals()
+    fields = [f.name for f in dataclasses.fields(run_options.RunOptions)]
+    run = run_options.RunOptions(
+        **{k: given[k] for k in fields if k in given}, **{k: options.pop(k) for k in fields if k in options}
+    )
+    raw = run_options.quantize_recipe(
+        model,
+        output,
+        method,
+        scheme,
+        group=group_size,
+        actorder=actorder,
+        calibration=calibration,
+        transforms=["smooth"] if smooth else [],
+        options=options,
+        run=run,
+    )
+    return run_recipe(from_dict(raw), overwrite=run.overwrite, track=track, log=log, resume=run.resume)
 
 
 def evaluate(

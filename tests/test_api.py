@@ -5,9 +5,13 @@ from __future__ import annotations
 import json
 
 import torch
+import yaml
+from typer.testing import CliRunner
 
 from quantkit import LLM, SamplingParams, evaluate, load, quantize
 from quantkit.calibration.method import Calibration
+from quantkit.cli import app
+from quantkit.pipeline import recipe
 
 
 def test_quantize_evaluate_load_and_generate(tiny_llama, tiny_corpus, tmp_path):
@@ -51,3 +55,26 @@ def test_gptq_takes_the_commands_act_order_unless_told(tiny_llama, tiny_corpus, 
     static = quantize(tiny_llama, tmp_path / "s", "gptq", calibration=calib)
     natural = quantize(tiny_llama, tmp_path / "n", "gptq", calibration=calib, actorder="none")
     assert static["weights"]["actorder"] == "static" and natural["weights"]["actorder"] is None
+
+
+def test_quantize_builds_the_recipe_the_command_prints(monkeypatch):
+    """One recipe builder: quantkit.quantize and `quantkit gptq` mean the same recipe."""
+    seen = []
+    monkeypatch.setattr(recipe, "run_recipe", lambda r, **kwargs: seen.append(r) or {})
+    quantize(
+        "smollm2-135m",
+        "out/x",
+        "gptq",
+        "w4a16-asym",
+        group_size=64,
+        calibration=Calibration(samples=16),
+        kv_cache="int8",
+        max_shard_size="500MB",
+        target_bits=4.5,
+        damp=0.1,
+    )
+    argv = ["gptq", "--scheme", "w4a16-asym", "--group-size", "64", "--samples", "16", "--kv-cache", "int8"]
+    argv += ["--max-shard-size", "500MB", "--target-bits", "4.5", "--damp", "0.1", "-o", "out/x", "--print-recipe"]
+    r = CliRunner().invoke(app, argv)
+    assert r.exit_code == 0, r.output
+    assert seen[0].to_dict() == yaml.safe_load(r.stdout)

@@ -1,8 +1,20 @@
+import dataclasses
 import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Optional
 
+import typer
+import yaml
 from typer.testing import CliRunner
 
-from quantkit.cli import app
+from quantkit import quantize
+from quantkit.calibration.method import Method, option
+from quantkit.calibration.registry import METHODS, weight_methods
+from quantkit.cli import app, build_app
+from quantkit.pipeline import options
+from quantkit.pipeline.recipe import from_dict
 
 runner = CliRunner()
 
@@ -234,3 +246,77 @@ def test_plan_and_bench_commands(tiny_llama, tmp_path):
     assert report["num_requests"] == 3 and report["output_tokens"] >= 6 and report["output_tokens_per_s"] > 0
     r = runner.invoke(app, ["bench", str(tiny_llama), "--compare", "vllm"])
     assert r.exit_code == 2 and "--compare 'vllm' is unknown" in " ".join(r.output.split())
+
+
+@dataclass(frozen=True)
+class HalfOptions:
+    strength: int = option(3, "How hard to round (a dummy).", min=1)
+    gentle: bool = option(False, "Round gently (a dummy).")
+
+
+def params(app, name: str) -> dict:
+    return {p.name: p for p in typer.main.get_command(app).commands[name].params}
+
+
+def test_a_registered_method_gets_its_command_flags_help_and_recipe_step(monkeypatch, tiny_llama, tmp_path):
+    """A weight method registered with its options: `quantkit half` without touching the CLI."""
+    entry = Method(
+        "half",
+        "Half: a dummy method that rounds to nearest.",
+        HalfOptions,
+        "weights",
+        "quantkit.calibration.rtn:rtn_step",
+        "pack-quantized",
+        needs_data=lambda scheme, o: False,
+        default_scheme="w4a16",
+    )
+    monkeypatch.setitem(METHODS, "half", entry)
+    app = build_app()
+    command = typer.main.get_command(app).commands["half"]
+    assert command.help == entry.summary
+    flags = params(app, "half")
+    assert flags["strength"].default == 3 and flags["strength"].help == "How hard to round (a dummy)."
+    assert flags["gentle"].opts == ["--gentle"] and flags["gentle"].secondary_opts == ["--no-gentle"]
+    assert {"scheme", "group_size", "target_bits", "max_shard_size", "resume", "kv_cache"} <= set(flags)
+    assert "act_order" not in flags and "smooth" not in flags  # act-order schemes; smooth.before names the methods
+
+    r = runner.invoke(app, ["half", "--strength", "5", "--gentle", "--print-recipe", "-o", "out"])
+    assert r.exit_code == 0, r.output
+    assert yaml.safe_load(r.stdout)["steps"] == [{"half": {"strength": 5, "gentle": True}}]
+    r = runner.invoke(app, ["half", "--strength", "0", "-o", str(tmp_path / "x")])
+    assert r.exit_code == 2 and "steps[0].half.strength: 0 is not allowed; use a positive integer." in r.output
+
+    argv = ["half", "--model", str(tiny_llama), "--group-size", "32", "-o", str(tmp_path / "q")]
+    r = runner.invoke(app, [*argv, "--json", str(tmp_path / "p.json")])
+    assert r.exit_code == 0, r.output
+    prov = json.loads((tmp_path / "p.json").read_text())
+    assert prov["algorithm"] == "half" and prov["options"] == {"strength": 3, "gentle": False}
+    assert "half" not in params(build_app(), "rtn") and not (tmp_path / "x").exists()
+
+
+def test_a_run_option_reaches_every_quantizing_command_and_the_recipe(monkeypatch, tiny_llama, tmp_path):
+    """A field added to RunOptions: a flag of each quantizing command, a recipe key, a keyword of quantize."""
+    label = option(None, "A label for the run (a dummy).", kind="text")
+    extended = dataclasses.make_dataclass(
+        "RunOptions", [("label", Optional[str], label)], bases=(options.RunOptions,), frozen=True
+    )
+    monkeypatch.setattr(options, "RunOptions", extended)
+    app = build_app()
+    for name in weight_methods():
+        assert params(app, name)["label"].help == "A label for the run (a dummy).", name
+    r = runner.invoke(app, ["gptq", "--label", "first try", "--print-recipe", "-o", "out"])
+    assert r.exit_code == 0, r.output
+    d = yaml.safe_load(r.stdout)
+    assert d["label"] == "first try" and from_dict(d).label == "first try" and from_dict(d).to_dict() == d
+    r = runner.invoke(app, ["gptq", "--print-recipe", "-o", "out"])
+    assert "label" not in yaml.safe_load(r.stdout)  # None is left out, as target_bits is
+    prov = quantize(tiny_llama, tmp_path / "q", "rtn", group_size=32, label="api")
+    assert prov["recipe"]["label"] == "api"
+
+
+def test_python_m_quantkit_cli_runs_the_app():
+    """benchmarks/ab_quantize.sh and ab_bench.sh call `python -m quantkit.cli`."""
+    from quantkit.version import __version__
+
+    r = subprocess.run([sys.executable, "-m", "quantkit.cli", "--version"], capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == f"quantkit {__version__}"

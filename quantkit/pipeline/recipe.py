@@ -10,7 +10,7 @@ command's `--print-recipe`, and stored in the checkpoint's `quantkit.json`.
       ignore: [lm_head]
       overrides:                  #   per-module args (or ignore: true), targets by regex
         - {targets: "re:.*down_proj$", group_size: 32}
-    steps:                        # [smooth], one weight step (rtn|awq|gptq|fp8), [kv]; or kv alone
+    steps:                        # [transforms], one weight step (rtn, awq, ...: the registry's), [kv]; or kv alone
       - awq: {grid: 20}
       - kv: {dtype: fp8}
     calibration: {dataset: news, samples: 64, seq_len: 512, seed: 0}
@@ -32,10 +32,10 @@ from pathlib import Path
 
 import yaml
 
-from quantkit.calibration.datasets import Calibration
-from quantkit.calibration.method import describe
+from quantkit.calibration.method import Calibration, describe
 from quantkit.calibration.registry import METHODS, weight_methods
 from quantkit.errors import QuantkitError
+from quantkit.pipeline import options as run_options
 from quantkit.progress import Track, no_progress
 from quantkit.scheme import ACTORDERS, PRESETS, QuantArgs, QuantScheme, preset
 
@@ -105,10 +105,11 @@ def _table(options: type) -> dict[str, tuple[object, Kind]]:
     return {name: (meta["default"], _kind(meta)) for name, meta in describe(options).items()}
 
 
-WEIGHT_STEPS = tuple(weight_methods())
-STEP_OPTIONS: dict[str, dict[str, tuple[object, Kind]]] = {  # name -> option -> (default, kind)
-    name: _table(m.options) for name, m in METHODS.items()
-}
+def _step_options() -> dict[str, dict[str, tuple[object, Kind]]]:
+    """name -> option -> (default, kind), of each method registered when called."""
+    return {name: _table(m.options) for name, m in METHODS.items()}
+
+
 CALIBRATION: dict[str, tuple[object, Kind]] = _table(Calibration)
 EVAL: dict[str, tuple[object, Kind]] = {  # the keyword arguments of quantkit.eval.gates.evaluate_gates
     "ppl": ("wiki", _optional(TEXT)),
@@ -125,18 +126,14 @@ EVAL: dict[str, tuple[object, Kind]] = {  # the keyword arguments of quantkit.ev
     "max_kld": (None, _optional(NUMBER)),
     "min_top1": (None, _optional((lambda v: FRACTION[0](v) and v <= 1, "a fraction in (0, 1], e.g. 0.9"))),
 }
-TOP = (
-    "model",
-    "scheme",
-    "steps",
-    "calibration",
-    "eval",
-    "output",
-    "device",
-    "max_shard_size",
-    "target_bits",
-    "target_formats",
-)
+
+
+def _transforms() -> list[str]:
+    return [name for name, m in METHODS.items() if m.role == "transform"]
+
+
+def _top() -> tuple[str, ...]:
+    return ("model", "scheme", "steps", "calibration", "eval", "output", *run_options.recipe_keys())
 
 
 @dataclass(frozen=True)
@@ -175,10 +172,13 @@ class Recipe:
     calibration: Calibration = Calibration()
     eval: dict | None = None  # evaluate_gates keyword arguments, defaults filled in
     output: str | None = None
-    device: str = "cpu"
-    max_shard_size: str = "5GB"  # the checkpoint's safetensors shards, at most
-    target_bits: float | None = None  # mixed precision: average bits per weight, at most
-    target_formats: tuple[str, ...] | None = None  # with target_bits: the formats to choose from (None: all)
+    run: run_options.RunOptions = run_options.RunOptions()  # its recipe keys; kv_cache, overwrite, ... unused
+
+    def __getattr__(self, name: str):
+        """`recipe.device`, `recipe.max_shard_size`, ...: the run options it holds."""
+        if name != "run" and name in run_options.recipe_keys():
+            return getattr(self.run, name)
+        raise AttributeError(name)
 
     def replace(self, **changes) -> Recipe:
         return dataclasses.replace(self, **changes)
@@ -191,9 +191,12 @@ class Recipe:
         d["calibration"] = dataclasses.asdict(self.calibration)
         if self.eval is not None:
             d["eval"] = {k: list(v) if isinstance(v, tuple) else v for k, v in self.eval.items()}
-        d |= {"output": self.output, "device": self.device, "max_shard_size": self.max_shard_size}
-        d |= {"target_bits": self.target_bits} if self.target_bits is not None else {}
-        return d | ({"target_formats": list(self.target_formats)} if self.target_formats is not None else {})
+        d["output"] = self.output
+        for key in run_options.recipe_keys():
+            value = getattr(self.run, key)
+            if value is not None:
+                d[key] = list(value) if isinstance(value, tuple) else value
+        return d
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
@@ -333,21 +336,23 @@ def build_scheme(spec: SchemeSpec, kv: QuantArgs | None = None) -> QuantScheme:
 def _step(path: str, value) -> Step:
     d = {value: None} if isinstance(value, str) else value
     name = next(iter(d)) if isinstance(d, dict) and len(d) == 1 else value
-    if not isinstance(name, str) or name not in STEP_OPTIONS:
-        raise _bad(path, name, f"one of {', '.join(STEP_OPTIONS)}, alone or with its options ({{awq: {{grid: 20}}}})")
-    return Step(name, _options(f"{path}.{name}", d[name], STEP_OPTIONS[name]))
+    table = _step_options()
+    if not isinstance(name, str) or name not in table:
+        raise _bad(path, name, f"one of {', '.join(table)}, alone or with its options ({{awq: {{grid: 20}}}})")
+    return Step(name, _options(f"{path}.{name}", d[name], table[name]))
 
 
 def _steps(value) -> tuple[Step, ...]:
     """Transforms (smooth), then one weight step, then optionally kv; or kv alone."""
     if not isinstance(value, list) or not value:
-        raise _bad("steps", value, f"a list of steps ({', '.join(STEP_OPTIONS)}), e.g. [awq] or [gptq, kv]")
+        raise _bad("steps", value, f"a list of steps ({', '.join(METHODS)}), e.g. [awq] or [gptq, kv]")
     steps = tuple(_step(f"steps[{i}]", s) for i, s in enumerate(value))
     roles = "".join({"transform": "t", "weights": "w", "kv": "k"}[METHODS[s.name].role] for s in steps)
     if not re.fullmatch(r"t*wk?|k", roles):
         raise QuantkitError(
             f"steps: [{', '.join(s.name for s in steps)}] cannot run; a recipe has one weight step "
-            f"({', '.join(WEIGHT_STEPS)}), optionally after smooth and before kv, or kv alone."
+            f"({', '.join(weight_methods())}), optionally after {' or '.join(_transforms())} and before kv, "
+            "or kv alone."
         )
     return steps
 
@@ -376,8 +381,8 @@ def _eval(value) -> dict:
 def from_dict(d) -> Recipe:
     """Validate a recipe mapping; a mistake is one sentence naming the key and what is allowed."""
     if not isinstance(d, dict):
-        raise _bad("recipe", d, f"a mapping of {', '.join(TOP)}")
-    d = _mapping("recipe", d, TOP)
+        raise _bad("recipe", d, f"a mapping of {', '.join(_top())}")
+    d = _mapping("recipe", d, _top())
     if not d.get("model"):
         raise QuantkitError("model is missing; name a built-in model, a local folder or a hub id.")
     steps = _steps(d.get("steps"))
@@ -390,11 +395,25 @@ def from_dict(d) -> Recipe:
         calibration=Calibration(**_options("calibration", d.get("calibration"), CALIBRATION)),
         eval=None if d.get("eval") is None else _eval(d["eval"]),
         output=None if d.get("output") is None else str(_check("output", d["output"], TEXT)),
-        device=_check("device", d.get("device", "cpu"), TEXT),
-        max_shard_size=_shard_size(d.get("max_shard_size", "5GB")),
-        target_bits=_target_bits(d.get("target_bits"), steps),
-        target_formats=_target_formats(d.get("target_formats"), d.get("target_bits")),
+        run=_run(d, steps),
     )
+
+
+def _run(d: dict, steps: tuple[Step, ...]) -> run_options.RunOptions:
+    """The recipe's run options: each checked by its kind, unless it has rules of its own."""
+    own = {
+        "max_shard_size": _shard_size,
+        "target_bits": lambda v: _target_bits(v, steps),
+        "target_formats": lambda v: _target_formats(v, d.get("target_bits")),
+    }
+    table = _table(run_options.RunOptions)
+    values = {}
+    for key in run_options.recipe_keys():
+        if key in own:
+            values[key] = own[key](d.get(key, table[key][0]))
+        elif key in d:
+            values[key] = _check(key, d[key], table[key][1])
+    return run_options.RunOptions(**values)
 
 
 def _target_bits(value, steps) -> float | None:
@@ -402,8 +421,9 @@ def _target_bits(value, steps) -> float | None:
         return None
     _check("target_bits", value, (FRACTION[0], "a number of bits per weight, e.g. 4.5"))
     weights = [s.name for s in steps if METHODS[s.name].role == "weights"]
-    if weights and METHODS[weights[0]].format != "pack-quantized":
-        raise _bad("target_bits", value, f"null with the {weights[0]} step (it mixes int4/int8 for rtn, awq, gptq)")
+    if weights and not run_options.applies("target_bits", METHODS[weights[0]]):
+        mixed = ", ".join(m for m in weight_methods() if run_options.applies("target_bits", METHODS[m]))
+        raise _bad("target_bits", value, f"null with the {weights[0]} step (it mixes int4/int8 for {mixed})")
     return float(value)
 
 
@@ -536,15 +556,15 @@ def run_recipe(
             recipe.calibration,
             dict(weights.options),
             overwrite,
-            recipe.device,
+            recipe.run.device,
             track,
             log,
             recipe=recipe.to_dict(),
             transforms=[(t.name, dict(t.options)) for t in transforms],
             resume=resume,
-            max_shard_size=recipe.max_shard_size,
-            target_bits=recipe.target_bits,
-            target_formats=recipe.target_formats,
+            max_shard_size=recipe.run.max_shard_size,
+            target_bits=recipe.run.target_bits,
+            target_formats=recipe.run.target_formats,
         )
     if recipe.eval is not None:
         from quantkit.eval.gates import evaluate_gates

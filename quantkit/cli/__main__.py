@@ -1,0 +1,5 @@
+"""`python -m quantkit.cli …`, as the benchmark scripts call it."""
+
+from quantkit.cli import app
+
+app()
