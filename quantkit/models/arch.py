@@ -113,7 +113,11 @@ class ArchSpec:
         experts = getattr(get_module(block, self.moe.module), "experts", None)
         if experts is None:
             return self.replace(moe=None)
-        return _sparse(self, len(experts))
+        return self.sparse(len(experts))
+
+    def sparse(self, experts: int) -> ArchSpec:
+        """The spec of a sparse block of this family whose MLP has `experts` experts."""
+        return _sparse(self, experts)
 
     def replace(self, **changes) -> ArchSpec:
         return dataclasses.replace(self, **changes)
@@ -249,7 +253,7 @@ def _mlp_shapes(width: str) -> tuple[tuple[str, str], ...]:
 
 def dimensions(config: dict) -> dict[str, int]:
     """The widths the families' linear shapes are written in (`ArchSpec.shapes`), from a
-    config.json dict: hidden, q (heads × head_dim), kv (KV heads × head_dim), qkv (fused),
+    config.json dict: hidden, head_dim, q (heads × head_dim), kv (KV heads × head_dim), qkv (fused),
     mlp (a dense MLP's width), gate_up (fused), expert and shared (a sparse MLP's expert and
     shared expert; 0: none)."""
     h, heads = config["hidden_size"], config["num_attention_heads"]
@@ -258,6 +262,7 @@ def dimensions(config: dict) -> dict[str, int]:
     mlp = config["intermediate_size"]
     return {
         "hidden": h,
+        "head_dim": hd,
         "q": heads * hd,
         "kv": kv_heads * hd,
         "qkv": (heads + 2 * kv_heads) * hd,
@@ -290,7 +295,7 @@ def block_shapes(spec: ArchSpec, config: dict, sparse: bool = False) -> dict[str
     if not sparse or spec.moe is None:
         return {name: (dims[o], dims[i]) for name, o, i in spec.shapes}
     moe, n = spec.moe, num_experts(config)
-    block = _sparse(spec, n)
+    block = spec.sparse(n)
     found = {name: (dims[o], dims[i]) for name, o, i in spec.shapes if name in block.linears}
     for part, (o, i) in enumerate(_mlp_shapes("expert")):
         found |= {moe.expert(e, part): (dims[o], dims[i]) for e in range(n)}

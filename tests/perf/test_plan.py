@@ -67,8 +67,9 @@ def test_kv_bytes_per_token():
 
 def test_weight_bytes_by_hand():
     assert weight_bytes(SMALL, "bf16") == (2 * SMALL_LINEAR + SMALL_FLOAT) * 2
-    # 4 bits + one 16-bit scale per 128 weights = 4.125 bits per weight
-    assert weight_bytes(SMALL, "w4a16") == 2 * SMALL_LINEAR * 4.125 / 8 + SMALL_FLOAT * 2 == 1_634_816
+    # 4 bits + one 16-bit scale per 128 weights = 4.125 bits per weight, and each linear's
+    # weight_shape (two int64) as pack-quantized stores it
+    assert weight_bytes(SMALL, "w4a16") == 2 * SMALL_LINEAR * 4.125 / 8 + 14 * 16 + SMALL_FLOAT * 2 == 1_635_040
     # asymmetric adds a 4-bit zero point per group
     assert weight_bytes(SMALL, "w4a16-asym") == weight_bytes(SMALL, "w4a16") + 2 * SMALL_LINEAR / 128 / 2
     # fp8 per channel: 1 byte per weight + an fp32 scale per output row
@@ -139,9 +140,11 @@ def test_calibration_plan_llama2_70b_by_hand():
     assert r["host_peak_bytes"] == LIBRARY_BYTES + 5_133_926_400 + 4_294_967_296 + 16_911_433_728 + 2_483_027_968
     assert 27.2 < r["host_peak_bytes"] / 2**30 < 27.4  # 70B in 27 GiB, against 128 GiB of fp16 weights
     assert r["float_weights_bytes"] == param_count(LLAMA2_70B) * 2
-    # w4a16 g128 with fp16 scales: half a byte per weight + 2 bytes per 128, plus the float tensors
+    # w4a16 g128 with fp16 scales: half a byte per weight + 2 bytes per 128 + 16 per linear's
+    # shape, plus the float tensors
     assert (
-        r["output_bytes"] == 80 * (855_638_016 // 2 + 855_638_016 // 64) + (80 * 2 * 8192 + 8192 + 2 * 32000 * 8192) * 2
+        r["output_bytes"]
+        == 80 * (855_638_016 // 2 + 855_638_016 // 64 + 7 * 16) + (80 * 2 * 8192 + 8192 + 2 * 32000 * 8192) * 2
     )
     # the same run with blocks on a GPU: the host holds one block as read, the device the rest
     g = calibration_plan(config, "gptq", samples=128, seq_len=512, device="cuda", gflops=67_000)
