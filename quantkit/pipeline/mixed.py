@@ -228,13 +228,7 @@ def _measure(path: Path, scheme: QuantScheme, calibration, track: Track, method,
     samples = calibration_samples(tokenizer, load_documents(c.dataset, "calib"), c.samples, c.seq_len, c.seed)
     blocks = get_module(model, spec.blocks)
     found = units(model, spec)
-    guides = None
-    if getattr(options, "guided", 0):  # the loss weights of guided Hessians, on the same windows
-        from quantkit.calibration import guided
-
-        guided.check_dense(spec, path)
-        linears = [n for unit in found for n in unit.linears]
-        guides = guided.loss_gradients(model, spec, samples, options.guided, linears, c.batch_size)
+    guides = _guides(model, spec, path, samples, options, found, c.batch_size)
     final_norm, lm_head = get_module(model, spec.final_norm), get_module(model, spec.lm_head)
     softcap = getattr(model.config, "final_logit_softcapping", None)
     with torch.no_grad():
@@ -274,23 +268,35 @@ def _measure(path: Path, scheme: QuantScheme, calibration, track: Track, method,
                 for j in range(unit.block + 1, len(blocks)):
                     h = BlockInputs(h, kwargs[j]).run(blocks[j])
                 kld[name] = kl(h)
-            bits = {n: unit.bits(a, float_bytes) for n, a in cands.items() if n in kld}
-            rows.append(
-                {
-                    "label": unit.label,
-                    "block": unit.block,
-                    "linears": list(unit.linears),
-                    "params": unit.params,
-                    "kld": kld,
-                    "bits": bits,
-                }
-            )
+            rows.append(_row(unit, kld, {n: unit.bits(a, float_bytes) for n, a in cands.items() if n in kld}))
     return {
         "scheme": scheme.name,
         "method": method.name,
         "calibration": dataclasses.asdict(calibration),
         "float_bytes": float_bytes,
         "units": rows,
+    }
+
+
+def _guides(model, spec, path, samples, options, found: list[Unit], batch_size: int):
+    """The loss weights of guided Hessians on the same windows, when the options ask for them."""
+    if not getattr(options, "guided", 0):
+        return None
+    from quantkit.calibration import guided
+
+    guided.check_dense(spec, path)
+    linears = [n for unit in found for n in unit.linears]
+    return guided.loss_gradients(model, spec, samples, options.guided, linears, batch_size)
+
+
+def _row(unit: Unit, kld: dict, bits: dict) -> dict:
+    return {
+        "label": unit.label,
+        "block": unit.block,
+        "linears": list(unit.linears),
+        "params": unit.params,
+        "kld": kld,
+        "bits": bits,
     }
 
 
