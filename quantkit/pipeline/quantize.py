@@ -275,8 +275,9 @@ def quantize(
     per weight stay at most `target_bits` (`pipeline.mixed`), among `target_formats` when given
     (`mixed.allowed_formats`); the provenance records the choice."""
     run = _Run(model_name, method, options, transforms, calibration, out, overwrite, device, track, log)
-    run.validate(scheme, max_shard_size, target_bits, target_formats)
-    run.open(resume, target_bits, target_formats)
+    scheme = run.validate(scheme, max_shard_size, target_bits, target_formats)
+    run.resolve(scheme)
+    run.open_output(resume, target_bits, target_formats)
     try:
         run.check_disk()
         run.capture()
@@ -295,11 +296,12 @@ def quantize(
 
 
 class _Run:
-    """One `quantize` call in named phases: `validate` (the arguments, the model's
-    architecture, the scheme of each linear, resolved once), `open` (the hidden output
-    folder, or the interrupted run it resumes), `check_disk`, `capture` (the calibration
-    text, and the loss gradients of guided Hessians), `calibrate_blocks` and `finish`
-    (provenance, and the checkpoint renamed into place)."""
+    """One `quantize` call in named phases: `validate` (the arguments, and the mixed scheme
+    of `--target-bits`), `resolve` (the model's architecture and the scheme of each linear,
+    resolved once), `open_output` (the hidden output folder, or the interrupted run it
+    resumes), `check_disk`, `capture` (the calibration text, and the loss gradients of
+    guided Hessians), `calibrate_blocks` and `finish` (provenance, and the checkpoint
+    renamed into place)."""
 
     def __init__(self, model_name, method, options, transforms, calibration, out, overwrite, device, track, log):
         self.model_name, self.device, self.track, self.log = model_name, device, track, log
@@ -310,7 +312,9 @@ class _Run:
         self.options, self.out, self.overwrite = options, Path(out), overwrite
         self.calibration = calibration or Calibration()
 
-    def validate(self, scheme: QuantScheme, max_shard_size, target_bits, target_formats) -> None:
+    def validate(self, scheme: QuantScheme, max_shard_size, target_bits, target_formats) -> QuantScheme:
+        """The scheme to quantize with (with `target_bits`, the mixed one chosen), once the
+        arguments are checked against the method and the output folder."""
         m, log = self.method, self.log
         check_method(m, scheme, self.transforms)
         self.options = _options(m, self.options)
@@ -325,6 +329,12 @@ class _Run:
             scheme, self.mixed = for_target_bits(
                 self.model_name, m, self.options, scheme, self.calibration, target_bits, self.formats, self.track, log
             )
+        return scheme
+
+    def resolve(self, scheme: QuantScheme) -> None:
+        """The model, built empty; its group sizes fitted; the scheme of each of its linears;
+        the runner step."""
+        m, log = self.method, self.log
         self.model, self.tokenizer, self.source, self.weights, self.dtype = open_float_model(self.model_name, log)
         self.spec = spec = arch_for(self.model.config)
         self.guided = getattr(self.options, "guided", 0)  # loss-guided Hessians: groups of output channels per linear
@@ -344,7 +354,7 @@ class _Run:
         needs_data = m.needs_data(scheme, self.options) or any(t.needs_data(scheme, o) for t, o in self.transforms)
         self.calibrated = needs_data or scheme.kv_cache is not None  # reads calibration text
 
-    def open(self, resume: bool, target_bits, target_formats) -> None:
+    def open_output(self, resume: bool, target_bits, target_formats) -> None:
         """The hidden folder the run writes into: a fresh one, or the one an interrupted run
         with the same arguments left (`resume`)."""
         args = {
