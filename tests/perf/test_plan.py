@@ -1,6 +1,7 @@
 """`quantkit plan` arithmetic against hand-computed cases from public configs."""
 
 import math
+import sys
 
 import pytest
 
@@ -231,3 +232,26 @@ def test_dense_layers_count_and_calibration_holds_one_sparse_block():
     # each down_proj Hessian is 14336² fp32 (822 MB): one per pass, plus the three of the one being quantized
     assert r["breakdown"]["working_set"] == 4 * 14336**2 * 4 + 4 * 4096 * 14336 * 4
     assert 16 * 2**30 < r["host_peak_bytes"] < 17 * 2**30  # a 47B model (87 GiB in bf16): one block is 8.5 GB
+
+
+def test_calibration_plan_reads_the_methods_cost_model_through_the_registry(monkeypatch):
+    import dataclasses
+
+    from quantkit.calibration import registry
+    from quantkit.perf.plan import calibration_plan
+
+    calls = []
+
+    def cost(groups, tokens, group_size, sparse_input):
+        calls.append((groups, tokens, group_size, sparse_input))
+        return {"working_set": 1000, "flops": 0.0, "efficiency": 0.5}
+
+    monkeypatch.setattr(sys.modules[__name__], "_cost", cost, raising=False)
+    entry = dataclasses.replace(registry.METHODS["rtn"], plan=f"{__name__}:_cost")
+    monkeypatch.setitem(registry.METHODS, "rtn", entry)
+    r = calibration_plan(LLAMA2_7B, "rtn", samples=2, seq_len=8, group_size=64)
+    assert r["breakdown"]["working_set"] == 1000 and r["method"] == "rtn"
+    (groups, tokens, group_size, sparse_input), *_ = calls
+    # the sequential groups of a Llama block: q/k/v, o, gate/up, down, each read by every token
+    assert groups == [(4096, 3 * 4096, 1.0), (4096, 4096, 1.0), (4096, 2 * 11008, 1.0), (11008, 4096, 1.0)]
+    assert (tokens, group_size, sparse_input) == (16, 64, 0)
