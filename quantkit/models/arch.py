@@ -64,6 +64,10 @@ class MoE:
     def expert(self, index: int, part: int) -> str:
         return f"{self.module}.experts.{index}.{self.names[part]}"
 
+    def is_expert(self, name: str) -> bool:
+        """Whether the block linear `name` belongs to a routed expert (not the shared one)."""
+        return name.startswith(f"{self.module}.experts.")
+
 
 @dataclass(frozen=True)
 class ArchSpec:

@@ -1,7 +1,12 @@
 """Capacity planning from a model's config.json alone (no weights): weight and KV-cache
 memory per scheme, how many sequences fit on a GPU, and the memory-bandwidth lower
 bounds on decode latency, throughput and cost. Bounds, not measurements: real engines
-land above these latencies (`quantkit bench` measures them)."""
+land above these latencies (`quantkit bench` measures them). And what calibrating a model
+will take (`calibration_plan`).
+
+The shapes come from the family's description (`models/arch.py`), the bytes of a
+quantized linear from its format (`formats/stored.py`), and a method's calibration cost
+from the method's own module (its registry entry's `plan`)."""
 
 from __future__ import annotations
 
@@ -69,7 +74,7 @@ def _moe(config: dict) -> dict | None:
 
 def _share(spec: ArchSpec, name: str, moe: dict | None) -> Fraction:
     """The share of the tokens the block linear `name` reads: an expert its top-k share."""
-    routed = spec.moe is not None and name.startswith(f"{spec.moe.module}.experts.")
+    routed = spec.moe is not None and spec.moe.is_expert(name)
     return Fraction(moe["top_k"], moe["experts"]) if routed else Fraction(1)
 
 
