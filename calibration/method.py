@@ -101,6 +101,7 @@ class Method:
     default_actorder: str | None = None  # the act-order its command and `quantkit.quantize` use unless told
     needs_activations: bool = False  # only for schemes that quantize activations
     before: tuple[str, ...] = ()
+    plan: str | None = None  # "module:function": its cost model for `quantkit plan --calibrate` (None: not planned)
 
     def makes(self, fmt: str) -> bool:
         """Whether the method's weights can take the on-disk format `fmt` (a scheme's `format`)."""

@@ -116,6 +116,7 @@ METHODS: dict[str, Method] = {
             needs_data=lambda scheme, o: o.load_search is None or o.gptq,
             folds_scales=True,
             default_scheme="w4a16",
+            plan="quantkit.calibration.awq:plan_cost",
         ),
         Method(
             "gptq",
@@ -128,6 +129,7 @@ METHODS: dict[str, Method] = {
             default_scheme="w4a16",
             actorder=True,
             default_actorder="static",
+            plan="quantkit.calibration.gptq:plan_cost",
         ),
         Method(
             "fp8",

@@ -1,6 +1,6 @@
 """The layering the docs promise: no import cycle anywhere (imports inside functions
-count), the numerical core at the bottom, kernels importing only the core, the calibration
-registry and the CLI free of torch at import time."""
+count), the numerical core at the bottom, kernels importing only the core, eval and the
+pipeline below perf, the calibration registry and the CLI free of torch at import time."""
 
 from __future__ import annotations
 
@@ -115,6 +115,14 @@ def test_eval_is_accuracy_only():
     graph = import_graph()
     for module in (m for m in graph if m.startswith("quantkit.eval")):
         wrong = {t for t in graph[module] if t.startswith(("quantkit.perf", "quantkit.serve", "quantkit.cli"))}
+        assert not wrong, f"{module} imports {wrong}"
+
+
+def test_the_pipeline_does_not_plan():
+    # checkpoint bytes come from the formats, not from capacity planning (perf sits above the pipeline)
+    graph = import_graph()
+    for module in (m for m in graph if m.startswith("quantkit.pipeline")):
+        wrong = {t for t in graph[module] if t.startswith("quantkit.perf")}
         assert not wrong, f"{module} imports {wrong}"
 
 

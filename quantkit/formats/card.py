@@ -51,7 +51,6 @@ def render(config: dict, provenance: dict, name: str) -> str:
     qc = config.get("quantization_config") or {}
     prov = provenance or {}
     model = str(prov.get("model") or "")
-    groups = qc.get("config_groups") or {}
     method = prov.get("algorithm")
     scheme = prov.get("scheme") or qc.get("format") or "quantized"
     tags = ["quantkit", "compressed-tensors", *([scheme] if scheme else []), *([method] if method else [])]
@@ -68,8 +67,13 @@ def render(config: dict, provenance: dict, name: str) -> str:
         + f" by {made}"
         + (f" on {prov['created'][:10]}." if prov.get("created") else ".")
     )
-    lines += ["", "## Scheme", "", "| modules | weights | input activations |", "|---|---|---|"]
-    for group in groups.values():
+    lines += _scheme_section(qc) + _calibration_section(prov, method) + _results_section(prov) + _use_section(name)
+    return "\n".join(front + lines)
+
+
+def _scheme_section(qc: dict) -> list[str]:
+    lines = ["", "## Scheme", "", "| modules | weights | input activations |", "|---|---|---|"]
+    for group in (qc.get("config_groups") or {}).values():
         targets = ", ".join(f"`{t}`" for t in group.get("targets", []))
         lines.append(
             f"| {targets} | {_weights(group.get('weights'))} | {_activations(group.get('input_activations'))} |"
@@ -82,40 +86,53 @@ def render(config: dict, provenance: dict, name: str) -> str:
     if kv:
         per = "KV head" if kv.get("strategy") == "attn_head" else "layer"
         lines += ["", f"KV cache: {kv.get('type', 'int').replace('float', 'fp')}{kv['num_bits']}, one scale per {per}."]
+    return lines
+
+
+def _calibration_section(prov: dict, method: str | None) -> list[str]:
     cal = prov.get("calibration")
-    if cal or prov.get("options"):
-        lines += ["", "## Calibration", ""]
-        if cal:
-            lines.append(f"- text: `{cal['dataset']}`, {cal['samples']} × {cal['seq_len']} tokens, seed {cal['seed']}")
-        if prov.get("transforms"):
-            lines.append(f"- before quantizing: {', '.join(prov['transforms'])}")
-        if prov.get("options"):
-            opts = ", ".join(f"{k}={v}" for k, v in prov["options"].items() if v is not None)
-            lines.append(f"- {method} options: {opts or 'none'}")
-        if prov.get("wall_time_s") is not None:
-            lines.append(f"- wall time {prov['wall_time_s']:.0f} s, peak memory {prov.get('peak_rss_mib', 0):.0f} MiB")
-    lines += ["", "## Results", ""]
+    if not cal and not prov.get("options"):
+        return []
+    lines = ["", "## Calibration", ""]
+    if cal:
+        lines.append(f"- text: `{cal['dataset']}`, {cal['samples']} × {cal['seq_len']} tokens, seed {cal['seed']}")
+    if prov.get("transforms"):
+        lines.append(f"- before quantizing: {', '.join(prov['transforms'])}")
+    if prov.get("options"):
+        opts = ", ".join(f"{k}={v}" for k, v in prov["options"].items() if v is not None)
+        lines.append(f"- {method} options: {opts or 'none'}")
+    if prov.get("wall_time_s") is not None:
+        lines.append(f"- wall time {prov['wall_time_s']:.0f} s, peak memory {prov.get('peak_rss_mib', 0):.0f} MiB")
+    return lines
+
+
+def _results_section(prov: dict) -> list[str]:
+    lines = ["", "## Results", ""]
     evaluations = prov.get("evaluations") or []
     if not evaluations:
         lines.append(
             "None recorded yet: `quantkit eval CHECKPOINT --baseline BASE_MODEL` measures perplexity, KL "
             "divergence and top-1 agreement against the float model and records them here."
         )
-    else:
-        lines += ["| date | data | metric | this checkpoint | baseline | change |", "|---|---|---|---|---|---|"]
-        for e in evaluations:
-            data = ", ".join([*([e["ppl"]] if e.get("ppl") else []), *(e.get("tasks") or [])])
-            if e.get("limit"):
-                data += f" (limit {e['limit']})"
-            for row in e.get("rows", []):
-                lines.append(
-                    f"| {e['created'][:10]} | {data} | {row['metric']} | {_number(row.get('candidate'))} "
-                    f"| {_number(row.get('baseline'))} | {_number(row.get('delta'), signed=True)} |"
-                )
-        baselines = sorted({e["baseline"] for e in evaluations if e.get("baseline")})
-        if baselines:
-            lines += ["", "Baseline: " + ", ".join(f"`{b}`" for b in baselines) + "."]
-    lines += [
+        return lines
+    lines += ["| date | data | metric | this checkpoint | baseline | change |", "|---|---|---|---|---|---|"]
+    for e in evaluations:
+        data = ", ".join([*([e["ppl"]] if e.get("ppl") else []), *(e.get("tasks") or [])])
+        if e.get("limit"):
+            data += f" (limit {e['limit']})"
+        for row in e.get("rows", []):
+            lines.append(
+                f"| {e['created'][:10]} | {data} | {row['metric']} | {_number(row.get('candidate'))} "
+                f"| {_number(row.get('baseline'))} | {_number(row.get('delta'), signed=True)} |"
+            )
+    baselines = sorted({e["baseline"] for e in evaluations if e.get("baseline")})
+    if baselines:
+        lines += ["", "Baseline: " + ", ".join(f"`{b}`" for b in baselines) + "."]
+    return lines
+
+
+def _use_section(name: str) -> list[str]:
+    return [
         "",
         "## Use it",
         "",
@@ -133,7 +150,6 @@ def render(config: dict, provenance: dict, name: str) -> str:
         "`quantkit.json` holds the full provenance: every option, the recipe, and the recorded evaluations.",
         "",
     ]
-    return "\n".join(front + lines)
 
 
 def _number(v, signed: bool = False) -> str:

@@ -5,8 +5,8 @@ Per quantized linear `<name>`:
 | tensor | dtype | shape | content |
 |---|---|---|---|
 | `<name>.weight_packed` | int32 | [out, in * bits / 32] | values + 2^(bits-1) (int4: +8), element j of a row in bits [bits*(j % (32/bits)), ...) of word j // (32/bits): little-end first |
-| `<name>.weight_scale` | float (model dtype) | [out, in / group] (group), [out, 1] (channel) | |
-| `<name>.weight_zero_point` | int32 | [ceil(out * bits / 32), in / group] | asymmetric only; signed zero points packed like the weights but along the output dimension |
+| `<name>.weight_scale` | float (model dtype) | [out, ceil(in / group)] (group), [out, 1] (channel) | |
+| `<name>.weight_zero_point` | int32 | [ceil(out * bits / 32), ceil(in / group)] | asymmetric only; signed zero points packed like the weights but along the output dimension |
 | `<name>.weight_shape` | int64 | [2] | [out, in] |
 | `<name>.weight_g_idx` | int32 | [in] | only with act-order "group": the group of each input column |
 """
@@ -54,7 +54,7 @@ def decompress_ints(tensors: dict[str, torch.Tensor], args: QuantArgs):
 
 def param_info(out_features: int, in_features: int, args: QuantArgs, dtype: torch.dtype) -> dict[str, tuple]:
     """Shapes and dtypes of the packed tensors of one [out, in] linear."""
-    n_groups = in_features // args.group_size if args.strategy == "group" else 1
+    n_groups = -(-in_features // args.group_size) if args.strategy == "group" else 1  # a last, partial group
     info = {
         "weight_packed": ((out_features, in_features * args.num_bits // 32), torch.int32),
         "weight_scale": ((out_features, n_groups), dtype),

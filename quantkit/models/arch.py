@@ -64,6 +64,10 @@ class MoE:
     def expert(self, index: int, part: int) -> str:
         return f"{self.module}.experts.{index}.{self.names[part]}"
 
+    def is_expert(self, name: str) -> bool:
+        """Whether the block linear `name` belongs to a routed expert (not the shared one)."""
+        return name.startswith(f"{self.module}.experts.")
+
 
 @dataclass(frozen=True)
 class ArchSpec:
@@ -91,6 +95,9 @@ class ArchSpec:
     # the sequential groups in passes over the calibration batches, when a pass holds several:
     # no group of a pass changes another's inputs (every expert's gate/up, then every down)
     passes: tuple[tuple[tuple[str, ...], ...], ...] = ()
+    # (linear, out, in) of a dense block's linears in the widths `dimensions` reads from a
+    # config (`plan` sizes a model by them without building it); `block_shapes` adds the experts'
+    shapes: tuple[tuple[str, str, str], ...] = ()
 
     @property
     def linears(self) -> tuple[str, ...]:
@@ -110,7 +117,11 @@ class ArchSpec:
         experts = getattr(get_module(block, self.moe.module), "experts", None)
         if experts is None:
             return self.replace(moe=None)
-        return _sparse(self, len(experts))
+        return self.sparse(len(experts))
+
+    def sparse(self, experts: int) -> ArchSpec:
+        """The spec of a sparse block of this family whose MLP has `experts` experts."""
+        return _sparse(self, experts)
 
     def replace(self, **changes) -> ArchSpec:
         return dataclasses.replace(self, **changes)
@@ -134,6 +145,15 @@ LLAMA = ArchSpec(
         Mapping("mlp.up_proj", ("mlp.down_proj",)),
     ),
     attention="self_attn",
+    shapes=(
+        ("self_attn.q_proj", "q", "hidden"),
+        ("self_attn.k_proj", "kv", "hidden"),
+        ("self_attn.v_proj", "kv", "hidden"),
+        ("self_attn.o_proj", "hidden", "q"),
+        ("mlp.gate_proj", "mlp", "hidden"),
+        ("mlp.up_proj", "mlp", "hidden"),
+        ("mlp.down_proj", "hidden", "mlp"),
+    ),
 )
 
 QWEN3 = LLAMA.replace(q_norm="self_attn.q_norm", k_norm="self_attn.k_norm")
@@ -161,6 +181,12 @@ PHI3 = LLAMA.replace(
         Mapping("mlp.gate_up_proj", ("mlp.down_proj",), prev_rows="up"),
     ),
     act="mlp.activation_fn",
+    shapes=(
+        ("self_attn.qkv_proj", "qkv", "hidden"),
+        ("self_attn.o_proj", "hidden", "q"),
+        ("mlp.gate_up_proj", "gate_up", "hidden"),
+        ("mlp.down_proj", "hidden", "mlp"),
+    ),
 )
 
 # The sparse families: Mixtral's MLP is `block_sparse_moe` in its checkpoints (transformers 5
@@ -222,6 +248,65 @@ def arch_for(config) -> ArchSpec:
             f"(model types {', '.join(sorted(ARCHS))}); docs/architectures.md says how to add one."
         )
     return ARCHS[model_type]
+
+
+def _mlp_shapes(width: str) -> tuple[tuple[str, str], ...]:
+    """(out, in) of an expert's (or the shared expert's) gate, up and down projections."""
+    return (width, "hidden"), (width, "hidden"), ("hidden", width)
+
+
+def dimensions(config: dict) -> dict[str, int]:
+    """The widths the families' linear shapes are written in (`ArchSpec.shapes`), from a
+    config.json dict: hidden, head_dim, q (heads × head_dim), kv (KV heads × head_dim), qkv (fused),
+    mlp (a dense MLP's width), gate_up (fused), expert and shared (a sparse MLP's expert and
+    shared expert; 0: none)."""
+    h, heads = config["hidden_size"], config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    hd = config.get("head_dim") or h // heads
+    mlp = config["intermediate_size"]
+    return {
+        "hidden": h,
+        "head_dim": hd,
+        "q": heads * hd,
+        "kv": kv_heads * hd,
+        "qkv": (heads + 2 * kv_heads) * hd,
+        "mlp": mlp,
+        "gate_up": 2 * mlp,
+        "expert": config.get("moe_intermediate_size") or mlp,
+        "shared": config.get("shared_expert_intermediate_size") or 0,
+    }
+
+
+def num_experts(config: dict) -> int:
+    """Experts per sparse MLP of a config.json dict (Mixtral's num_local_experts, the Qwen
+    MoEs' num_experts); 0: a dense model."""
+    return config.get("num_local_experts") or config.get("num_experts") or 0
+
+
+def sparse_layers(config: dict) -> list[bool]:
+    """Per decoder layer of a config.json dict, whether its MLP is sparse: every layer of a
+    mixture of experts, but for Qwen's mlp_only_layers and the layers decoder_sparse_step skips."""
+    layers, step = config["num_hidden_layers"], config.get("decoder_sparse_step") or 1
+    dense = set(config.get("mlp_only_layers") or ())
+    return [bool(num_experts(config)) and i not in dense and (i + 1) % step == 0 for i in range(layers)]
+
+
+def block_shapes(spec: ArchSpec, config: dict, sparse: bool = False) -> dict[str, tuple[int, int]]:
+    """Linear (as `for_block` names it) -> [out, in] of one decoder block of the model the
+    config.json dict describes: a dense block, or with `sparse` one whose MLP has the
+    config's experts (each named, and the shared expert)."""
+    dims = dimensions(config)
+    if not sparse or spec.moe is None:
+        return {name: (dims[o], dims[i]) for name, o, i in spec.shapes}
+    moe, n = spec.moe, num_experts(config)
+    block = spec.sparse(n)
+    found = {name: (dims[o], dims[i]) for name, o, i in spec.shapes if name in block.linears}
+    for part, (o, i) in enumerate(_mlp_shapes("expert")):
+        found |= {moe.expert(e, part): (dims[o], dims[i]) for e in range(n)}
+    if moe.shared:
+        parts = zip(("gate_proj", "up_proj", "down_proj"), _mlp_shapes("shared"))
+        found |= {f"{moe.shared}.{name}": (dims[o], dims[i]) for name, (o, i) in parts}
+    return {name: found[name] for name in block.linears}
 
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # static tables: the rotary module's cos/sin hold for any batch

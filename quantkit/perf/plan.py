@@ -1,15 +1,23 @@
 """Capacity planning from a model's config.json alone (no weights): weight and KV-cache
 memory per scheme, how many sequences fit on a GPU, and the memory-bandwidth lower
 bounds on decode latency, throughput and cost. Bounds, not measurements: real engines
-land above these latencies (`quantkit bench` measures them)."""
+land above these latencies (`quantkit bench` measures them). And what calibrating a model
+will take (`calibration_plan`).
+
+The shapes come from the family's description (`models/arch.py`), the bytes of a
+quantized linear from its format (`formats/stored.py`), and a method's calibration cost
+from the method's own module (its registry entry's `plan`)."""
 
 from __future__ import annotations
 
-import math
+import importlib
 from dataclasses import dataclass
+from fractions import Fraction
 
-from quantkit.calibration.registry import HESSIAN_BYTES
+from quantkit.calibration.registry import METHODS
 from quantkit.errors import QuantkitError
+from quantkit.formats.stored import linear_bytes
+from quantkit.models.arch import ARCHS, LLAMA, ArchSpec, block_shapes, dimensions, num_experts, sparse_layers
 from quantkit.scheme import PRESETS, QuantArgs
 
 FLOAT_BYTES = 2  # serving dtype (bf16/fp16) of everything left unquantized
@@ -41,66 +49,68 @@ GPUS: dict[str, GPU] = {
 }
 
 
-def linear_shapes(config: dict) -> dict[str, tuple[int, int]]:
-    """[out, in] of the linears of one decoder block (Llama/Mistral/Qwen2 layout)."""
-    h, inter = config["hidden_size"], config["intermediate_size"]
-    heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    hd = config.get("head_dim") or h // heads
-    return {
-        "q_proj": (heads * hd, h),
-        "k_proj": (kv_heads * hd, h),
-        "v_proj": (kv_heads * hd, h),
-        "o_proj": (h, heads * hd),
-        "gate_proj": (inter, h),
-        "up_proj": (inter, h),
-        "down_proj": (h, inter),
-    }
+def _arch(config: dict) -> ArchSpec:
+    """The family's description (`models/arch.py`); a model type quantkit does not know is
+    planned as Llama-shaped."""
+    return ARCHS.get(config.get("model_type"), LLAMA)
 
 
 def _moe(config: dict) -> dict | None:
     """A mixture-of-experts config's experts (Mixtral, Qwen2-MoE, Qwen3-MoE): how many, how
     many a token uses, their width, the shared expert's width (0: none) and how many layers
-    are sparse (Qwen's mlp_only_layers and decoder_sparse_step leave some dense); None: dense."""
-    experts = config.get("num_local_experts") or config.get("num_experts")
+    are sparse (`arch.sparse_layers`); None: dense."""
+    experts = num_experts(config)
     if not experts:
         return None
-    layers, step = config["num_hidden_layers"], config.get("decoder_sparse_step") or 1
-    dense = set(config.get("mlp_only_layers") or ())
+    dims = dimensions(config)
     return {
         "experts": experts,
         "top_k": config["num_experts_per_tok"],
-        "width": config.get("moe_intermediate_size") or config["intermediate_size"],
-        "shared": config.get("shared_expert_intermediate_size") or 0,
-        "layers": sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0),
+        "width": dims["expert"],
+        "shared": dims["shared"],
+        "layers": sum(sparse_layers(config)),
     }
 
 
+def _share(spec: ArchSpec, name: str, moe: dict | None) -> Fraction:
+    """The share of the tokens the block linear `name` reads: an expert its top-k share."""
+    routed = spec.moe is not None and spec.moe.is_expert(name)
+    return Fraction(moe["top_k"], moe["experts"]) if routed else Fraction(1)
+
+
 def block_linears(config: dict) -> list[tuple[int, int, int, int]]:
-    """(out, in, how many the model has, how many one token reads) of every kind of block
-    linear: attention, dense MLPs, and in sparse layers every expert (top-k read per token)
+    """(out, in, how many the model has, how many one token reads) of every shape of block
+    linear, from the family's description (`arch.block_shapes`): attention and dense MLPs
+    in every layer that has them, and in sparse layers every expert (top-k read per token)
     and the shared expert."""
-    h, layers, shapes = config["hidden_size"], config["num_hidden_layers"], linear_shapes(config)
-    moe = _moe(config)
+    spec, moe = _arch(config), _moe(config)
     sparse = moe["layers"] if moe else 0
-    rows = [(*shapes[n], layers, layers) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    rows += [(*shapes[n], layers - sparse, layers - sparse) for n in ("gate_proj", "up_proj", "down_proj")]
-    if moe:
-        e, k, w, s = moe["experts"], moe["top_k"], moe["width"], moe["shared"]
-        rows += [(o, i, sparse * e, sparse * k) for o, i in ((w, h), (w, h), (h, w))]
-        rows += [(o, i, sparse, sparse) for o, i in ((s, h), (s, h), (h, s)) if s]
-    return [r for r in rows if r[2]]
+    rows: dict[tuple[int, int], list] = {}
+    for is_sparse, layers in ((False, config["num_hidden_layers"] - sparse), (True, sparse)):
+        if not layers:
+            continue
+        for name, shape in block_shapes(spec, config, is_sparse).items():
+            row = rows.setdefault(shape, [0, Fraction(0)])
+            row[0] += layers
+            row[1] += layers * _share(spec, name, moe)
+    return [(o, i, n, int(active)) for (o, i), (n, active) in rows.items()]
 
 
 def _float_params(config: dict) -> int:
-    """Parameters that stay in float: embeddings, lm_head, norms, biases, routers."""
-    h, vocab, shapes = config["hidden_size"], config["vocab_size"], linear_shapes(config)
+    """Parameters that stay in float: embeddings, lm_head, the norms the family's blocks have
+    (per-head q/k norms too), biases, routers."""
+    h, vocab, spec, dims = config["hidden_size"], config["vocab_size"], _arch(config), dimensions(config)
+    shapes = {name.rsplit(".", 1)[1]: s for name, s in block_shapes(spec, config).items()}
     biased = set()
-    if config.get("attention_bias") or config.get("model_type") == "qwen2":
+    if config.get("attention_bias") or config.get("qkv_bias") or config.get("model_type") == "qwen2":
         biased |= {"q_proj", "k_proj", "v_proj"} | ({"o_proj"} if config.get("attention_bias") else set())
     if config.get("mlp_bias"):
         biased |= {"gate_proj", "up_proj", "down_proj"}
-    per_block = 2 * h + sum(shapes[n][0] for n in biased)  # two norms + biases
+    norms = (spec.input_norm, spec.pre_mlp_norm, spec.post_attention_norm, spec.post_mlp_norm)
+    per_block = h * sum(n is not None for n in norms) + dims["head_dim"] * sum(
+        n is not None for n in (spec.q_norm, spec.k_norm)
+    )
+    per_block += sum(shapes[n][0] for n in biased if n in shapes)
     heads = 1 if config.get("tie_word_embeddings", False) else 2
     moe = _moe(config)
     routers = moe["layers"] * (moe["experts"] + (1 if moe["shared"] else 0)) * h if moe else 0  # and shared gates
@@ -113,25 +123,14 @@ def param_count(config: dict, active: bool = False) -> int:
     return sum(o * i * (a if active else n) for o, i, n, a in block_linears(config)) + _float_params(config)
 
 
-def linear_bytes(
-    out: int, inp: int, args: QuantArgs | None, static_input: bool = False, float_bytes: int = FLOAT_BYTES
-) -> float:
-    """Bytes of one [out, in] linear in memory: values, scales (and zero points)."""
-    if args is None:
-        return out * inp * float_bytes
-    scale_bytes = 4 if args.type == "float" else float_bytes  # fp8 scales are fp32, int scales model dtype
-    scales = {"group": out * math.ceil(inp / (args.group_size or inp)), "channel": out}.get(args.strategy, 1)
-    total = out * inp * args.num_bits / 8 + scales * scale_bytes + (4 if static_input else 0)
-    if not args.symmetric:  # zero points, packed like the weights
-        total += scales * args.num_bits / 8
-    return total
-
-
 def weight_bytes(config: dict, scheme: str, active: bool = False) -> float:
-    """Bytes of all weights with the block linears quantized per `scheme`; with `active`,
-    of those one token reads."""
-    args, static_input = _scheme_args(scheme)
-    linears = sum(linear_bytes(o, i, args, static_input) * (a if active else n) for o, i, n, a in block_linears(config))
+    """Bytes of all weights with the block linears quantized per `scheme` (stored as its
+    format stores them, `formats/stored.py`); with `active`, of those one token reads."""
+    fmt, args, static_input = _scheme_args(scheme)
+    linears = sum(
+        linear_bytes(fmt, o, i, args, FLOAT_BYTES, static_input) * (a if active else n)
+        for o, i, n, a in block_linears(config)
+    )
     return linears + _float_params(config) * FLOAT_BYTES
 
 
@@ -145,15 +144,16 @@ def kv_bytes_per_token(config: dict, kv_cache: str | None = None) -> int:
     return 2 * config["num_hidden_layers"] * kv_heads * hd * KV_BYTES[kv_cache]
 
 
-def _scheme_args(scheme: str) -> tuple[QuantArgs | None, bool]:
+def _scheme_args(scheme: str) -> tuple[str | None, QuantArgs | None, bool]:
+    """(format, weight args, static activation scales) of a scheme name."""
     if scheme in FLOAT_SCHEMES:
-        return None, False
+        return None, None, False
     known = [n for n, p in PRESETS.items() if p.weights is not None]
     if scheme not in known:
         options = ", ".join(FLOAT_SCHEMES + tuple(known))
         raise QuantkitError(f"unknown scheme {scheme!r} for planning; use one of: {options}.")
     p = PRESETS[scheme]
-    return p.weights, p.input_activations is not None and not p.input_activations.dynamic
+    return p.format, p.weights, p.input_activations is not None and not p.input_activations.dynamic
 
 
 def gpu_spec(name: str) -> GPU:
@@ -199,9 +199,9 @@ def plan(
         weights = weight_bytes(config, scheme)
         seqs = max(0, int((memory * memory_utilization - weights) // (kv_token * context)))
         seqs = min(seqs, max_num_seqs) if max_num_seqs else seqs
-        args, _ = _scheme_args(scheme)
+        _, args, _ = _scheme_args(scheme)
         fp8_math = args is not None and args.type == "float" and spec.fp8_tflops is not None
-        attention = 2 * config["num_hidden_layers"] * context**2 * linear_shapes(config)["q_proj"][0]  # causal QK, PV
+        attention = 2 * config["num_hidden_layers"] * context**2 * dimensions(config)["q"]  # causal QK, PV
         flops = 2 * active * context + attention
         tpot_full = (weights + seqs * context * kv_token) / bandwidth if seqs else None
         tokens_s = seqs / tpot_full if seqs else None
@@ -264,13 +264,40 @@ def model_config(name_or_path: str) -> dict:
 # --- calibration: memory and time of `quantkit awq|gptq` on a model, from its config ---
 
 LIBRARY_BYTES = 0.45 * 2**30  # python, torch, transformers and quantkit loaded (measured: 443 MiB RSS)
-SEARCH_TOKENS, BATCH = 16384, 8  # AWQ scores scales on at most this many tokens; rows per forward
+BATCH = 8  # rows per forward
 FP32_TFLOPS = {"h100-80gb": 67, "a100-80gb": 19.5, "h200": 67, "l40s": 91.6, "l4": 30.3, "rtx4090": 82.6}
-# Calibration reaches this fraction of the device's fp32 matmul rate: its passes are many
-# small forwards, rounding, searches and GPTQ's column loop. Fitted on smollm2 (64 × 512,
-# 2026-12-01: AWQ 300 s, GPTQ with range search 317 s, against a measured 120 GFLOP/s).
-EFFICIENCY = {"gptq": 0.58, "awq": 0.63}
 _FILE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _cost_model(method: str):
+    """The method's planning cost (its registry entry's `plan`, "module:function")."""
+    planned = [m.name for m in METHODS.values() if m.plan]
+    if method not in planned:
+        raise QuantkitError(f"--calibrate {method!r} is not planned; use {' or '.join(planned)}.")
+    module, _, name = METHODS[method].plan.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _calibrated_block(config: dict) -> dict:
+    """The block calibration holds (a sparse one, all its experts, in a mixture of experts):
+    per group of linears that share an input (the family's sequential groups), (in, out
+    summed, share of the tokens it sees); its parameters (norms and router too); the
+    attention width; the MLP width a token computes."""
+    spec, moe, dims = _arch(config), _moe(config), dimensions(config)
+    block = spec.sparse(moe["experts"]) if moe else spec
+    shapes = block_shapes(spec, config, moe is not None)
+    groups = []
+    for group in block.sequential:
+        share = moe["top_k"] / moe["experts"] if _share(spec, group[0], moe) != 1 else 1.0
+        groups.append((shapes[group[0]][1], sum(shapes[n][0] for n in group), share))
+    h = dims["hidden"]
+    return {
+        "groups": groups,
+        "params": sum(i * o for i, o, _ in groups) + 2 * h + (moe["experts"] * h if moe else 0),
+        "attention": dims["q"],
+        "mlp": moe["top_k"] * moe["width"] + moe["shared"] if moe else dims["mlp"],
+        "sparse_input": h if moe else 0,  # a sparse MLP's own input, which every expert reads from
+    }
 
 
 def calibration_plan(
@@ -288,74 +315,37 @@ def calibration_plan(
     working set, or the embeddings while block 0's inputs are captured, whichever is
     larger; never the whole model. `gflops` is the device's fp32 matmul rate. Also the
     checkpoint's size on disk (w4a16, `group_size`). In a mixture of experts the block is a
-    sparse one (all its experts), each expert sees its top-k share of the tokens, and GPTQ
-    holds up to HESSIAN_BYTES of expert Hessians at once."""
-    if method not in EFFICIENCY:
-        raise QuantkitError(f"--calibrate {method!r} is not planned; use awq or gptq.")
+    sparse one (all its experts) and each expert sees its top-k share of the tokens. The
+    method's working set and matmuls come from its own cost model (`plan_cost` in its
+    module, named by its registry entry)."""
+    cost_model = _cost_model(method)
     if samples < 1 or seq_len < 1 or gflops <= 0:
         raise QuantkitError(f"need samples, seq-len and gflops > 0, got {samples}, {seq_len}, {gflops}.")
     config = {**config, **(config.get("text_config") or {})}
     try:
-        h, inter, vocab, layers = (
-            config["hidden_size"],
-            config["intermediate_size"],
-            config["vocab_size"],
-            config["num_hidden_layers"],
-        )
-        shapes = linear_shapes(config)
+        h, vocab, layers = config["hidden_size"], config["vocab_size"], config["num_hidden_layers"]
+        b = _calibrated_block(config)
     except KeyError as e:
         raise QuantkitError(f"config.json lacks {e.args[0]!r}; planning needs a decoder-only LM config.") from None
     file_bytes = _FILE_BYTES.get(str(config.get("torch_dtype") or config.get("dtype") or "float32"), 4)
-    tokens = samples * seq_len
-    attn_width = shapes["o_proj"][1]
-    # per group of linears that share an input: (in, out summed, share of the tokens it sees)
-    groups = [(h, shapes["q_proj"][0] + shapes["k_proj"][0] + shapes["v_proj"][0], 1.0), (attn_width, h, 1.0)]
-    moe = _moe(config)
-    if moe:
-        e, w, s, share = moe["experts"], moe["width"], moe["shared"], moe["top_k"] / moe["experts"]
-        groups += [(h, 2 * w, share)] * e + [(w, h, share)] * e + ([(h, 2 * s, 1.0), (s, h, 1.0)] if s else [])
-        inter = moe["top_k"] * w + s  # intermediate width a token computes
-    else:
-        groups += [(h, 2 * inter, 1.0), (inter, h, 1.0)]
-    block_params = sum(i * o for i, o, _ in groups) + 2 * h + (moe["experts"] * h if moe else 0)
-    block = 4 * block_params + (file_bytes * block_params if file_bytes != 4 else 0)  # fp32, plus the read copy
+    read_copy = file_bytes * b["params"] if file_bytes != 4 else 0  # the block as read, beside its fp32 copy
+    tokens, groups = samples * seq_len, b["groups"]
+    cost = cost_model(groups, tokens, group_size, b["sparse_input"])
+    block = 4 * b["params"] + read_copy
     activations = 2 * tokens * h * 4  # the block's inputs and outputs, fp32
-    heads = config["num_attention_heads"]
-    forward = BATCH * seq_len * (3 * inter + 4 * h) * 4  # one batch's intermediates inside the block
-    forward += BATCH * heads * seq_len**2 * 4  # and its attention scores
-    if method == "gptq":
-        widest = max(i for i, _, _ in groups)  # the largest Hessian: down_proj's
-        out_rows = max(o for i, o, _ in groups if i == widest)
-        held = sum(1 for i, _, _ in groups if i == widest)  # a pass over experts keeps one Hessian each
-        held = min(held, max(1, HESSIAN_BYTES // (4 * widest**2)))
-        # H, its act-order permuted copy and two factors; the stacked weights, permuted, Q and the error
-        working = (3 + held) * widest**2 * 4 + 4 * out_rows * widest * 4
-    else:
-        kept = min(tokens, SEARCH_TOKENS)
-        # every group's input of the block (and a sparse MLP's own), kept for the search
-        working = kept * (sum(i * share for i, _, share in groups) + (h if moe else 0)) * 4
-        working += 2 * kept * max(o for _, o, _ in groups) * 4  # one candidate's outputs and reference
+    forward = BATCH * seq_len * (3 * b["mlp"] + 4 * h) * 4  # one batch's intermediates inside the block
+    forward += BATCH * config["num_attention_heads"] * seq_len**2 * 4  # and its attention scores
     embed = vocab * h * (4 + (file_bytes if file_bytes != 4 else 0))
     capture = embed + tokens * h * 4
-    block_phase = block + activations + working + forward
+    block_phase = block + activations + cost["working_set"] + forward
     on_device = device != "cpu"
     host = LIBRARY_BYTES + (max(block, tokens * h * 4) if on_device else max(capture, block_phase))
-    device_peak = max(capture, block_phase - (file_bytes * block_params if file_bytes != 4 else 0)) if on_device else 0
-    # time: every matmul the method runs, at `EFFICIENCY` of the device's rate. Per group of
-    # linears that share an input: GPTQ accumulates XᵀX, factors it and runs its column
-    # loop; AWQ forms XᵀX once and scores `grid` scale candidates with it, then scores
-    # clipping ranges per group from second moments.
-    block_forward = 2 * tokens * sum(o * i * share for i, o, share in groups) + 2 * tokens * seq_len * attn_width
-    if method == "gptq":
-        per_block = 2 * block_forward + sum(2 * tokens * t * i * i + i**3 / 3 + 2 * o * i * i for i, o, t in groups)
-    else:
-        kept = min(tokens, SEARCH_TOKENS)
-        per_block = 2 * block_forward + sum(2 * kept * t * i * i + 20 * 2 * o * i * i for i, o, t in groups)
-        per_block += sum(2 * kept * t * i * group_size + 40 * o * i * group_size for i, o, t in groups)
-    seconds = layers * per_block / (gflops * 1e9 * EFFICIENCY[method])
+    device_peak = max(capture, block_phase - read_copy) if on_device else 0
+    # time: two forwards through the block and every matmul of the method, at its fraction of the device's rate
+    block_forward = 2 * tokens * sum(o * i * share for i, o, share in groups) + 2 * tokens * seq_len * b["attention"]
+    per_block = 2 * block_forward + cost["flops"]
     args = QuantArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group_size)
-    output = sum(linear_bytes(o, i, args, float_bytes=file_bytes) * n for o, i, n, _ in block_linears(config))
-    output += _float_params(config) * file_bytes
+    output = sum(linear_bytes("pack-quantized", o, i, args, file_bytes) * n for o, i, n, _ in block_linears(config))
     return {
         "method": method,
         "samples": samples,
@@ -365,13 +355,13 @@ def calibration_plan(
         "float_weights_bytes": param_count(config) * file_bytes,
         "host_peak_bytes": host,
         "device_peak_bytes": device_peak,
-        "seconds": seconds,
-        "output_bytes": output,
+        "seconds": layers * per_block / (gflops * 1e9 * cost["efficiency"]),
+        "output_bytes": output + _float_params(config) * file_bytes,
         "breakdown": {
             "libraries": LIBRARY_BYTES,
             "block_weights": block,
             "activations": activations,
-            "working_set": working,
+            "working_set": cost["working_set"],
             "forward": forward,
             "embeddings": embed,
         },

@@ -25,6 +25,7 @@ width) at most the target: a multiple-choice knapsack, solved by dynamic program
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
@@ -35,7 +36,7 @@ from pathlib import Path
 
 from quantkit.atomic import write_atomic
 from quantkit.errors import QuantkitError
-from quantkit.perf.plan import linear_bytes
+from quantkit.formats.stored import linear_bytes
 from quantkit.progress import Track, no_progress
 from quantkit.scheme import QuantArgs, QuantScheme
 
@@ -45,6 +46,18 @@ FORMATS_NEED_BITS = (  # the refusal of target_formats without target_bits (reci
     "target_formats (--target-formats) goes with target_bits (--target-bits): "
     "it limits the formats mixed precision chooses from."
 )
+
+
+def listing(names: list[str], word: str) -> str:
+    """ "a, b {word} c": names for a message."""
+    return f"{', '.join(names[:-1])} {word} {names[-1]}" if len(names) > 1 else "".join(names)
+
+
+def _int_methods(word: str) -> str:
+    """The weight methods of the registry that make int4/int8 weights (rtn, awq, gptq), for a message."""
+    from quantkit.calibration.registry import METHODS
+
+    return listing([m.name for m in METHODS.values() if m.role == "weights" and m.format == "pack-quantized"], word)
 
 
 def allowed_formats(names) -> tuple[str, ...] | None:
@@ -110,7 +123,8 @@ class Unit:
         """Bits per weight of the unit's linears in a format, as `quantkit inspect` counts them."""
         if args is None:
             return 8.0 * float_bytes
-        stored = sum(linear_bytes(o, i, args, float_bytes=float_bytes) + 16 for o, i in self.shapes)  # + weight_shape
+        args = dataclasses.replace(args, actorder=None)  # act-order indices were never counted: the choices stay
+        stored = sum(linear_bytes("pack-quantized", o, i, args, float_bytes) for o, i in self.shapes)
         return 8 * stored / self.params
 
 
@@ -149,7 +163,7 @@ def sensitivity(
 
     m = method_entry(method)
     if m.format != "pack-quantized":
-        raise QuantkitError(f"sensitivity measures int4/int8 weight formats by rtn, awq or gptq, not {method}.")
+        raise QuantkitError(f"sensitivity measures int4/int8 weight formats by {_int_methods('or')}, not {method}.")
     options = _search_options(options if options is not None else m.options())
     path = resolve_model(model_name)
     key = _cache_key(path, scheme, calibration, method, options)
@@ -214,13 +228,7 @@ def _measure(path: Path, scheme: QuantScheme, calibration, track: Track, method,
     samples = calibration_samples(tokenizer, load_documents(c.dataset, "calib"), c.samples, c.seq_len, c.seed)
     blocks = get_module(model, spec.blocks)
     found = units(model, spec)
-    guides = None
-    if getattr(options, "guided", 0):  # the loss weights of guided Hessians, on the same windows
-        from quantkit.calibration import guided
-
-        guided.check_dense(spec, path)
-        linears = [n for unit in found for n in unit.linears]
-        guides = guided.loss_gradients(model, spec, samples, options.guided, linears, c.batch_size)
+    guides = _guides(model, spec, path, samples, options, found, c.batch_size)
     final_norm, lm_head = get_module(model, spec.final_norm), get_module(model, spec.lm_head)
     softcap = getattr(model.config, "final_logit_softcapping", None)
     with torch.no_grad():
@@ -260,23 +268,35 @@ def _measure(path: Path, scheme: QuantScheme, calibration, track: Track, method,
                 for j in range(unit.block + 1, len(blocks)):
                     h = BlockInputs(h, kwargs[j]).run(blocks[j])
                 kld[name] = kl(h)
-            bits = {n: unit.bits(a, float_bytes) for n, a in cands.items() if n in kld}
-            rows.append(
-                {
-                    "label": unit.label,
-                    "block": unit.block,
-                    "linears": list(unit.linears),
-                    "params": unit.params,
-                    "kld": kld,
-                    "bits": bits,
-                }
-            )
+            rows.append(_row(unit, kld, {n: unit.bits(a, float_bytes) for n, a in cands.items() if n in kld}))
     return {
         "scheme": scheme.name,
         "method": method.name,
         "calibration": dataclasses.asdict(calibration),
         "float_bytes": float_bytes,
         "units": rows,
+    }
+
+
+def _guides(model, spec, path, samples, options, found: list[Unit], batch_size: int):
+    """The loss weights of guided Hessians on the same windows, when the options ask for them."""
+    if not getattr(options, "guided", 0):
+        return None
+    from quantkit.calibration import guided
+
+    guided.check_dense(spec, path)
+    linears = [n for unit in found for n in unit.linears]
+    return guided.loss_gradients(model, spec, samples, options.guided, linears, batch_size)
+
+
+def _row(unit: Unit, kld: dict, bits: dict) -> dict:
+    return {
+        "label": unit.label,
+        "block": unit.block,
+        "linears": list(unit.linears),
+        "params": unit.params,
+        "kld": kld,
+        "bits": bits,
     }
 
 
@@ -371,6 +391,43 @@ def mixed_scheme(scheme: QuantScheme, rows: list[dict], choice: dict[str, str]) 
 def achieved_bits(rows: list[dict], choice: dict[str, str]) -> float:
     """The average bits per weight of all units' linears under `choice`."""
     return sum(r["bits"][choice[r["label"]]] * r["params"] for r in rows) / sum(r["params"] for r in rows)
+
+
+SENSITIVITY_WINDOWS = (8, 256)  # calibration rows × tokens that --target-bits measures sensitivity on
+
+
+def for_target_bits(model_name, method, options, scheme: QuantScheme, calibration, target_bits, formats, track, log):
+    """(the mixed scheme, what the provenance records of it) for `--target-bits`: the costs are
+    measured with the method that quantizes the model (its registry entry, with `options`)."""
+    if method.format != "pack-quantized":
+        raise QuantkitError(f"--target-bits chooses int4/int8 formats for {_int_methods('and')}, not {method.name}.")
+    if scheme.format != "pack-quantized":
+        raise QuantkitError(
+            f"--target-bits mixes weight-only int4/int8 formats; it does not take {scheme.name!r}, "
+            "whose activations are quantized too."
+        )
+    if scheme.overrides:
+        raise QuantkitError("--target-bits chooses the per-layer formats itself; drop the scheme's overrides.")
+    rows_n, seq_len = SENSITIVITY_WINDOWS
+    windows = dataclasses.replace(calibration, samples=rows_n, seq_len=seq_len)
+    sens = sensitivity(model_name, scheme, windows, track, log, method=method.name, options=options)
+    choice = choose(sens["units"], target_bits, formats)
+    achieved = achieved_bits(sens["units"], choice)
+    if log:
+        counts = collections.Counter(choice.values())
+        log(
+            f"mixed precision at {achieved:.3f} bits per weight (target {target_bits:g}): "
+            + ", ".join(f"{n} × {c}" for c, n in counts.items())
+        )
+    record = {
+        "target_bits": target_bits,
+        **({"formats": list(formats)} if formats is not None else {}),
+        "bits_per_weight": achieved,
+        "sensitivity": {"calibration": sens["calibration"], "scheme": sens["scheme"], "method": sens["method"]},
+        "choice": choice,
+        "kld_sum": sum(r["kld"][choice[r["label"]]] for r in sens["units"]),
+    }
+    return mixed_scheme(scheme, sens["units"], choice), record
 
 
 def plot(result: dict, path) -> Path:

@@ -4,7 +4,6 @@ write the checkpoint. What a method needs and makes comes from its registry entr
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import errno
@@ -21,38 +20,39 @@ from torch import nn
 
 from quantkit.calibration.datasets import Calibration, calibration_samples, load_documents
 from quantkit.calibration.method import Method, QParams
-from quantkit.calibration.registry import METHODS
+from quantkit.calibration.registry import METHODS, weight_methods
 from quantkit.calibration.registry import method as method_entry
-from quantkit.calibration.runner import InMemory, run_blocks
+from quantkit.calibration.runner import run_blocks
 from quantkit.errors import QuantkitError
-from quantkit.formats import float_quantized, int_quantized, pack_quantized
+from quantkit.formats import int_quantized
 from quantkit.formats.checkpoint import SHARD_BYTES, check_disk, check_output, parse_size
+from quantkit.formats.stored import entry_bytes, pack_entry
 from quantkit.models import kv_cache
 from quantkit.models.arch import ArchSpec, arch_for, get_module
 from quantkit.models.loading import load_weights, open_float_model, release_weights
-from quantkit.perf.plan import linear_bytes
-from quantkit.pipeline.stream import PartialRun
+from quantkit.pipeline.mixed import FORMATS_NEED_BITS, allowed_formats, for_target_bits, listing
+from quantkit.pipeline.stream import BlockStream, PartialRun
 from quantkit.primitives import check_group_size
 from quantkit.progress import Track, no_progress
 from quantkit.scheme import PRESETS, QuantScheme, fit_group_size, to_quantization_config
 from quantkit.version import __version__
 
-__all__ = ["Calibration", "quantize", "pack_model", "quantized_linears", "check_method"]
+__all__ = ["Calibration", "quantize", "pack_model", "linear_schemes", "check_method"]
 
 
-def quantized_linears(model: nn.Module, spec: ArchSpec, scheme: QuantScheme) -> dict[str, nn.Linear]:
-    """Full name -> module of every block linear the scheme quantizes, group sizes checked."""
+def linear_schemes(model: nn.Module, spec: ArchSpec, scheme: QuantScheme) -> dict[str, QuantScheme]:
+    """Full name -> scheme (the scheme itself or the per-module override that matches) of
+    every block linear the scheme quantizes, each resolved once, group sizes checked."""
     found = {}
     for i, block in enumerate(get_module(model, spec.blocks)):
         for name in spec.for_block(block).linears:
             full = f"{spec.blocks}.{i}.{name}"
-            args = scheme.scheme_for(full)
-            if args is None:
+            s = scheme.scheme_for(full)
+            if s is None:
                 continue
-            linear = get_module(block, name)
-            if args.weights.strategy == "group":
-                check_group_size(full, linear.in_features, args.weights.group_size)
-            found[full] = linear
+            if s.weights.strategy == "group":
+                check_group_size(full, get_module(block, name).in_features, s.weights.group_size)
+            found[full] = s
     return found
 
 
@@ -62,32 +62,26 @@ def pack_model(
     """The checkpoint's tensors: packed quantized linears, everything else in `dtype`. With
     `release` the model is spent: each quantized linear's float weight is dropped as soon as
     it is packed, so packing needs little memory beyond the packed tensors themselves."""
+    schemes = {name: scheme.scheme_for(name) for name in results}
     state = model.state_dict()
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     tensors = {}
     for key in list(state):
-        tensors.update(pack_tensor(key, state.pop(key), scheme, results, dtype))
+        tensors.update(pack_entry(key, state.pop(key), scheme.format, schemes, results, dtype))
         if release and key.rsplit(".", 1)[0] in results:
             get_module(model, key.rsplit(".", 1)[0]).weight = None
     return tensors
 
 
-def pack_tensor(key: str, t: torch.Tensor, scheme: QuantScheme, results: dict[str, QParams], dtype) -> dict:
-    """What the checkpoint holds for the state entry `key`: a quantized linear's weight
-    packed (its name's tensors), anything else in `dtype` (KV-cache scales stay fp32)."""
-    module = key.rsplit(".", 1)[0]
-    if module in results and key.endswith(".weight"):
-        p, args = results[module], scheme.scheme_for(module).weights
-        if scheme.format == "float-quantized":
-            packed = float_quantized.compress(t, p.scale, args, p.input_scale)
-        elif scheme.format == "int-quantized":
-            packed = int_quantized.compress(t, p.scale, args)
-        else:
-            packed = pack_quantized.compress(t, p.scale, p.zero_point, args, p.g_idx)
-        return {f"{module}.{k}": v for k, v in packed.items()}
-    keep = not t.is_floating_point() or key.endswith("_scale")
-    return {key: t if keep else t.to(dtype)}
+def checkpoint_bytes(model: nn.Module, fmt: str, schemes: dict[str, QuantScheme], dtype: torch.dtype) -> int:
+    """Bytes of tensors the checkpoint will hold, from the (empty) model's shapes: the linears
+    in `schemes` in format `fmt`, the rest in `dtype` (KV-cache scales, added while
+    calibrating, left out)."""
+    state = model.state_dict()
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    return sum(entry_bytes(key, t, fmt, schemes, dtype) for key, t in state.items())
 
 
 def checkpoint_config(model: nn.Module, scheme: QuantScheme, quantized, dtype) -> dict:
@@ -146,26 +140,28 @@ def _observe_kv_after(step, spec: ArchSpec):
     return wrapped
 
 
-def check_scaled_together(model: nn.Module, spec: ArchSpec, scheme: QuantScheme, linears: list[str]) -> None:
+def check_scaled_together(model: nn.Module, spec: ArchSpec, schemes: dict[str, QuantScheme]) -> None:
     """AWQ and SmoothQuant fold one scale into the op before each mapping's linears and
     compensate only the quantized ones, and search it for one grid, so a mapping must be
-    quantized whole or not at all, and with one set of weight args."""
+    quantized whole or not at all, and with one set of weight args (`schemes`: those of the
+    quantized linears)."""
+    folding = listing([m.name for m in METHODS.values() if m.folds_scales], "or")
     for i, block in enumerate(get_module(model, spec.blocks)):
         for m in spec.for_block(block).awq:
             names = [f"{spec.blocks}.{i}.{n}" for n in m.linears]
-            left_out = [n for n in names if n not in linears]
+            left_out = [n for n in names if n not in schemes]
             if left_out and len(left_out) < len(names):
                 raise QuantkitError(
                     f"{left_out[0]} is ignored but shares the scales folded into "
-                    f"{spec.blocks}.{i}.{m.prev} with {', '.join(m.linears)}; with awq or "
-                    "smoothing ignore all of them or none."
+                    f"{spec.blocks}.{i}.{m.prev} with {', '.join(m.linears)}; with {folding} "
+                    "ignore all of them or none."
                 )
-            args = [scheme.scheme_for(n).weights for n in names if n in linears]
+            args = [schemes[n].weights for n in names if n in schemes]
             if any(a != args[0] for a in args):
                 other = next(n for n, a in zip(names, args) if a != args[0])
                 raise QuantkitError(
                     f"{other} gets other weight args than {names[0]} but shares the scales folded into "
-                    f"{spec.blocks}.{i}.{m.prev} with it; with awq or smoothing give a mapping's "
+                    f"{spec.blocks}.{i}.{m.prev} with it; with {folding} give a mapping's "
                     f"linears ({', '.join(m.linears)}) one scheme."
                 )
 
@@ -187,9 +183,10 @@ def check_method(
                 else f"scheme {scheme.name!r} does not fit {method.name}; use {fits}."
             )
         if s.weights.actorder and not method.actorder:
+            owners = listing([m.name for m in METHODS.values() if m.actorder], "and")
             raise QuantkitError(
                 f"{p}.actorder: {s.weights.actorder!r} is not allowed; use null with the "
-                f"{method.name} step (act-order is GPTQ's)."
+                f"{method.name} step (act-order is {owners}'s)."
             )
         if s.format == "int-quantized" and (why := int_quantized.unsupported(s)):
             raise QuantkitError(f"{p}: {why}; use w8a8 (per-channel int8 weights, per-token int8 activations).")
@@ -262,11 +259,11 @@ def quantize(
     target_bits: float | None = None,
     target_formats: tuple[str, ...] | None = None,
 ) -> dict:
-    """Quantize `model_name` with `method` (rtn, awq, gptq, fp8; see the registry) and write
-    the checkpoint to `out`. `options` are the method's (a dict or its options dataclass);
-    `transforms` (name, options) run on each block first (smooth). `recipe` (the
-    `quantkit run` recipe this call carries out) is recorded in the provenance. Returns the
-    provenance it recorded.
+    """Quantize `model_name` with `method` (a weight method of the registry: rtn, awq, gptq,
+    fp8) and write the checkpoint to `out`. `options` are the method's (a dict or its
+    options dataclass); `transforms` (name, options) run on each block first (smooth).
+    `recipe` (the `quantkit run` recipe this call carries out) is recorded in the
+    provenance. Returns the provenance it recorded.
 
     The model streams: each block's float weights are read from the model's files when
     its turn comes and released once its packed tensors are written (into shards of
@@ -277,180 +274,212 @@ def quantize(
     32, int8 per channel, or float) chosen from its measured sensitivity so the average bits
     per weight stay at most `target_bits` (`pipeline.mixed`), among `target_formats` when given
     (`mixed.allowed_formats`); the provenance records the choice."""
-    m = method_entry(method)
-    if m.role != "weights":
-        raise QuantkitError(f"{method} does not quantize weights; use rtn, awq, gptq or fp8.")
-    transforms = [(method_entry(name), _options(method_entry(name), o)) for name, o in transforms]
-    check_method(m, scheme, transforms)
-    options = _options(m, options)
-    calibration = calibration or Calibration()
-    max_shard_bytes = parse_size(max_shard_size)
-    out = Path(out)
-    check_output(out, overwrite)
-    start = time.perf_counter()
-    from quantkit.pipeline.mixed import FORMATS_NEED_BITS, allowed_formats
-
-    mixed = None
-    if target_formats is not None and target_bits is None:
-        raise QuantkitError(FORMATS_NEED_BITS)
-    if target_bits is not None:
-        formats = allowed_formats(target_formats)
-        scheme, mixed = _mixed_precision(model_name, m, options, scheme, calibration, target_bits, formats, track, log)
-    model, tokenizer, source, weights, dtype = open_float_model(model_name, log)
-    spec = arch_for(model.config)
-    guided = getattr(options, "guided", 0)  # loss-guided Hessians: groups of output channels per linear
-    if guided:
-        from quantkit.calibration.guided import check_dense
-
-        check_dense(spec, model_name)
-    scheme = _fit_groups(model, spec, scheme, log)
-    if log and spec.moe is not None and (note := vllm_moe_note(scheme)):
-        log(note)
-    linears = list(quantized_linears(model, spec, scheme))  # validates group sizes before any work
-    if any(x.folds_scales for x in (m, *(t for t, _ in transforms))):
-        check_scaled_together(model, spec, scheme, linears)
-    results: dict[str, QParams] = {}
-    kv = scheme.kv_cache
-    step = _make_step(m, options, transforms, spec, scheme, dtype, results, log)
-    expert_tokens: dict[str, list[int]] = {}  # block -> tokens routed to each expert (sparse blocks)
-
-    def carried():  # what a resumed run needs of the blocks already done
-        return {"steps": step.state(), "expert_tokens": dict(expert_tokens)}
-
-    needs_data = m.needs_data(scheme, options) or any(t.needs_data(scheme, o) for t, o in transforms)
-    args = {
-        "model": str(source),
-        "model_files": {f.name: f.stat().st_size for f in sorted(Path(source).glob("*.safetensors"))},
-        "method": method,
-        "scheme": dataclasses.asdict(scheme),
-        "options": dataclasses.asdict(options),
-        "transforms": {t.name: dataclasses.asdict(o) for t, o in transforms},
-        "calibration": dataclasses.asdict(calibration) if needs_data or kv is not None else None,
-        "device": device,
-        "max_shard_size": max_shard_bytes,
-        "target_bits": target_bits,
-    } | ({"target_formats": list(formats)} if target_formats is not None else {})
-    out.parent.mkdir(parents=True, exist_ok=True)
-    run = PartialRun(out, args, overwrite=overwrite, resume=resume, max_shard_bytes=max_shard_bytes, log=log)
+    run = _Run(model_name, method, options, transforms, calibration, out, overwrite, device, track, log)
+    scheme = run.validate(scheme, max_shard_size, target_bits, target_formats)
+    run.resolve(scheme)
+    run.open_output(resume, target_bits, target_formats)
     try:
-        _check_disk(run, model, spec, scheme, linears, dtype, calibration if args["calibration"] else None, guided > 0)
-        samples, blocks = None, len(get_module(model, spec.blocks))
-        if (needs_data or kv is not None) and run.next_block < blocks:
-            c = calibration
-            samples = calibration_samples(tokenizer, load_documents(c.dataset, "calib"), c.samples, c.seq_len, c.seed)
-        if not run.started and log:
-            log(f"resuming {out}: {run.next_block} of {blocks} blocks were done")
-        io = _Stream(model, spec, scheme, weights, dtype, results, run, carried)
-        guides = None
-        if samples is not None and guided:
-            with io.capture():
-                guides = _loss_gradients(
-                    model, spec, weights, dtype, samples, guided, linears, calibration, track, run.folder, device
-                )
-        if run.step_state is not None:
-            step.restore(run.step_state["steps"])
-            expert_tokens.update(run.step_state["expert_tokens"])
-        block_step = step if kv is None else _observe_kv_after(step, spec)
-        with kv_cache.record_kv_amax(model) if kv is not None else contextlib.nullcontext():
-            if run.next_block < blocks:
-                run_blocks(
-                    model,
-                    spec,
-                    block_step,
-                    samples,
-                    calibration.batch_size,
-                    device,
-                    track,
-                    io,
-                    calibration.min_expert_tokens,
-                    expert_tokens,
-                    guides,
-                )
-        step.finish()
-        if not run.tail_written:
-            io.write_tail()
-        provenance = {
-            "quantkit_version": __version__,
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "model": str(model_name),
-            "algorithm": method,
-            "scheme": scheme.name,
-            "weights": dataclasses.asdict(scheme.weights),
-            "input_activations": dataclasses.asdict(scheme.input_activations) if scheme.input_activations else None,
-            "kv_cache": dataclasses.asdict(kv) if kv else None,
-            "calibration": args["calibration"],
-            "options": dataclasses.asdict(options),
-            "transforms": {t.name: dataclasses.asdict(o) for t, o in transforms},
-            "quantized_linears": len(linears),
-            **({"mixed_precision": mixed} if mixed else {}),
-            **({"expert_tokens": expert_tokens} if expert_tokens else {}),
-            "wall_time_s": round(time.perf_counter() - start, 2),
-            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-            "recipe": recipe,
-        }
-        if not run.started:
-            provenance["resumed_at_block"] = io.start
-        run.complete(checkpoint_config(model, scheme, set(linears), dtype), provenance, source)
+        run.check_disk()
+        run.capture()
+        run.calibrate_blocks()
+        return run.finish(recipe)
     except QuantkitError:
-        if run.started and run.next_block == 0:  # refused before any block: leave nothing behind
-            shutil.rmtree(run.folder, ignore_errors=True)
+        if run.partial.started and run.partial.next_block == 0:  # refused before any block: leave nothing behind
+            shutil.rmtree(run.partial.folder, ignore_errors=True)
         raise
     except OSError as e:
         if e.errno == errno.ENOSPC:
             raise QuantkitError(
-                f"the disk under {out.parent} filled up while writing; free space and rerun with --resume."
+                f"the disk under {run.out.parent} filled up while writing; free space and rerun with --resume."
             ) from None
         raise
-    return provenance
 
 
-SENSITIVITY_WINDOWS = (8, 256)  # calibration rows × tokens that --target-bits measures sensitivity on
+class _Run:
+    """One `quantize` call in named phases: `validate` (the arguments, and the mixed scheme
+    of `--target-bits`), `resolve` (the model's architecture and the scheme of each linear,
+    resolved once), `open_output` (the hidden output folder, or the interrupted run it
+    resumes), `check_disk`, `capture` (the calibration text, and the loss gradients of
+    guided Hessians), `calibrate_blocks` and `finish` (provenance, and the checkpoint
+    renamed into place)."""
 
+    def __init__(self, model_name, method, options, transforms, calibration, out, overwrite, device, track, log):
+        self.model_name, self.device, self.track, self.log = model_name, device, track, log
+        self.method = m = method_entry(method)
+        if m.role != "weights":
+            raise QuantkitError(f"{method} does not quantize weights; use {listing(weight_methods(), 'or')}.")
+        self.transforms = [(method_entry(name), _options(method_entry(name), o)) for name, o in transforms]
+        self.options, self.out, self.overwrite = options, Path(out), overwrite
+        self.calibration = calibration or Calibration()
 
-def _mixed_precision(
-    model_name, method: Method, options, scheme: QuantScheme, calibration, target_bits, formats, track, log
-):
-    """(the mixed scheme, what the provenance records of it) for `--target-bits`: the costs are
-    measured with the method that quantizes the model (`mixed.sensitivity`)."""
-    from quantkit.pipeline import mixed
+    def validate(self, scheme: QuantScheme, max_shard_size, target_bits, target_formats) -> QuantScheme:
+        """The scheme to quantize with (with `target_bits`, the mixed one chosen), once the
+        arguments are checked against the method and the output folder."""
+        m, log = self.method, self.log
+        check_method(m, scheme, self.transforms)
+        self.options = _options(m, self.options)
+        self.max_shard_bytes = parse_size(max_shard_size)
+        check_output(self.out, self.overwrite)
+        self.start = time.perf_counter()
+        if target_formats is not None and target_bits is None:
+            raise QuantkitError(FORMATS_NEED_BITS)
+        self.formats, self.mixed = None, None
+        if target_bits is not None:
+            self.formats = allowed_formats(target_formats)
+            scheme, self.mixed = for_target_bits(
+                self.model_name, m, self.options, scheme, self.calibration, target_bits, self.formats, self.track, log
+            )
+        return scheme
 
-    if method.format != "pack-quantized":
-        raise QuantkitError(f"--target-bits chooses int4/int8 formats for rtn, awq and gptq, not {method.name}.")
-    if scheme.format != "pack-quantized":
-        raise QuantkitError(
-            f"--target-bits mixes weight-only int4/int8 formats; it does not take {scheme.name!r}, "
-            "whose activations are quantized too."
+    def resolve(self, scheme: QuantScheme) -> None:
+        """The model, built empty; its group sizes fitted; the scheme of each of its linears;
+        the runner step."""
+        m, log = self.method, self.log
+        self.model, self.tokenizer, self.source, self.weights, self.dtype = open_float_model(self.model_name, log)
+        self.spec = spec = arch_for(self.model.config)
+        self.guided = getattr(self.options, "guided", 0)  # loss-guided Hessians: groups of output channels per linear
+        if self.guided:
+            from quantkit.calibration.guided import check_dense
+
+            check_dense(spec, self.model_name)
+        self.scheme = scheme = _fit_groups(self.model, spec, scheme, log)
+        if log and spec.moe is not None and (note := vllm_moe_note(scheme)):
+            log(note)
+        self.schemes = linear_schemes(self.model, spec, scheme)  # group sizes checked before any work
+        if any(x.folds_scales for x in (m, *(t for t, _ in self.transforms))):
+            check_scaled_together(self.model, spec, self.schemes)
+        self.results: dict[str, QParams] = {}
+        self.step = _make_step(m, self.options, self.transforms, spec, scheme, self.dtype, self.results, log)
+        self.expert_tokens: dict[str, list[int]] = {}  # block -> tokens routed to each expert (sparse blocks)
+        needs_data = m.needs_data(scheme, self.options) or any(t.needs_data(scheme, o) for t, o in self.transforms)
+        self.calibrated = needs_data or scheme.kv_cache is not None  # reads calibration text
+
+    def open_output(self, resume: bool, target_bits, target_formats) -> None:
+        """The hidden folder the run writes into: a fresh one, or the one an interrupted run
+        with the same arguments left (`resume`)."""
+        args = {
+            "model": str(self.source),
+            "model_files": {f.name: f.stat().st_size for f in sorted(Path(self.source).glob("*.safetensors"))},
+            "method": self.method.name,
+            "scheme": dataclasses.asdict(self.scheme),
+            "options": dataclasses.asdict(self.options),
+            "transforms": {t.name: dataclasses.asdict(o) for t, o in self.transforms},
+            "calibration": dataclasses.asdict(self.calibration) if self.calibrated else None,
+            "device": self.device,
+            "max_shard_size": self.max_shard_bytes,
+            "target_bits": target_bits,
+        } | ({"target_formats": list(self.formats)} if target_formats is not None else {})
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.partial = PartialRun(
+            self.out, args, overwrite=self.overwrite, resume=resume, max_shard_bytes=self.max_shard_bytes, log=self.log
         )
-    if scheme.overrides:
-        raise QuantkitError("--target-bits chooses the per-layer formats itself; drop the scheme's overrides.")
-    rows_n, seq_len = SENSITIVITY_WINDOWS
-    windows = dataclasses.replace(calibration, samples=rows_n, seq_len=seq_len)
-    sens = mixed.sensitivity(model_name, scheme, windows, track, log, method=method.name, options=options)
-    choice = mixed.choose(sens["units"], target_bits, formats)
-    achieved = mixed.achieved_bits(sens["units"], choice)
-    if log:
-        counts = collections.Counter(choice.values())
-        log(
-            f"mixed precision at {achieved:.3f} bits per weight (target {target_bits:g}): "
-            + ", ".join(f"{n} × {c}" for c, n in counts.items())
+
+    def check_disk(self) -> None:
+        """Refuse to start when the rest of the checkpoint (plus one shard rewritten at the end,
+        and the saved inputs of two blocks, or of every block for guided Hessians' backward
+        pass) will not fit on the output's disk."""
+        writer, model, c = self.partial.writer, self.model, self.calibration
+        size = checkpoint_bytes(model, self.scheme.format, self.schemes, self.dtype)
+        inputs = 0
+        if self.calibrated:
+            kept = len(get_module(model, self.spec.blocks)) if self.guided > 0 else 2
+            inputs = kept * c.samples * c.seq_len * model.config.get_text_config().hidden_size * 4
+        need = max(0, size - writer.total_bytes) + min(size, writer.max_bytes) + inputs + (16 << 20)
+        check_disk(self.partial.folder, need)
+
+    def capture(self) -> None:
+        """The calibration text (unless every block is done), the block stream (writing the
+        tensors before the blocks on a fresh run), the loss gradients of guided Hessians, and
+        what the steps carried when the run resumes."""
+        run, c = self.partial, self.calibration
+        self.samples, self.blocks = None, len(get_module(self.model, self.spec.blocks))
+        if self.calibrated and run.next_block < self.blocks:
+            self.samples = calibration_samples(
+                self.tokenizer, load_documents(c.dataset, "calib"), c.samples, c.seq_len, c.seed
+            )
+        if not run.started and self.log:
+            self.log(f"resuming {self.out}: {run.next_block} of {self.blocks} blocks were done")
+        self.io = BlockStream(
+            self.model,
+            self.spec,
+            self.scheme.kv_cache,
+            self.scheme.format,
+            self.schemes,
+            self.weights,
+            self.dtype,
+            self.results,
+            run,
+            lambda: {"steps": self.step.state(), "expert_tokens": dict(self.expert_tokens)},
         )
-    record = {
-        "target_bits": target_bits,
-        **({"formats": list(formats)} if formats is not None else {}),
-        "bits_per_weight": achieved,
-        "sensitivity": {"calibration": sens["calibration"], "scheme": sens["scheme"], "method": sens["method"]},
-        "choice": choice,
-        "kld_sum": sum(r["kld"][choice[r["label"]]] for r in sens["units"]),
-    }
-    return mixed.mixed_scheme(scheme, sens["units"], choice), record
+        self.guides = None
+        if self.samples is not None and self.guided:
+            with self.io.capture():
+                self.guides = _loss_gradients(self, list(self.schemes))
+        if run.step_state is not None:
+            self.step.restore(run.step_state["steps"])
+            self.expert_tokens.update(run.step_state["expert_tokens"])
+
+    def calibrate_blocks(self) -> None:
+        """Every block not done yet through the runner (K/V maxima recorded when the scheme
+        quantizes the KV cache), then the tensors after the blocks."""
+        step, spec, kv = self.step, self.spec, self.scheme.kv_cache
+        block_step = step if kv is None else _observe_kv_after(step, spec)
+        with kv_cache.record_kv_amax(self.model) if kv is not None else contextlib.nullcontext():
+            if self.partial.next_block < self.blocks:
+                c = self.calibration
+                run_blocks(
+                    self.model,
+                    spec,
+                    block_step,
+                    self.samples,
+                    c.batch_size,
+                    self.device,
+                    self.track,
+                    self.io,
+                    c.min_expert_tokens,
+                    self.expert_tokens,
+                    self.guides,
+                )
+        step.finish()
+        if not self.partial.tail_written:
+            self.io.write_tail()
+
+    def finish(self, recipe: dict | None) -> dict:
+        """Record the provenance and complete the checkpoint; returns the provenance."""
+        scheme, kv, options = self.scheme, self.scheme.kv_cache, self.options
+        provenance = {
+            "quantkit_version": __version__,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "model": str(self.model_name),
+            "algorithm": self.method.name,
+            "scheme": scheme.name,
+            "weights": dataclasses.asdict(scheme.weights),
+            "input_activations": dataclasses.asdict(scheme.input_activations) if scheme.input_activations else None,
+            "kv_cache": dataclasses.asdict(kv) if kv else None,
+            "calibration": self.partial.args["calibration"],
+            "options": dataclasses.asdict(options),
+            "transforms": {t.name: dataclasses.asdict(o) for t, o in self.transforms},
+            "quantized_linears": len(self.schemes),
+            **({"mixed_precision": self.mixed} if self.mixed else {}),
+            **({"expert_tokens": self.expert_tokens} if self.expert_tokens else {}),
+            "wall_time_s": round(time.perf_counter() - self.start, 2),
+            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "recipe": recipe,
+        }
+        if not self.partial.started:
+            provenance["resumed_at_block"] = self.io.start
+        config = checkpoint_config(self.model, scheme, set(self.schemes), self.dtype)
+        self.partial.complete(config, provenance, self.source)
+        return provenance
 
 
-def _loss_gradients(model, spec, weights, dtype, samples, groups, linears, calibration, track, folder, device):
-    """`guided.loss_gradients` on the streaming model: each block's float weights read for
-    its turn and released after; the output projection read from the files (the input
-    embeddings' when tied); the blocks' inputs kept in the run's `folder` meanwhile."""
+def _loss_gradients(run: _Run, linears: list[str]):
+    """`guided.loss_gradients` on the run's streaming model: each block's float weights read
+    for its turn and released after; the output projection read from the files (the input
+    embeddings' when tied); the blocks' inputs kept in the run's folder meanwhile."""
     from quantkit.calibration import guided
 
+    model, spec, weights, dtype = run.model, run.spec, run.weights, run.dtype
     key = f"{spec.lm_head}.weight"
     if key not in weights:  # tied to the input embeddings
         embed = model.get_input_embeddings()
@@ -459,110 +488,17 @@ def _loss_gradients(model, spec, weights, dtype, samples, groups, linears, calib
     return guided.loss_gradients(
         model,
         spec,
-        samples,
-        groups,
+        run.samples,
+        run.guided,
         linears,
-        calibration.batch_size,
+        run.calibration.batch_size,
         load=lambda module, prefix: load_weights(module, prefix, weights, dtype),
         release=release_weights,
         head_weight=lambda: weights.read([key])[key].to(dtype).float(),
-        track=track,
-        spill=folder,
-        device=device,
+        track=run.track,
+        spill=run.partial.folder,
+        device=run.device,
     )
-
-
-class _Stream(InMemory):
-    """How `run_blocks` gets and leaves each block in a streaming run: weights read from the
-    model's files before the block, packed tensors written (and the run committed) after."""
-
-    def __init__(self, model, spec, scheme, weights, dtype, results, run: PartialRun, carried):
-        self.model, self.spec, self.scheme, self.weights = model, spec, scheme, weights
-        self.dtype, self.results, self.run, self.carried = dtype, results, run, carried
-        self.start, self.hidden = run.next_block, run.hidden
-        keys = list(model.state_dict())
-        if getattr(model.config, "tie_word_embeddings", False):
-            keys.remove("lm_head.weight")
-        inside = [k.startswith(spec.blocks + ".") for k in keys]
-        first = inside.index(True)
-        last = len(inside) - inside[::-1].index(True)
-        self.head, self.tail = keys[:first], keys[last:]
-        self.base_name = spec.blocks.rsplit(".", 1)[0]  # the decoder: blocks, embeddings, final norm
-        self.blocks = get_module(model, spec.blocks)
-        if run.started:
-            self._copy(self.head)
-            run.commit(0)
-
-    def _copy(self, keys: list[str]) -> None:
-        """Write tensors that calibration leaves alone, read one at a time in the model's dtype."""
-        state = self.model.state_dict()
-        for key in keys:
-            t = self.weights.read([key])[key] if key in self.weights else state[key]
-            for name, packed in pack_tensor(key, t, self.scheme, {}, self.dtype).items():
-                self.run.writer.add(name, packed)
-
-    @contextlib.contextmanager
-    def capture(self):
-        base = get_module(self.model, self.base_name)
-        others = [(n, c) for n, c in base.named_children() if c is not self.blocks]
-        for name, child in others:
-            load_weights(child, f"{self.base_name}.{name}", self.weights, self.dtype)
-        try:
-            yield
-        finally:
-            for _, child in others:
-                if any(True for _ in child.parameters()):
-                    release_weights(child)
-
-    def load(self, index: int, block: nn.Module) -> None:
-        load_weights(block, f"{self.spec.blocks}.{index}", self.weights, self.dtype)
-
-    def done(self, index: int, block: nn.Module, outputs) -> None:
-        prefix = f"{self.spec.blocks}.{index}"
-        if self.scheme.kv_cache is not None:
-            kv_cache.store_layer_scales(get_module(block, self.spec.attention), self.scheme.kv_cache)
-        for key, t in block.state_dict(prefix=prefix + ".").items():
-            for name, packed in pack_tensor(key, t, self.scheme, self.results, self.dtype).items():
-                self.run.writer.add(name, packed)
-        for name in [n for n in self.results if n.startswith(prefix + ".")]:
-            del self.results[name]
-        release_weights(block)
-        last = index + 1 == len(self.blocks)
-        self.run.commit(index + 1, None if last else outputs, self.carried())
-
-    def write_tail(self) -> None:
-        self._copy(self.tail)
-        self.run.commit(len(self.blocks), None, self.carried(), tail_written=True)
-
-
-def _check_disk(run: PartialRun, model, spec, scheme, linears, dtype, calibration, guided=False) -> None:
-    """Refuse to start when the rest of the checkpoint (plus one shard rewritten at the end,
-    and the saved inputs of two blocks, or of every block for guided Hessians' backward pass)
-    will not fit on the output's disk."""
-    size = checkpoint_bytes(model, scheme, linears, dtype)
-    inputs = 0
-    if calibration is not None:
-        kept = len(get_module(model, spec.blocks)) if guided else 2
-        inputs = kept * calibration.samples * calibration.seq_len * model.config.get_text_config().hidden_size * 4
-    need = max(0, size - run.writer.total_bytes) + min(size, run.writer.max_bytes) + inputs + (16 << 20)
-    check_disk(run.folder, need)
-
-
-def checkpoint_bytes(model: nn.Module, scheme: QuantScheme, linears: list[str], dtype: torch.dtype) -> int:
-    """About how many bytes of tensors the checkpoint will hold, from the (empty) model's shapes."""
-    quantized, total = set(linears), 0
-    state = model.state_dict()
-    if getattr(model.config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
-    for key, t in state.items():
-        module = key.rsplit(".", 1)[0]
-        if module in quantized and key.endswith(".weight"):
-            s = scheme.scheme_for(module)
-            static = s.input_activations is not None and not s.input_activations.dynamic
-            total += linear_bytes(*t.shape, s.weights, static, float_bytes=dtype.itemsize)
-        else:
-            total += t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size())
-    return int(total)
 
 
 def _fit_groups(model: nn.Module, spec: ArchSpec, scheme: QuantScheme, log) -> QuantScheme:

@@ -8,20 +8,31 @@ atomically. A run killed at any moment restarts from its last commit, so it writ
 uninterrupted run would, byte for byte (with the same torch and thread count: a GEMM split
 over other threads can round differently, and a resume in another environment says so).
 The folder is renamed into place only when the checkpoint is complete.
+
+`BlockStream` is how the calibration runner gets and leaves each block in such a run: the
+block's float weights read from the model's files before it, its packed tensors written
+(and the run committed) after.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from quantkit.atomic import write_atomic
+from quantkit.calibration.runner import InMemory
 from quantkit.errors import QuantkitError
 from quantkit.formats.checkpoint import SHARD_BYTES, ShardWriter, complete
+from quantkit.formats.stored import pack_entry
+from quantkit.models import kv_cache
+from quantkit.models.arch import get_module
+from quantkit.models.loading import load_weights, release_weights
 
 STATE = "quantkit-resume.json"
 
@@ -141,3 +152,70 @@ class PartialRun:
             f.unlink(missing_ok=True)
         complete(self.folder, self.out, config, provenance, source)
         return self.out
+
+
+class BlockStream(InMemory):
+    """How `run_blocks` gets and leaves each block of the streaming `model` in the run `run`:
+    weights read from the model's files (`weights`) before the block, packed tensors
+    (`schemes`: module -> scheme, in format `fmt`; `results`: the method's `QParams`)
+    written in `dtype` and the run committed after, with what `carried()` returns of the
+    steps' state."""
+
+    def __init__(self, model, spec, kv, fmt, schemes, weights, dtype, results, run: PartialRun, carried):
+        self.model, self.spec, self.kv, self.fmt, self.schemes = model, spec, kv, fmt, schemes
+        self.weights, self.dtype, self.results, self.run, self.carried = weights, dtype, results, run, carried
+        self.start, self.hidden = run.next_block, run.hidden
+        keys = list(model.state_dict())
+        if getattr(model.config, "tie_word_embeddings", False):
+            keys.remove("lm_head.weight")
+        inside = [k.startswith(spec.blocks + ".") for k in keys]
+        first = inside.index(True)
+        last = len(inside) - inside[::-1].index(True)
+        self.head, self.tail = keys[:first], keys[last:]
+        self.base_name = spec.blocks.rsplit(".", 1)[0]  # the decoder: blocks, embeddings, final norm
+        self.blocks = get_module(model, spec.blocks)
+        if run.started:
+            self._copy(self.head)
+            run.commit(0)
+
+    def _write(self, key: str, t: torch.Tensor, results: dict) -> None:
+        for name, packed in pack_entry(key, t, self.fmt, self.schemes, results, self.dtype).items():
+            self.run.writer.add(name, packed)
+
+    def _copy(self, keys: list[str]) -> None:
+        """Write tensors that calibration leaves alone, read one at a time in the model's dtype."""
+        state = self.model.state_dict()
+        for key in keys:
+            self._write(key, self.weights.read([key])[key] if key in self.weights else state[key], {})
+
+    @contextlib.contextmanager
+    def capture(self):
+        base = get_module(self.model, self.base_name)
+        others = [(n, c) for n, c in base.named_children() if c is not self.blocks]
+        for name, child in others:
+            load_weights(child, f"{self.base_name}.{name}", self.weights, self.dtype)
+        try:
+            yield
+        finally:
+            for _, child in others:
+                if any(True for _ in child.parameters()):
+                    release_weights(child)
+
+    def load(self, index: int, block: nn.Module) -> None:
+        load_weights(block, f"{self.spec.blocks}.{index}", self.weights, self.dtype)
+
+    def done(self, index: int, block: nn.Module, outputs) -> None:
+        prefix = f"{self.spec.blocks}.{index}"
+        if self.kv is not None:
+            kv_cache.store_layer_scales(get_module(block, self.spec.attention), self.kv)
+        for key, t in block.state_dict(prefix=prefix + ".").items():
+            self._write(key, t, self.results)
+        for name in [n for n in self.results if n.startswith(prefix + ".")]:
+            del self.results[name]
+        release_weights(block)
+        last = index + 1 == len(self.blocks)
+        self.run.commit(index + 1, None if last else outputs, self.carried())
+
+    def write_tail(self) -> None:
+        self._copy(self.tail)
+        self.run.commit(len(self.blocks), None, self.carried(), tail_written=True)

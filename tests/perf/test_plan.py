@@ -1,6 +1,7 @@
 """`quantkit plan` arithmetic against hand-computed cases from public configs."""
 
 import math
+import sys
 
 import pytest
 
@@ -67,8 +68,9 @@ def test_kv_bytes_per_token():
 
 def test_weight_bytes_by_hand():
     assert weight_bytes(SMALL, "bf16") == (2 * SMALL_LINEAR + SMALL_FLOAT) * 2
-    # 4 bits + one 16-bit scale per 128 weights = 4.125 bits per weight
-    assert weight_bytes(SMALL, "w4a16") == 2 * SMALL_LINEAR * 4.125 / 8 + SMALL_FLOAT * 2 == 1_634_816
+    # 4 bits + one 16-bit scale per 128 weights = 4.125 bits per weight, and each linear's
+    # weight_shape (two int64) as pack-quantized stores it
+    assert weight_bytes(SMALL, "w4a16") == 2 * SMALL_LINEAR * 4.125 / 8 + 14 * 16 + SMALL_FLOAT * 2 == 1_635_040
     # asymmetric adds a 4-bit zero point per group
     assert weight_bytes(SMALL, "w4a16-asym") == weight_bytes(SMALL, "w4a16") + 2 * SMALL_LINEAR / 128 / 2
     # fp8 per channel: 1 byte per weight + an fp32 scale per output row
@@ -139,9 +141,11 @@ def test_calibration_plan_llama2_70b_by_hand():
     assert r["host_peak_bytes"] == LIBRARY_BYTES + 5_133_926_400 + 4_294_967_296 + 16_911_433_728 + 2_483_027_968
     assert 27.2 < r["host_peak_bytes"] / 2**30 < 27.4  # 70B in 27 GiB, against 128 GiB of fp16 weights
     assert r["float_weights_bytes"] == param_count(LLAMA2_70B) * 2
-    # w4a16 g128 with fp16 scales: half a byte per weight + 2 bytes per 128, plus the float tensors
+    # w4a16 g128 with fp16 scales: half a byte per weight + 2 bytes per 128 + 16 per linear's
+    # shape, plus the float tensors
     assert (
-        r["output_bytes"] == 80 * (855_638_016 // 2 + 855_638_016 // 64) + (80 * 2 * 8192 + 8192 + 2 * 32000 * 8192) * 2
+        r["output_bytes"]
+        == 80 * (855_638_016 // 2 + 855_638_016 // 64 + 7 * 16) + (80 * 2 * 8192 + 8192 + 2 * 32000 * 8192) * 2
     )
     # the same run with blocks on a GPU: the host holds one block as read, the device the rest
     g = calibration_plan(config, "gptq", samples=128, seq_len=512, device="cuda", gflops=67_000)
@@ -228,3 +232,26 @@ def test_dense_layers_count_and_calibration_holds_one_sparse_block():
     # each down_proj Hessian is 14336² fp32 (822 MB): one per pass, plus the three of the one being quantized
     assert r["breakdown"]["working_set"] == 4 * 14336**2 * 4 + 4 * 4096 * 14336 * 4
     assert 16 * 2**30 < r["host_peak_bytes"] < 17 * 2**30  # a 47B model (87 GiB in bf16): one block is 8.5 GB
+
+
+def test_calibration_plan_reads_the_methods_cost_model_through_the_registry(monkeypatch):
+    import dataclasses
+
+    from quantkit.calibration import registry
+    from quantkit.perf.plan import calibration_plan
+
+    calls = []
+
+    def cost(groups, tokens, group_size, sparse_input):
+        calls.append((groups, tokens, group_size, sparse_input))
+        return {"working_set": 1000, "flops": 0.0, "efficiency": 0.5}
+
+    monkeypatch.setattr(sys.modules[__name__], "_cost", cost, raising=False)
+    entry = dataclasses.replace(registry.METHODS["rtn"], plan=f"{__name__}:_cost")
+    monkeypatch.setitem(registry.METHODS, "rtn", entry)
+    r = calibration_plan(LLAMA2_7B, "rtn", samples=2, seq_len=8, group_size=64)
+    assert r["breakdown"]["working_set"] == 1000 and r["method"] == "rtn"
+    (groups, tokens, group_size, sparse_input), *_ = calls
+    # the sequential groups of a Llama block: q/k/v, o, gate/up, down, each read by every token
+    assert groups == [(4096, 3 * 4096, 1.0), (4096, 4096, 1.0), (4096, 2 * 11008, 1.0), (11008, 4096, 1.0)]
+    assert (tokens, group_size, sparse_input) == (16, 64, 0)

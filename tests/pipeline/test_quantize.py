@@ -149,3 +149,27 @@ def test_offline_hub_id_fails_fast(monkeypatch, tmp_path):
         QuantkitError, match=r"offline\); use a local folder or a built-in model \(smollm2-135m, gemma3-270m\)"
     ):
         loading.resolve_model("someone/some-model")
+
+
+@pytest.mark.parametrize("family", [None, "qwen2-moe"])
+def test_the_pipeline_resolves_each_linears_scheme_once(tmp_path, tiny_corpus, monkeypatch, family):
+    import sys
+
+    from conftest import make_family_model, make_tiny_model
+
+    from quantkit.pipeline.quantize import Calibration
+    from quantkit.scheme import QuantScheme
+
+    src = make_family_model(tmp_path / "m", family) if family else make_tiny_model(tmp_path / "m")
+    asked = []
+    resolve = QuantScheme.scheme_for
+
+    def counted(self, name):
+        if sys._getframe(1).f_globals["__name__"].startswith("quantkit.pipeline"):
+            asked.append(name)
+        return resolve(self, name)
+
+    monkeypatch.setattr(QuantScheme, "scheme_for", counted)
+    scheme = preset("w4a16").with_group_size(32)  # awq folds scales: the mapping check reads the schemes too
+    prov = quantize(str(src), scheme, tmp_path / "q", "awq", Calibration(str(tiny_corpus), 4, 32))
+    assert len(asked) == len(set(asked)) == prov["quantized_linears"] > 0

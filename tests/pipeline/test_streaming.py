@@ -24,6 +24,7 @@ from quantkit.models import kv_cache
 from quantkit.models.arch import arch_for
 from quantkit.models.loading import load_float_model
 from quantkit.pipeline import quantize as pipeline
+from quantkit.pipeline import stream
 from quantkit.pipeline.quantize import Calibration, pack_model, quantize
 from quantkit.scheme import preset
 
@@ -226,15 +227,13 @@ def test_resume_refuses_other_calibration(tmp_path, tiny_corpus, monkeypatch):
     def die(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(pipeline._Stream, "write_tail", die)
+    monkeypatch.setattr(stream.BlockStream, "write_tail", die)
     with pytest.raises(KeyboardInterrupt):
         quantize(str(src), scheme(), tmp_path / "q", "gptq", calibration(tiny_corpus))
     monkeypatch.undo()
     other = Calibration(str(tiny_corpus), 4, 32, 0, 4)
     with pytest.raises(QuantkitError, match=r"started with calibration\.samples = 8, not 4; rerun with its"):
         quantize(str(src), scheme(), tmp_path / "q", "gptq", other, resume=True)
-    from quantkit.pipeline import stream
-
     monkeypatch.setattr(stream, "_environment", lambda: {"torch": "x", "threads": 64})
     notes = []
     prov = quantize(str(src), scheme(), tmp_path / "q", "gptq", calibration(tiny_corpus), resume=True, log=notes.append)
@@ -277,15 +276,22 @@ def test_not_enough_disk_is_refused_before_starting(tmp_path, tiny_corpus, monke
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
-def test_checkpoint_bytes_estimate_is_close(tmp_path, tiny_corpus):
-    src = make_tiny_model(tmp_path / "src", num_hidden_layers=3)
-    quantize(str(src), scheme(), tmp_path / "q", "gptq", calibration(tiny_corpus))
+@pytest.mark.parametrize(
+    "family, preset_name, method",
+    [(None, "w4a16-asym", "gptq"), ("phi3", "w4a16", "rtn"), ("qwen2-moe", "w4a16", "rtn"), (None, "fp8", "fp8")],
+)
+def test_checkpoint_bytes_are_the_written_tensors(tmp_path, tiny_corpus, family, preset_name, method):
+    # the formats' byte counts (formats/stored.py) against what the run wrote, tensor for tensor
+    src = source(tmp_path / "src", family, num_hidden_layers=3)
+    s = preset(preset_name)
+    s = s.with_group_size(32) if s.weights.strategy == "group" else s
+    quantize(str(src), s, tmp_path / "q", method, calibration(tiny_corpus))
     written = sum(t.numel() * t.element_size() for t in read_tensors(tmp_path / "q").values())
     model, *_ = pipeline.open_float_model(src)
     spec = arch_for(model.config)
-    s = pipeline._fit_groups(model, spec, scheme(), None)
-    estimate = pipeline.checkpoint_bytes(model, s, list(pipeline.quantized_linears(model, spec, s)), torch.float32)
-    assert abs(estimate - written) / written < 0.02
+    s = pipeline._fit_groups(model, spec, s, None)
+    schemes = pipeline.linear_schemes(model, spec, s)
+    assert pipeline.checkpoint_bytes(model, s.format, schemes, torch.float32) == written
 
 
 def test_cli_resume_and_shard_size(tmp_path):
