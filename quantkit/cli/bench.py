@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
+from quantkit.calibration.registry import METHODS
 from quantkit.cli.common import DTYPE, JSON, command, mib, new_table, out, progress, rows_table, size, write_json
 from quantkit.cli.serve import engine
 from quantkit.errors import QuantkitError
@@ -181,7 +182,10 @@ def plan(
     context: int = typer.Option(4096, help="Tokens per sequence."),
     gpu_cost_per_hour: Optional[float] = typer.Option(None, help="Overrides the table's illustrative price."),
     calibrate: Optional[str] = typer.Option(
-        None, help="Instead: peak memory and wall time of calibrating the model with awq or gptq."
+        None,
+        help="Instead: peak memory and wall time of calibrating the model with "
+        + " or ".join(m.name for m in METHODS.values() if m.plan)
+        + ".",
     ),
     samples: int = typer.Option(128, help="With --calibrate: calibration rows."),
     seq_len: int = typer.Option(512, help="With --calibrate: tokens per row."),
