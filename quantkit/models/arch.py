@@ -240,8 +240,9 @@ FAMILIES = (
 
 
 def arch_for(config) -> ArchSpec:
-    """The spec of a transformers config, or a `QuantkitError` naming the supported ones."""
-    model_type = getattr(config, "model_type", None)
+    """The spec of a transformers config (or a config.json dict), or a `QuantkitError` naming
+    the supported ones."""
+    model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
     if model_type not in ARCHS:
         raise QuantkitError(
             f"architecture {model_type!r} is not supported yet; quantkit supports {FAMILIES} "

@@ -300,6 +300,52 @@ def _row(unit: Unit, kld: dict, bits: dict) -> dict:
     }
 
 
+def check_budget(rows: list[dict], target_bits: float, formats: tuple[str, ...] | None = None) -> float:
+    """The fewest bits the units (`sensitivity`'s rows, or `shape_rows`' before measuring) can
+    take among `formats` (None: all); a `QuantkitError` when a unit can take none of them or
+    `target_bits` is below that least."""
+    total, least = sum(r["params"] for r in rows), 0.0
+    for r in rows:
+        offered = r["kld"] or r["bits"]  # the measured candidates; before measuring, all that fit
+        bits = [r["bits"][c] for c in offered if c in (formats or offered)]
+        if not bits:
+            raise QuantkitError(
+                f"none of the formats {', '.join(formats)} fits {r['label']} (it takes {', '.join(offered)}); "
+                "allow one of those."
+            )
+        least += min(bits) * r["params"]
+    if least > target_bits * total * (1 + 1e-9):
+        raise QuantkitError(
+            f"--target-bits {target_bits:g} is below what the smallest formats take "
+            f"({least / total:.3f} bits per weight); ask for at least that."
+        )
+    return least
+
+
+def shape_rows(model_name, scheme: QuantScheme) -> list[dict]:
+    """Each unit's bits per weight in every candidate its widths fit (no "kld"), from the
+    model's config.json alone (the family's shapes; no model is built): what `check_budget`
+    needs before any sensitivity is measured."""
+    import torch
+
+    from quantkit.models.arch import arch_for, block_shapes, num_experts, sparse_layers
+    from quantkit.models.loading import read_config, resolve_model
+
+    config = read_config(resolve_model(model_name))
+    spec = arch_for(config)
+    dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+    float_bytes = getattr(torch, dtype).itemsize
+    cands, rows = candidates(scheme), []
+    for i, sparse in enumerate(sparse_layers(config)):
+        block = spec.sparse(num_experts(config)) if sparse else spec.replace(moe=None)
+        shapes = block_shapes(spec, config, sparse)
+        for stage in block.stages:
+            names = [n for group in stage for n in group]
+            unit = Unit(i, tuple(f"{spec.blocks}.{i}.{n}" for n in names), tuple(shapes[n] for n in names))
+            rows.append(_row(unit, {}, {n: unit.bits(a, float_bytes) for n, a in cands.items() if unit.fits(a)}))
+    return rows
+
+
 def choose(
     rows: list[dict], target_bits: float, formats: tuple[str, ...] | None = None, resolution: int = 20000
 ) -> dict[str, str]:
@@ -312,23 +358,11 @@ def choose(
     one step per unit to spare."""
     import torch
 
-    total = sum(r["params"] for r in rows)
-    budget = target_bits * total
+    budget = target_bits * sum(r["params"] for r in rows)
     options = [
         [(c, r["kld"][c], r["bits"][c] * r["params"]) for c in r["kld"] if c in (formats or r["kld"])] for r in rows
     ]
-    for r, opts in zip(rows, options):
-        if not opts:
-            raise QuantkitError(
-                f"none of the formats {', '.join(formats)} fits {r['label']} (it takes {', '.join(r['kld'])}); "
-                "allow one of those."
-            )
-    least = sum(min(b for _, _, b in opts) for opts in options)
-    if least > budget * (1 + 1e-9):
-        raise QuantkitError(
-            f"--target-bits {target_bits:g} is below what the smallest formats take "
-            f"({least / total:.3f} bits per weight); ask for at least that."
-        )
+    least = check_budget(rows, target_bits, formats)
     # bits above each unit's smallest format, against the budget left once every unit has that
     floor = [min(b for _, _, b in opts) for opts in options]
     spare = budget - least
@@ -408,6 +442,7 @@ def for_target_bits(model_name, method, options, scheme: QuantScheme, calibratio
         )
     if scheme.overrides:
         raise QuantkitError("--target-bits chooses the per-layer formats itself; drop the scheme's overrides.")
+    check_budget(shape_rows(model_name, scheme), target_bits, formats)  # an impossible budget, before measuring
     rows_n, seq_len = SENSITIVITY_WINDOWS
     windows = dataclasses.replace(calibration, samples=rows_n, seq_len=seq_len)
     sens = sensitivity(model_name, scheme, windows, track, log, method=method.name, options=options)

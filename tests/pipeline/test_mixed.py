@@ -219,3 +219,41 @@ def test_the_sensitivity_command_and_refusals(tmp_path, tiny_corpus, monkeypatch
     )
     assert r.exit_code == 2 and "'int5' is not a format" in r.output
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("family", ["llama3", "phi3", "gemma3", "qwen2-moe"])
+def test_shape_rows_equal_the_units_of_the_built_model(tmp_path, family):
+    """`shape_rows` (config.json alone) gives the same units, parameters and bits per format as
+    the units of the built model, which `sensitivity` measures: so the budget check before
+    measuring is the one the knapsack makes after."""
+    from conftest import make_family_model
+
+    from quantkit.models.arch import arch_for
+    from quantkit.models.loading import check_causal_lm, empty_model
+
+    path = make_family_model(tmp_path / family, family)
+    config = check_causal_lm(path)
+    model, dtype = empty_model(config)
+    found = mixed.units(model, arch_for(config))
+    for scheme in (preset("w4a16"), preset("w4a16-asym")):
+        cands = mixed.candidates(scheme)
+        rows = mixed.shape_rows(str(path), scheme)
+        assert [r["linears"] for r in rows] == [list(u.linears) for u in found]
+        assert [r["params"] for r in rows] == [u.params for u in found]
+        want = [{n: u.bits(a, dtype.itemsize) for n, a in cands.items() if u.fits(a)} for u in found]
+        assert [r["bits"] for r in rows] == want
+
+
+def test_an_impossible_budget_is_refused_before_measuring(tmp_path, monkeypatch, tiny_corpus):
+    path = make_tiny_model(tmp_path / "m")
+
+    def measured(*args, **kwargs):
+        raise AssertionError("sensitivity was measured for an impossible budget")
+
+    monkeypatch.setattr(mixed, "sensitivity", measured)
+    calib = Calibration(dataset=str(tiny_corpus), samples=4, seq_len=32)
+    with pytest.raises(QuantkitError, match=r"--target-bits 1.5 is below what the smallest formats take \(4\.\d{3}"):
+        quantize(str(path), preset("w4a16"), tmp_path / "out", "rtn", calibration=calib, target_bits=1.5)
+    with pytest.raises(QuantkitError, match="none of the formats int4-g128 fits"):
+        mixed.check_budget([{"label": "u", "params": 10, "kld": {}, "bits": {"int8": 8.1}}], 9.0, ("int4-g128",))
+    assert not (tmp_path / "out").exists()
