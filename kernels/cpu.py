@@ -184,6 +184,13 @@ def supports_int8(out_features: int, in_features: int) -> bool:
     return _HAS_INT8 and in_features % 16 == 0 and out_features > 0
 
 
+def int8_unsupported(out_features: int, in_features: int) -> str | None:
+    """Why `int8_gemm_cpu` cannot run an [out, in] weight, or None when it can."""
+    if supports_int8(out_features, in_features):
+        return None
+    return f"torch's CPU int8-weight kernel needs K % 16 == 0, not {in_features}"
+
+
 def repack_int8_cpu(w_int8: torch.Tensor, scales: torch.Tensor) -> Int8CpuWeight:
     """int8 [N, K] symmetric values and per-channel scales [N] or [N, 1] -> `Int8CpuWeight`."""
     n, k = w_int8.shape

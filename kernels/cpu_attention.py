@@ -211,10 +211,58 @@ def _capped(
 
 
 def _ext(q: torch.Tensor):
-    """The C++ kernels (`cpu_ext`) when they are built and can take q, else None."""
+    """The C++ kernels (`cpu_ext`) when they are built and can take q, else None (for the per-call
+    `paged_attention` and `paged_prefill`; the engine chooses once, `quantkit.kernels.attention`)."""
     if q.device.type != "cpu" or q.shape[-1] % 16 or q.stride(-1) != 1:
         return None
     return cpu_ext.load()
+
+
+def cpp_decode(ext):
+    """`paged_attention` on the C++ kernel `ext` (`cpu_ext.load()`), for q with head_dim % 16 == 0."""
+
+    def paged_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale=None, v_scale=None, window=None, softcap=None
+    ):
+        return ext.paged_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, window or 0, softcap or 0.0
+        )
+
+    return paged_attention
+
+
+def amx_prefill(ext):
+    """`paged_prefill` wholly on the C++ AMX prefill of `ext`, for the problems `ext.amx_prefill`
+    accepts (faster than SDPA at every length measured: `paged_prefill`)."""
+
+    def paged_prefill(
+        q, k_cache, v_cache, tables, seq_lens, query_lens, scale, k_scale=None, v_scale=None, window=None, softcap=None
+    ):
+        args = (q, k_cache, v_cache, tables, seq_lens, query_lens, scale, k_scale, v_scale)
+        return ext.paged_prefill(*args, window or 0, softcap or 0.0, PREFILL_TILE, 0)
+
+    return paged_prefill
+
+
+def split_prefill(ext):
+    """`paged_prefill` with the C++ kernel `ext` for the sequences with query_len * seq_len <=
+    PREFILL_EXT_WORK and SDPA for the rest, in one call (`paged_prefill` says why)."""
+
+    def paged_prefill(
+        q, k_cache, v_cache, tables, seq_lens, query_lens, scale, k_scale=None, v_scale=None, window=None, softcap=None
+    ):
+        args = (q, k_cache, v_cache, tables, seq_lens, query_lens, scale, k_scale, v_scale, window, softcap)
+        work = [m * n for m, n in zip(query_lens.tolist(), seq_lens.tolist())]
+        if not any(0 < w <= PREFILL_EXT_WORK for w in work):
+            return torch_paged_prefill(*args)
+        out = ext.paged_prefill(
+            *args[:9], window or 0, softcap or 0.0, PREFILL_TILE, PREFILL_EXT_WORK
+        )  # leaves the longer sequences' rows
+        if max(work) <= PREFILL_EXT_WORK:
+            return out
+        return _sdpa_prefill(out, *args, min_work=PREFILL_EXT_WORK)
+
+    return paged_prefill
 
 
 def paged_attention(
@@ -236,9 +284,7 @@ def paged_attention(
     length 0. The C++ kernel when it is available, else `torch_paged_attention`."""
     ext = _ext(q)
     if ext is not None:
-        return ext.paged_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, window or 0, softcap or 0.0
-        )
+        return cpp_decode(ext)(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, window, softcap)
     return torch_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, window, softcap)
 
 
@@ -317,17 +363,9 @@ def paged_prefill(
     0.96x, 128 after 384 0.34x). Level between about 4096 and 8192 for query_len * seq_len."""
     args = (q, k_cache, v_cache, block_tables, seq_lens, query_lens, scale, k_scale, v_scale, window, softcap)
     ext = _ext(q)
-    if ext is not None and ext.amx_prefill(q, k_cache):  # faster than SDPA at every length measured
-        return ext.paged_prefill(*args[:9], window or 0, softcap or 0.0, PREFILL_TILE, 0)
-    work = [m * n for m, n in zip(query_lens.tolist(), seq_lens.tolist())] if ext is not None else []
-    if not any(0 < w <= PREFILL_EXT_WORK for w in work):
+    if ext is None:
         return torch_paged_prefill(*args)
-    out = ext.paged_prefill(
-        *args[:9], window or 0, softcap or 0.0, PREFILL_TILE, PREFILL_EXT_WORK
-    )  # leaves the longer sequences' rows
-    if max(work) <= PREFILL_EXT_WORK:
-        return out
-    return _sdpa_prefill(out, *args, min_work=PREFILL_EXT_WORK)
+    return (amx_prefill if ext.amx_prefill(q, k_cache) else split_prefill)(ext)(*args)
 
 
 def torch_paged_prefill(

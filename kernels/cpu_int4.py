@@ -111,6 +111,14 @@ def shape_reason(out_features: int, in_features: int, group_size: int | None) ->
     return ""
 
 
+def amx_unsupported(out_features: int, in_features: int, group_size: int | None, g_idx: torch.Tensor | None) -> str:
+    """ "" when the AMX kernel runs here and takes this weight, else one phrase saying why not."""
+    why = reason() or shape_reason(out_features, in_features, group_size)
+    if not why and g_idx is not None and group_size and cpu._act_order_perm(g_idx, group_size) is None:
+        why = "its act-order groups are not contiguous once sorted"
+    return why
+
+
 def _nibbles(u: torch.Tensor) -> torch.Tensor:
     """u [N, K] (0..15, N % 4 == 0) -> int16 [N/4, K]: word (c, k) holds u[4c + i, k] at bit 4 i."""
     words = u[0::4] | (u[1::4] << 4) | (u[2::4] << 8) | (u[3::4] << 12)  # int32, < 2^16
@@ -139,10 +147,9 @@ def repack(
     g = group_size or k
     source = (w_packed, scales, zeros, group_size, g_idx)
     perm = None if g_idx is None or not group_size else cpu._act_order_perm(g_idx, g)
-    why = "forced by QUANTKIT_INT4_KERNEL / kernel=" if kernel == "int4pack" else reason()
-    why = why or shape_reason(n, k, group_size)
-    if not why and g_idx is not None and group_size and perm is None:
-        why = "its act-order groups are not contiguous once sorted"
+    why = (
+        "forced by QUANTKIT_INT4_KERNEL / kernel=" if kernel == "int4pack" else amx_unsupported(n, k, group_size, g_idx)
+    )
     if why:
         if kernel == "amx":
             raise QuantkitError(f"the AMX int4 kernel cannot run this [{n}, {k}] weight: {why}.")
@@ -177,19 +184,33 @@ def amx_path(weight: Int4Weight, m: int) -> str:
 
 def gemm(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
     """y = x · dequant(W)ᵀ. x [..., K] any float dtype (multiplied in bf16, accumulated in
-    fp32); returns [..., N] in x's dtype."""
+    fp32); returns [..., N] in x's dtype. `gemm_amx` or `gemm_int4pack` by the weight's kernel
+    (the engine binds one of them at load)."""
+    return (gemm_int4pack if weight.kernel == "int4pack" else gemm_amx)(x, weight)
+
+
+def _rows(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
     if x.shape[-1] != weight.in_features:
         raise QuantkitError(f"int4 gemm: x has {x.shape[-1]} features, the weight takes {weight.in_features}.")
-    x2 = x.reshape(-1, weight.in_features).to(torch.bfloat16)
-    m, w = x2.shape[0], weight
-    if w.kernel == "int4pack":
-        if m < DENSE_MIN_M:
-            y = cpu.int4_gemm_cpu(x2, w.fallback)
-        else:
-            w_packed, scales, zeros, group_size, g_idx = w.source
-            y = reference.int4_gemm(x2.float(), w_packed, scales.float(), zeros, group_size, g_idx)
+    return x.reshape(-1, weight.in_features).to(torch.bfloat16)
+
+
+def gemm_amx(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
+    """`gemm` for an `amx` weight; the C++ kernel picks its schedule by the row count."""
+    x2, w = _rows(x, weight), weight
+    if w.perm is not None:
+        x2 = x2.index_select(1, w.perm)
+    y = _load().gemm(x2.contiguous(), w.nibbles, w.scales, w.zs, w.out_features, w.group_size)
+    return y.to(x.dtype).reshape(*x.shape[:-1], w.out_features)
+
+
+def gemm_int4pack(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
+    """`gemm` for an `int4pack` weight: torch's int4pack below DENSE_MIN_M rows, the twin's
+    dequantization and an fp32 matmul from there."""
+    x2, w = _rows(x, weight), weight
+    if x2.shape[0] < DENSE_MIN_M:
+        y = cpu.int4_gemm_cpu(x2, w.fallback)
     else:
-        if w.perm is not None:
-            x2 = x2.index_select(1, w.perm)
-        y = _load().gemm(x2.contiguous(), w.nibbles, w.scales, w.zs, w.out_features, w.group_size)
+        w_packed, scales, zeros, group_size, g_idx = w.source
+        y = reference.int4_gemm(x2.float(), w_packed, scales.float(), zeros, group_size, g_idx)
     return y.to(x.dtype).reshape(*x.shape[:-1], w.out_features)

@@ -16,8 +16,9 @@ import torch
 from conftest import built
 
 from quantkit import ops
-from quantkit.kernels import cpu_fused
+from quantkit.kernels import cpu_fused, elementwise
 from quantkit.kernels import reference as ref
+from quantkit.kernels.choice import Problem, choose
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -141,28 +142,25 @@ def test_errors(k, call, message):
         call(k)
 
 
-def test_ops_take_the_kernel_on_the_cpu_and_the_twin_with_backend_torch(k, monkeypatch):
-    calls = []
-    for name in ("rms_norm", "silu_mul"):
-        real = getattr(ref, name)
-        monkeypatch.setattr(ref, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+def test_ops_take_the_kernel_on_the_cpu_and_the_twin_with_backend_torch(k):
     x, w = torch.randn(3, 8), torch.ones(8)
-    ops.rms_norm(x, w, 1e-5)
-    ops.silu_mul(torch.randn(3, 8))
-    assert calls == []
-    ops.rms_norm(x, w, 1e-5, backend="torch")
-    ops.silu_mul(torch.randn(3, 8), backend="torch")
-    ops.rms_norm(x, w.double(), 1e-5)  # dtypes differ: the twin, which promotes as torch does
-    assert calls == ["rms_norm", "silu_mul", "rms_norm"]
-    assert ops.fused_kernel("cpu").why is None
-    assert ops.fused_kernel("cpu", "torch").why == "backend torch"
+    for op, candidates in (("rms_norm", elementwise.RMS_NORM), ("silu_mul", elementwise.SILU_MUL)):
+        fast = choose(op, candidates, Problem("cpu", torch.float32, dtypes=(torch.float32,)))
+        assert (fast.name, fast.why, fast.fn) == ("quantkit C++", None, getattr(k, op))
+        twin = choose(op, candidates, Problem("cpu", torch.float32, "torch"))
+        assert (twin.name, twin.why, twin.fn) == ("torch ops", "backend torch", getattr(ref, op))
+    mixed = choose("rms_norm", elementwise.RMS_NORM, Problem("cpu", torch.float32, dtypes=(torch.float64,)))
+    assert mixed.fn is ref.rms_norm and "operands of one dtype" in mixed.why
+    assert torch.equal(ops.rms_norm(x, w.double(), 1e-5), ref.rms_norm(x, w.double(), 1e-5))  # promotes as torch
+    assert torch.equal(ops.rms_norm(x, w, 1e-5, backend="torch"), ref.rms_norm(x, w, 1e-5))
 
 
 def test_without_the_build_the_ops_run_the_twins(monkeypatch):
     monkeypatch.setenv("QUANTKIT_NO_EXT", "1")
     x, w = torch.randn(3, 8), torch.rand(8)
     assert torch.equal(ops.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5))
-    assert ops.fused_kernel("cpu").why == "disabled by QUANTKIT_NO_EXT=1"
+    chosen = choose("rms_norm", elementwise.RMS_NORM, Problem("cpu", torch.float32))
+    assert (chosen.name, chosen.why) == ("torch ops", "quantkit C++: disabled by QUANTKIT_NO_EXT=1")
 
 
 @pytest.mark.parametrize(

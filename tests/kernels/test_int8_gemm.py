@@ -20,7 +20,7 @@ import torch
 from quantkit import ops
 from quantkit.errors import QuantkitError
 from quantkit.kernels import cpu, reference
-from quantkit.kernels.int8_gemm import int8_gemm, quantize_per_token
+from quantkit.kernels.int8_gemm import int8_gemm, quantize_per_token, unsupported
 from quantkit.primitives import compute_qparams, fake_quantize, quantize, sqnr
 from quantkit.scheme import QuantArgs
 
@@ -122,8 +122,8 @@ def test_launcher_refuses_bad_inputs_in_one_sentence():
         int8_gemm(torch.randn(3, 95), w_int8, w_scale)
     with pytest.raises(QuantkitError, match="int8 \\[N, K\\] weight"):
         int8_gemm(torch.randn(3, K), w_int8.float(), w_scale)
-    assert "multiples of 8" in ops.int8_gemm_unsupported(41, 96, "cuda")
-    assert ops.int8_gemm_unsupported(41, 96, "cpu") is None
+    assert "multiples of 8" in unsupported(41, 96, "cuda")
+    assert unsupported(41, 96, "cpu") is None
 
 
 def _ext():

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 import quantkit
-from quantkit import ops
 from quantkit.errors import QuantkitError
 from quantkit.pipeline.quantize import quantize
 from quantkit.scheme import preset
@@ -102,8 +101,9 @@ def test_int8_per_channel_weights_load_as_transformers_reads_them(tiny_llama, ti
         x = torch.randn(3, down.in_features)
         fast = down(x)
         with pytest.MonkeyPatch.context() as m:
-            m.setattr("quantkit.ops.int8_cpu_unsupported", lambda *_: "not here")
-            assert down.prepare(x.dtype, "cpu") == ops.Kernel("dequantized once to float32", "not here")
+            m.setattr("quantkit.kernels.cpu.int8_unsupported", lambda *_: "not here")
+            kernel = down.prepare(x.dtype, "cpu")
+            assert (kernel.name, kernel.why) == ("dequantized once (F.linear)", "int8pack (torch CPU): not here")
         torch.testing.assert_close(down(x), fast, rtol=1e-5, atol=1e-5)
 
 
