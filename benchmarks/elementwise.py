@@ -1,4 +1,4 @@
-"""The engine with the C++ element-wise kernels (`kernels/csrc/fused.cpp`: norms, add + norm,
+"""The engine with the C++ element-wise kernels (`kernels/elementwise/fused.cpp`: norms, add + norm,
 rotary, SiLU · up) against the same engine with their torch twins, in one process, alternately.
 
     python benchmarks/elementwise.py [--model smollm2-135m] [--rounds 2] [--threads 1]

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from quantkit.kernels import attention, elementwise, fp8, int4, int8, reference
+from quantkit.kernels import attention, elementwise, fp8, int4, int8
+from quantkit.kernels.attention import twin as attention_twin
 from quantkit.kernels.choice import BACKENDS, Problem, check_backend, choose
 
 __all__ = ["BACKENDS", "check_backend"]
@@ -25,20 +26,20 @@ def _gemm(op: str, candidates: list, x: torch.Tensor, backend: str, **weight):
 
 
 def int4_gemm(x, w_packed, scales, zeros, group_size, g_idx=None, backend: str = "auto") -> torch.Tensor:
-    """W4A16 matmul; see `quantkit.kernels.reference.int4_gemm` for shapes and dtypes."""
+    """W4A16 matmul; see `quantkit.kernels.int4.twin.int4_gemm` for shapes and dtypes."""
     weight = (w_packed, scales, zeros, group_size, g_idx)
     return _gemm("int4 GEMM", int4.CANDIDATES, x, backend, weight=weight)(x)
 
 
 def fp8_gemm(x, w_fp8, w_scale, x_scale=None, backend: str = "auto") -> torch.Tensor:
-    """W8A8 fp8 matmul; see `quantkit.kernels.reference.fp8_gemm` for shapes and dtypes."""
+    """W8A8 fp8 matmul; see `quantkit.kernels.fp8.twin.fp8_gemm` for shapes and dtypes."""
     return _gemm("fp8 GEMM", fp8.CANDIDATES, x, backend, weight=w_fp8, scales=w_scale, input_scale=x_scale)(x)
 
 
 def int8_gemm(x, w_int8, w_scale, backend: str = "auto") -> torch.Tensor:
-    """W8A8 int8 matmul, activations quantized per token; see `quantkit.kernels.reference.int8_gemm`
+    """W8A8 int8 matmul, activations quantized per token; see `quantkit.kernels.int8.twin.int8_gemm`
     for shapes and dtypes. On a GPU (and with backend "triton", the GPU path: there is no Triton
-    kernel) `torch._int_mm` (`quantkit.kernels.int8_gemm`) where it takes the shape, else the twin.
+    kernel) `torch._int_mm` (`quantkit.kernels.int8.int_mm`) where it takes the shape, else the twin.
     The engine's CPU path, oneDNN on a weight prepacked at load, is `quantkit.kernels.int8.W8A8`'s."""
     return _gemm("W8A8 int8 GEMM", int8.W8A8, x, backend, weight=w_int8, scales=w_scale)(x)
 
@@ -64,8 +65,8 @@ def paged_attention(
     backend: str = "auto",
 ) -> torch.Tensor:
     """Decode attention over a block table, over the last `window` tokens with a sliding
-    window, scores soft-capped at ±softcap; see `quantkit.kernels.paged_attention`."""
-    reference.check_window_softcap("paged_attention", window, softcap)
+    window, scores soft-capped at ±softcap; see `quantkit.kernels.attention.triton`."""
+    attention_twin.check_window_softcap("paged_attention", window, softcap)
     fn = choose("decode attention", attention.DECODE, _cache_problem(q, k_cache, backend)).fn
     return fn(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, window, softcap)
 
@@ -86,17 +87,17 @@ def paged_prefill(
 ):
     """Causal attention of the new tokens of several sequences over their cached blocks, with an
     optional sliding window and softcap as `paged_attention`; see
-    `quantkit.kernels.reference.paged_prefill`."""
+    `quantkit.kernels.attention.twin.paged_prefill`."""
     check_backend(backend)
-    reference.check_window_softcap("paged_prefill", window, softcap)
+    attention_twin.check_window_softcap("paged_prefill", window, softcap)
     fn = choose("prefill attention", attention.PREFILL, _cache_problem(q, k_cache, backend)).fn
     return fn(q, k_cache, v_cache, block_tables, seq_lens, query_lens, scale, k_scale, v_scale, window, softcap)
 
 
 def kv_store(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None, backend: str = "auto") -> None:
-    """Write new keys/values into their cache slots, quantising on the way; see `quantkit.kernels.kv_store`.
-    On the CPU one C++ pass (`kernels/csrc/fused.cpp`) where scales are fp32 and given exactly
-    for fp8/int8 caches."""
+    """Write new keys/values into their cache slots, quantising on the way; see
+    `quantkit.kernels.attention.triton_kv_store`. On the CPU one C++ pass (`elementwise/fused.cpp`)
+    where scales are fp32 and given exactly for fp8/int8 caches."""
     scales = tuple(s.dtype for s in (k_scale, v_scale) if s is not None)
     if v.dtype != k.dtype:
         scales = (None,)  # the C++ pass takes k and v of one dtype: refuse it
@@ -135,24 +136,24 @@ def _elementwise(op: str, candidates: list, x: torch.Tensor, backend: str, *othe
 
 
 def rms_norm(x, weight, eps: float, gemma: bool = False, backend: str = "auto") -> torch.Tensor:
-    """RMSNorm over the last dim, Llama's way or Gemma's; see `quantkit.kernels.reference.rms_norm`."""
+    """RMSNorm over the last dim, Llama's way or Gemma's; see `quantkit.kernels.elementwise.twin.rms_norm`."""
     return _elementwise("rms_norm", elementwise.RMS_NORM, x, backend, weight)(x, weight, eps, gemma)
 
 
 def add_rms_norm_(x, delta, weight, eps: float, gemma: bool = False, backend: str = "auto") -> torch.Tensor:
-    """x += delta in place, then `rms_norm(x)`; see `quantkit.kernels.reference.add_rms_norm_`."""
+    """x += delta in place, then `rms_norm(x)`; see `quantkit.kernels.elementwise.twin.add_rms_norm_`."""
     fn = _elementwise("add_rms_norm_", elementwise.ADD_RMS_NORM, x, backend, delta, weight)
     return fn(x, delta, weight, eps, gemma)
 
 
 def rope_(x, cos, sin_signed, backend: str = "auto") -> None:
     """Rotary embedding of x [T, heads, D] in place (cos, sign-folded sin [T, R]); see
-    `quantkit.kernels.reference.rope`."""
+    `quantkit.kernels.elementwise.twin.rope`."""
     _elementwise("rope_", elementwise.ROPE, x, backend, cos, sin_signed)(x, cos, sin_signed)
 
 
 def silu_mul(gate_up, backend: str = "auto") -> torch.Tensor:
-    """silu(gate) * up of gate_up [T, 2I]; see `quantkit.kernels.reference.silu_mul`."""
+    """silu(gate) * up of gate_up [T, 2I]; see `quantkit.kernels.elementwise.twin.silu_mul`."""
     return _elementwise("silu_mul", elementwise.SILU_MUL, gate_up, backend)(gate_up)
 
 

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from quantkit.kernels import cpu_attention, cpu_ext, cpu_fused, reference
+from quantkit.kernels import cpu_ext
+from quantkit.kernels.attention import cpu as cpu_attention
+from quantkit.kernels.attention import twin as attention_twin
 from quantkit.kernels.choice import Candidate, Problem, always, fixed, triton_module
+from quantkit.kernels.elementwise import cpp as cpu_fused
 
 
 def _triton(module: str, fn: str) -> Candidate:
@@ -62,10 +65,10 @@ TORCH = "batched torch (gathered blocks + SDPA)"
 
 # (q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, window, softcap) -> out
 DECODE = [
-    _triton("paged_attention", "paged_attention"),
+    _triton("attention.triton", "paged_attention"),
     Candidate("quantkit C++", _cpp_ok, _ext(cpu_attention.cpp_decode), device="cpu"),
     Candidate(TORCH, always, fixed(cpu_attention.torch_paged_attention), device="cpu"),
-    Candidate("the twin (torch, a sequence at a time)", always, fixed(reference.paged_attention), backend="torch"),
+    Candidate("the twin (torch, a sequence at a time)", always, fixed(attention_twin.paged_attention), backend="torch"),
 ]
 
 # (q, k_cache, v_cache, block_tables, seq_lens, query_lens, scale, k_scale, v_scale, window, softcap) -> out
@@ -73,13 +76,13 @@ PREFILL = [
     Candidate("quantkit C++ on AMX", _amx_ok, _ext(cpu_attention.amx_prefill), device="cpu"),
     Candidate("quantkit C++ (short sequences), SDPA (long)", _cpp_ok, _ext(cpu_attention.split_prefill), "cpu"),
     Candidate(TORCH, always, fixed(cpu_attention.torch_paged_prefill), device="cpu"),
-    Candidate("gathered blocks + SDPA (the twin)", always, fixed(reference.paged_prefill), backend="torch"),
+    Candidate("gathered blocks + SDPA (the twin)", always, fixed(attention_twin.paged_prefill), backend="torch"),
 ]
 
 # (k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None
 KV_STORE = [
-    _triton("kv_store", "kv_store"),
+    _triton("attention.triton_kv_store", "kv_store"),
     Candidate("quantkit C++", _fused_store_ok, lambda p: cpu_fused.load().kv_store_, device="cpu"),
     Candidate("index_copy_ (torch)", always, fixed(cpu_attention.kv_store), device="cpu"),
-    Candidate("the twin (torch)", always, fixed(reference.kv_store), backend="torch"),
+    Candidate("the twin (torch)", always, fixed(attention_twin.kv_store), backend="torch"),
 ]

@@ -7,8 +7,9 @@ weight, the rotary tables); the C++ kernels take operands of one dtype on the CP
 
 from __future__ import annotations
 
-from quantkit.kernels import cpu_fused, reference
 from quantkit.kernels.choice import Candidate, Problem, always, fixed
+from quantkit.kernels.elementwise import cpp as cpu_fused
+from quantkit.kernels.elementwise import twin as elementwise_twin
 
 CPP = "quantkit C++"
 
@@ -30,12 +31,12 @@ def _twin(fn) -> Candidate:
     return Candidate("torch ops", always, fixed(fn), backend="torch")
 
 
-RMS_NORM = [_cpp("rms_norm"), _twin(reference.rms_norm)]  # (x, weight, eps, gemma) -> y
-ADD_RMS_NORM = [_cpp("add_rms_norm_"), _twin(reference.add_rms_norm_)]  # (x, delta, weight, eps, gemma) -> y
-ROPE = [_cpp("rope_"), _twin(reference.rope_)]  # (x, cos, sin_signed) -> None, x in place
-SILU_MUL = [_cpp("silu_mul"), _twin(reference.silu_mul)]  # (gate_up) -> y
+RMS_NORM = [_cpp("rms_norm"), _twin(elementwise_twin.rms_norm)]  # (x, weight, eps, gemma) -> y
+ADD_RMS_NORM = [_cpp("add_rms_norm_"), _twin(elementwise_twin.add_rms_norm_)]  # (x, delta, weight, eps, gemma) -> y
+ROPE = [_cpp("rope_"), _twin(elementwise_twin.rope_)]  # (x, cos, sin_signed) -> None, x in place
+SILU_MUL = [_cpp("silu_mul"), _twin(elementwise_twin.silu_mul)]  # (gate_up) -> y
 ARGMAX = [  # (logits [rows, vocab]) -> int64 [rows]
     _cpp("argmax"),
     Candidate("torch, two levels", always, fixed(cpu_fused.torch_argmax), device="cpu"),
-    Candidate("torch argmax", always, fixed(reference.argmax), backend="torch"),
+    Candidate("torch argmax", always, fixed(elementwise_twin.argmax), backend="torch"),
 ]

@@ -4,22 +4,22 @@ candidates, fastest first, the twin last (`quantkit.kernels.choice`). A problem 
 
 from __future__ import annotations
 
-from quantkit.kernels import reference
 from quantkit.kernels.choice import Candidate, Problem, always, triton_module
+from quantkit.kernels.fp8 import twin as fp8_twin
 
 
 def _triton_ok(p: Problem) -> tuple[bool, str]:
-    return (True, "") if triton_module("fp8_gemm", p) is not None else (False, "triton is not installed")
+    return (True, "") if triton_module("fp8.triton", p) is not None else (False, "triton is not installed")
 
 
 def _triton(p: Problem):
-    kernel, weight = triton_module("fp8_gemm", p).fp8_gemm, (p.weight, p.scales, p.input_scale)
+    kernel, weight = triton_module("fp8.triton", p).fp8_gemm, (p.weight, p.scales, p.input_scale)
     return lambda x: kernel(x, *weight)
 
 
 def _twin(p: Problem):
     weight = (p.weight, p.scales, p.input_scale)
-    return lambda x: reference.fp8_gemm(x, *weight)
+    return lambda x: fp8_twin.fp8_gemm(x, *weight)
 
 
 CANDIDATES = [

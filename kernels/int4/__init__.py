@@ -10,8 +10,10 @@ import os
 
 import torch
 
-from quantkit.kernels import cpu, cpu_int4, reference
 from quantkit.kernels.choice import Candidate, Problem, always, triton_module
+from quantkit.kernels.int4 import cpp as cpu_int4
+from quantkit.kernels.int4 import int4pack
+from quantkit.kernels.int4 import twin as int4_twin
 
 
 def bind(fn, weight):
@@ -38,7 +40,7 @@ def _amx_ok(p: Problem) -> tuple[bool, str]:
 
 
 def _int4pack_ok(p: Problem) -> tuple[bool, str]:
-    why = _bf16(p) or cpu.int4_unsupported(*_shape(p)) or ""
+    why = _bf16(p) or int4pack.int4_unsupported(*_shape(p)) or ""
     return not why, why
 
 
@@ -51,17 +53,17 @@ def _int4pack(p: Problem):
 
 
 def _triton_ok(p: Problem) -> tuple[bool, str]:
-    return (True, "") if triton_module("int4_gemm", p) is not None else (False, "triton is not installed")
+    return (True, "") if triton_module("int4.triton", p) is not None else (False, "triton is not installed")
 
 
 def _triton(p: Problem):
-    kernel, weight = triton_module("int4_gemm", p).int4_gemm, p.weight
+    kernel, weight = triton_module("int4.triton", p).int4_gemm, p.weight
     return lambda x: kernel(x, *weight)
 
 
 def _twin(p: Problem):
     weight = p.weight
-    return lambda x: reference.int4_gemm(x, *weight)
+    return lambda x: int4_twin.int4_gemm(x, *weight)
 
 
 CANDIDATES = [

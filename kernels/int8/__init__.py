@@ -15,16 +15,18 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from quantkit.kernels import cpu, cpu_w8a8, reference
 from quantkit.kernels.choice import Candidate, Problem, always
 from quantkit.kernels.int4 import bind
+from quantkit.kernels.int8 import cpp as cpu_w8a8
+from quantkit.kernels.int8 import int8pack, onednn
+from quantkit.kernels.int8 import twin as int8_twin
 from quantkit.primitives import dequantize
 
 
 def _int8pack_ok(p: Problem) -> tuple[bool, str]:
     if not (p.args.symmetric and p.args.strategy == "channel"):
         return False, "its weights are not symmetric per-channel"
-    why = cpu.int8_unsupported(*p.ints.shape)
+    why = int8pack.int8_unsupported(*p.ints.shape)
     return not why, why or ""
 
 
@@ -37,7 +39,7 @@ W8A16 = [
     Candidate(
         "int8pack (torch CPU)",
         _int8pack_ok,
-        lambda p: bind(cpu.int8_gemm_cpu, cpu.repack_int8_cpu(p.ints, p.scales)),
+        lambda p: bind(int8pack.int8_gemm_cpu, int8pack.repack_int8_cpu(p.ints, p.scales)),
         device="cpu",
     ),
     Candidate("dequantized once (F.linear)", always, _dense, backend="torch"),
@@ -45,21 +47,21 @@ W8A16 = [
 
 
 def _int_mm_ok(p: Problem) -> tuple[bool, str]:
-    from quantkit.kernels import int8_gemm
+    from quantkit.kernels.int8 import int_mm as int8_gemm
 
     why = int8_gemm.unsupported(*p.weight.shape, p.device)
     return not why, why or ""
 
 
 def _int_mm(p: Problem):
-    from quantkit.kernels import int8_gemm
+    from quantkit.kernels.int8 import int_mm as int8_gemm
 
     weight, scales = p.weight, p.scales
     return lambda x: int8_gemm.int8_gemm(x, weight, scales)
 
 
 def _onednn_ok(p: Problem) -> tuple[bool, str]:
-    why = cpu.w8a8_unsupported(*p.weight.shape)
+    why = onednn.w8a8_unsupported(*p.weight.shape)
     return not why, why or ""
 
 
@@ -71,12 +73,12 @@ def _onednn_cpp_ok(p: Problem) -> tuple[bool, str]:
 
 
 def _onednn(elementwise: bool):
-    return lambda p: bind(cpu.w8a8_gemm_cpu, cpu.prepack_w8a8(p.weight, p.scales, elementwise))
+    return lambda p: bind(onednn.w8a8_gemm_cpu, onednn.prepack_w8a8(p.weight, p.scales, elementwise))
 
 
 def _twin(p: Problem):
     weight, scales = p.weight, p.scales
-    return lambda x: reference.int8_gemm(x, weight, scales)
+    return lambda x: int8_twin.int8_gemm(x, weight, scales)
 
 
 W8A8 = [

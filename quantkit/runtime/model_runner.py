@@ -30,8 +30,10 @@ import torch
 from torch import nn
 
 from quantkit.errors import QuantkitError
-from quantkit.kernels import attention, choice, elementwise, reference
+from quantkit.kernels import attention, choice, elementwise
+from quantkit.kernels.attention import twin as attention_twin
 from quantkit.kernels.choice import Choice, Problem
+from quantkit.kernels.elementwise import twin as elementwise_twin
 from quantkit.models import moe
 from quantkit.models.arch import MoE, arch_for, get_module, unsupported_features
 from quantkit.runtime.qlinear import fuse_linears, prepack
@@ -82,7 +84,7 @@ Pick = Callable[..., Callable]  # (op, candidates, **shapes) -> the chosen calla
 @dataclass(slots=True)
 class _Norm:
     """An RMSNorm as the runner calls it: the chosen `rms_norm` kernel where the module computes
-    Llama's or Gemma's RMSNorm exactly (`reference.rms_norm`, checked once at load on a probe
+    Llama's or Gemma's RMSNorm exactly (`elementwise_twin.rms_norm`, checked once at load on a probe
     input), otherwise the module itself. `add_` is the residual add and the norm in one pass."""
 
     module: nn.Module
@@ -112,7 +114,7 @@ class _Norm:
             with torch.inference_mode():
                 want = module(x)
                 for gemma in (False, True):
-                    if torch.equal(reference.rms_norm(x, weight, eps, gemma), want):
+                    if torch.equal(elementwise_twin.rms_norm(x, weight, eps, gemma), want):
                         rms = pick("rms_norm", elementwise.RMS_NORM, dtypes=(weight.dtype,))
                         add = pick("add_rms_norm_", elementwise.ADD_RMS_NORM, dtypes=(like.dtype, weight.dtype))
                         return cls(module, (weight, eps, gemma), rms, add)
@@ -344,7 +346,7 @@ class ModelRunner:
             mlp = _MLP.of(mods(gate_up), get_module(block, spec.act), get_module(block, down[0]), self)
         takes_layer_type = "layer_type" in inspect.signature(self.rotary_emb.forward).parameters
         window, softcap = _window(attn, self.config), getattr(attn, "attn_logit_softcapping", None)
-        reference.check_window_softcap("paged_attention", window, softcap)
+        attention_twin.check_window_softcap("paged_attention", window, softcap)
         rope = getattr(attn, "layer_type", None) if takes_layer_type else None
         return _Layer(
             norm(spec.input_norm),
@@ -429,7 +431,7 @@ class ModelRunner:
             else:
                 x.add_(out)
         logits = self.lm_head(self.final_norm(x[b.logits_indices]))
-        return reference.cap(logits, self.final_softcap)
+        return attention_twin.cap(logits, self.final_softcap)
 
 
 def check_supported(model: nn.Module) -> None:

@@ -1,4 +1,4 @@
-"""The C++ CPU attention kernels (`quantkit.kernels.cpu_ext`, kernels/csrc/attention.cpp)
+"""The C++ CPU attention kernels (`quantkit.kernels.cpu_ext`, kernels/attention/attention.cpp)
 against the torch twins (`reference.paged_attention`, `reference.paged_prefill`): every cache
 dtype with its scales, grouped-query heads, head dims with and without a compiled-in loop
 (64, 128; 48, 80), lengths at and across block boundaries, shuffled block tables, sliding
@@ -26,8 +26,9 @@ import torch
 from conftest import built, shuffled_cache
 
 from quantkit import ops
-from quantkit.kernels import cpu_attention, cpu_ext
-from quantkit.kernels import reference as ref
+from quantkit.kernels import cpu_ext
+from quantkit.kernels.attention import cpu as cpu_attention
+from quantkit.kernels.attention import twin as attention_twin
 
 TOLERANCES = {
     torch.float32: dict(atol=2e-5, rtol=2e-5),
@@ -77,7 +78,7 @@ def make_case(cache, heads, kv_heads, seq_lens, head_dim=64, block_size=16, q_to
             for i, n in enumerate(seq_lens)
         ]
     )
-    ref.kv_store(k, v, k_cache, v_cache, slots, k_scale, v_scale)
+    attention_twin.kv_store(k, v, k_cache, v_cache, slots, k_scale, v_scale)
     q = torch.randn(q_tokens or len(seq_lens), heads, head_dim, generator=g).to(q_dtype)
     return q, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32), k_scale, v_scale
 
@@ -85,14 +86,14 @@ def make_case(cache, heads, kv_heads, seq_lens, head_dim=64, block_size=16, q_to
 def decode(ext, case, scale, window=None, softcap=None):
     q, k, v, tables, lens, ks, vs = case
     out = ext.paged_attention(q, k, v, tables, lens, scale, ks, vs, window or 0, softcap or 0.0)
-    return out, ref.paged_attention(q, k, v, tables, lens, scale, ks, vs, window, softcap)
+    return out, attention_twin.paged_attention(q, k, v, tables, lens, scale, ks, vs, window, softcap)
 
 
 def prefill(ext, case, query_lens, scale, window=None, softcap=None, tile=16):
     q, k, v, tables, lens, ks, vs = case
     qlens = torch.tensor(query_lens, dtype=torch.int32)
     out = ext.paged_prefill(q, k, v, tables, lens, qlens, scale, ks, vs, window or 0, softcap or 0.0, tile, 0)
-    return out, ref.paged_prefill(q, k, v, tables, lens, qlens, scale, ks, vs, window, softcap)
+    return out, attention_twin.paged_prefill(q, k, v, tables, lens, qlens, scale, ks, vs, window, softcap)
 
 
 # --- decode ----------------------------------------------------------------------------------
@@ -133,7 +134,7 @@ def test_decode_window_softcap(ext, cache, window, softcap):
 def test_decode_window_skips_the_blocks_before_it(ext):
     """Blocks wholly before the window may hold anything (freed and reused): they are not read."""
     q, k, v, tables, lens, _, _ = make_case("fp32", 6, 2, [40, 100])
-    want = ref.paged_attention(q, k, v, tables, lens, 0.125, window=7)
+    want = attention_twin.paged_attention(q, k, v, tables, lens, 0.125, window=7)
     nan_block = int(tables.max()) + 1  # never written: NaN
     tables = tables.clone()
     tables[0, :2], tables[1, :5] = nan_block, nan_block  # tokens 0-31 of 40, 0-79 of 100
@@ -171,7 +172,9 @@ def test_decode_takes_a_strided_q(ext):
     view = qkv[:, :6]
     assert not view.is_contiguous()
     out = ext.paged_attention(view, k, v, tables, lens, 0.125, None, None, 0, 0.0)
-    torch.testing.assert_close(out, ref.paged_attention(q, k, v, tables, lens, 0.125), **TOLERANCES[torch.bfloat16])
+    torch.testing.assert_close(
+        out, attention_twin.paged_attention(q, k, v, tables, lens, 0.125), **TOLERANCES[torch.bfloat16]
+    )
 
 
 def test_float_cache_with_scales_and_a_strided_block_table(ext):
@@ -181,7 +184,7 @@ def test_float_cache_with_scales_and_a_strided_block_table(ext):
     strided = torch.stack([tables, tables], dim=2).flatten(1)[:, ::2]
     assert strided.stride(1) == 2 and torch.equal(strided, tables)
     out = ext.paged_attention(q, k, v, strided, lens, 0.125, ks, vs, 0, 0.0)
-    want = ref.paged_attention(q, k, v, tables, lens, 0.125, ks, vs)
+    want = attention_twin.paged_attention(q, k, v, tables, lens, 0.125, ks, vs)
     torch.testing.assert_close(out, want, **TOLERANCES[torch.float32])
 
 
@@ -243,7 +246,7 @@ def test_prefill_leaves_long_sequences_to_the_caller(ext):
     out = ext.paged_prefill(
         q, k, v, tables, lens, qlens, 0.125, None, None, 0, 0.0, 16, 100
     )  # 10 * 10 <= 100 < 40 * 40
-    want = ref.paged_prefill(q, k, v, tables, lens, qlens, 0.125)
+    want = attention_twin.paged_prefill(q, k, v, tables, lens, qlens, 0.125)
     torch.testing.assert_close(out[:10], want[:10], **TOLERANCES[torch.float32])
 
 
@@ -288,7 +291,7 @@ def test_amx_prefill_window_skips_the_blocks_before_it(ext):
     """Blocks wholly before every query's window may hold anything: they are not read."""
     q, k, v, tables, lens, _, _ = amx_case("bf16", "g3", lens=[300, 100], query_lens=[40, 100])
     qlens = torch.tensor([40, 100], dtype=torch.int32)
-    want = ref.paged_prefill(q, k, v, tables, lens, qlens, 0.125, window=20)
+    want = attention_twin.paged_prefill(q, k, v, tables, lens, qlens, 0.125, window=20)
     nan_block = int(tables.max()) + 1  # never written: NaN
     tables = tables.clone()
     tables[0, :15] = nan_block  # tokens 0-239: the first query (position 260) sees 241 on
@@ -350,7 +353,7 @@ def test_cpu_prefill_splits_between_the_extension_and_sdpa(ext, monkeypatch):
         for window, softcap in ((None, None), (7, 5.0)):
             args = (q, k, v, tables, lens, qlens, 0.25, ks, vs, window, softcap)
             out = cpu_attention.paged_prefill(*args)
-            torch.testing.assert_close(out, ref.paged_prefill(*args), **TOLERANCES[q.dtype])
+            torch.testing.assert_close(out, attention_twin.paged_prefill(*args), **TOLERANCES[q.dtype])
             sdpa = cpu_attention.torch_paged_prefill(*args)
             assert torch.equal(out[-33:], sdpa[-33:])  # the long one went through SDPA
 
@@ -378,7 +381,7 @@ def test_head_dims_the_kernel_cannot_take_go_to_torch(ext):
 
 def test_no_compiler_is_a_reason(monkeypatch):
     monkeypatch.setenv("CXX", "/nonexistent/g++")
-    ops_, reason = cpu_ext.Extension("attention.cpp", "quantkit_none", "x", "test")._build()
+    ops_, reason = cpu_ext.Extension("attention/attention.cpp", "quantkit_none", "x", "test")._build()
     assert ops_ is None and reason == "no C++ compiler (/nonexistent/g++ not found; set $CXX or install g++)"
 
 

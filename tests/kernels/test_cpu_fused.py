@@ -1,4 +1,4 @@
-"""The C++ element-wise kernels (`quantkit.kernels.cpu_fused`, kernels/csrc/fused.cpp) against
+"""The C++ element-wise kernels (`quantkit.kernels.elementwise.cpp`, kernels/elementwise/fused.cpp) against
 their twins in `quantkit.kernels.reference` (transformers' own torch code): RMSNorm Llama's way
 and Gemma's, the residual add + norm, rotary embedding in place (whole and partial), SiLU * up;
 every float dtype, sizes with and without a vector tail, strided views as the runner passes.
@@ -16,9 +16,11 @@ import torch
 from conftest import built
 
 from quantkit import ops
-from quantkit.kernels import cpu_fused, elementwise
-from quantkit.kernels import reference as ref
+from quantkit.kernels import elementwise
+from quantkit.kernels.attention import twin as attention_twin
 from quantkit.kernels.choice import Problem, choose
+from quantkit.kernels.elementwise import cpp as cpu_fused
+from quantkit.kernels.elementwise import twin as elementwise_twin
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -45,7 +47,7 @@ def test_rms_norm(k, dtype, hidden, gemma):
     g = torch.Generator().manual_seed(hidden)
     x = (torch.randn(19, hidden, generator=g) * 3).to(dtype)
     w = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
-    close(k.rms_norm(x, w, 1e-5, gemma), ref.rms_norm(x, w, 1e-5, gemma))
+    close(k.rms_norm(x, w, 1e-5, gemma), elementwise_twin.rms_norm(x, w, 1e-5, gemma))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -56,7 +58,7 @@ def test_rms_norm_of_heads_in_a_strided_view(k, dtype):
     w = torch.rand(64, generator=torch.Generator().manual_seed(2)).to(dtype)
     out = k.rms_norm(q, w, 1e-6, False)
     assert out.is_contiguous()
-    close(out, ref.rms_norm(q, w, 1e-6, False))
+    close(out, elementwise_twin.rms_norm(q, w, 1e-6, False))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -68,7 +70,7 @@ def test_add_rms_norm_adds_in_place(k, dtype, hidden):
     w = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
     x_ref = x.clone()
     out = k.add_rms_norm_(x, delta, w, 1e-5, False)
-    want = ref.add_rms_norm_(x_ref, delta, w, 1e-5, False)
+    want = elementwise_twin.add_rms_norm_(x_ref, delta, w, 1e-5, False)
     assert torch.equal(x, x_ref)  # the residual stream, the same bits
     close(out, want)
 
@@ -83,7 +85,7 @@ def test_rope_in_place(k, dtype, rotary):
     sin = torch.cat([-angle.sin(), angle.sin()], -1).to(dtype)  # sign folded, as the runner passes
     x, x_ref = qkv[:, 2:7], qkv.clone()[:, 2:7]  # a strided slice of heads
     k.rope_(x, cos, sin)
-    ref.rope_(x_ref, cos, sin)
+    elementwise_twin.rope_(x_ref, cos, sin)
     assert torch.equal(x, x_ref)
     assert torch.equal(qkv[:, :2], qkv[:, :2].clone()) and not torch.equal(x, qkv.clone()[:, 2:7] * 0)
 
@@ -101,7 +103,7 @@ def test_rope_leaves_other_heads_alone(k):
 @pytest.mark.parametrize("inter", [1536, 37])
 def test_silu_mul(k, dtype, inter):
     gu = (torch.randn(9, 2 * inter, generator=torch.Generator().manual_seed(inter)) * 4).to(dtype)
-    got, want = k.silu_mul(gu), ref.silu_mul(gu)
+    got, want = k.silu_mul(gu), elementwise_twin.silu_mul(gu)
     if dtype == torch.float32 and inter % 16:  # the tail: SLEEF's exp where torch's loop takes libm's
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     else:
@@ -148,17 +150,19 @@ def test_ops_take_the_kernel_on_the_cpu_and_the_twin_with_backend_torch(k):
         fast = choose(op, candidates, Problem("cpu", torch.float32, dtypes=(torch.float32,)))
         assert (fast.name, fast.why, fast.fn) == ("quantkit C++", None, getattr(k, op))
         twin = choose(op, candidates, Problem("cpu", torch.float32, "torch"))
-        assert (twin.name, twin.why, twin.fn) == ("torch ops", "backend torch", getattr(ref, op))
+        assert (twin.name, twin.why, twin.fn) == ("torch ops", "backend torch", getattr(elementwise_twin, op))
     mixed = choose("rms_norm", elementwise.RMS_NORM, Problem("cpu", torch.float32, dtypes=(torch.float64,)))
-    assert mixed.fn is ref.rms_norm and "operands of one dtype" in mixed.why
-    assert torch.equal(ops.rms_norm(x, w.double(), 1e-5), ref.rms_norm(x, w.double(), 1e-5))  # promotes as torch
-    assert torch.equal(ops.rms_norm(x, w, 1e-5, backend="torch"), ref.rms_norm(x, w, 1e-5))
+    assert mixed.fn is elementwise_twin.rms_norm and "operands of one dtype" in mixed.why
+    assert torch.equal(
+        ops.rms_norm(x, w.double(), 1e-5), elementwise_twin.rms_norm(x, w.double(), 1e-5)
+    )  # promotes as torch
+    assert torch.equal(ops.rms_norm(x, w, 1e-5, backend="torch"), elementwise_twin.rms_norm(x, w, 1e-5))
 
 
 def test_without_the_build_the_ops_run_the_twins(monkeypatch):
     monkeypatch.setenv("QUANTKIT_NO_EXT", "1")
     x, w = torch.randn(3, 8), torch.rand(8)
-    assert torch.equal(ops.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5))
+    assert torch.equal(ops.rms_norm(x, w, 1e-5), elementwise_twin.rms_norm(x, w, 1e-5))
     chosen = choose("rms_norm", elementwise.RMS_NORM, Problem("cpu", torch.float32))
     assert (chosen.name, chosen.why) == ("torch ops", "quantkit C++: disabled by QUANTKIT_NO_EXT=1")
 
@@ -188,7 +192,7 @@ def test_kv_store_writes_what_the_twin_writes(k, cache_dtype, dtype, per_head):
         scales = (torch.tensor([0.05, 0.2] if per_head else [0.05]), torch.tensor([0.3, 0.1] if per_head else [0.3]))
     caches = [torch.zeros(6, 8, 2, 16, dtype=cache_dtype) for _ in range(4)]
     k.kv_store_(key, value, caches[0], caches[1], slots, *scales)
-    ref.kv_store(key, value, caches[2], caches[3], slots, *scales)
+    attention_twin.kv_store(key, value, caches[2], caches[3], slots, *scales)
     for got, want in ((caches[0], caches[2]), (caches[1], caches[3])):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     assert caches[0].view(torch.uint8).any()

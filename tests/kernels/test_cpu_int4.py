@@ -14,15 +14,9 @@ import pytest
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.kernels import reference
-from quantkit.kernels.cpu import (
-    int4_gemm_cpu,
-    int8_gemm_cpu,
-    repack_int4_cpu,
-    repack_int8_cpu,
-    supports,
-    supports_int8,
-)
+from quantkit.kernels.int4 import twin as int4_twin
+from quantkit.kernels.int4.int4pack import int4_gemm_cpu, repack_int4_cpu, supports
+from quantkit.kernels.int8.int8pack import int8_gemm_cpu, repack_int8_cpu, supports_int8
 from quantkit.packing import pack
 from quantkit.primitives import compute_qparams, quantize
 from quantkit.primitives import sqnr as sqnr_db
@@ -71,7 +65,7 @@ def test_int4_matches_twin(m, k, group_size, symmetric):
     w_packed, scale, zero = _quantized(k, k, group_size, symmetric)
     x = torch.randn(m, k, dtype=torch.bfloat16)
     y = int4_gemm_cpu(x, repack_int4_cpu(w_packed, scale, zero, group_size))
-    ref = reference.int4_gemm(x.float(), w_packed, scale.float(), zero, group_size)
+    ref = int4_twin.int4_gemm(x.float(), w_packed, scale.float(), zero, group_size)
     _check(y, ref, **BF16_TIGHT)
 
 
@@ -81,7 +75,7 @@ def test_int4_per_channel_runs_as_groups(symmetric):
     x = torch.randn(7, 576, dtype=torch.bfloat16)
     weight = repack_int4_cpu(w_packed, scale, zero, None)
     assert weight.group_size == 64 and weight.scales_and_zeros.shape == (9, 64, 2)
-    _check(int4_gemm_cpu(x, weight), reference.int4_gemm(x.float(), w_packed, scale.float(), zero, None), **BF16_TIGHT)
+    _check(int4_gemm_cpu(x, weight), int4_twin.int4_gemm(x.float(), w_packed, scale.float(), zero, None), **BF16_TIGHT)
 
 
 def test_int4_fp32_scales_and_fp32_activations():
@@ -89,7 +83,7 @@ def test_int4_fp32_scales_and_fp32_activations():
     x = torch.randn(2, 3, 256)  # fp32, leading dims
     y = int4_gemm_cpu(x, repack_int4_cpu(w_packed, scale, zero, 64))
     assert y.dtype == torch.float32 and y.shape == (2, 3, 128)
-    ref = reference.int4_gemm(x.to(torch.bfloat16).float(), w_packed, scale, zero, 64)
+    ref = int4_twin.int4_gemm(x.to(torch.bfloat16).float(), w_packed, scale, zero, 64)
     _check(y.to(torch.bfloat16), ref, **BF16_LOOSE)
 
 
@@ -108,7 +102,7 @@ def test_int4_act_order(symmetric):
     weight = repack_int4_cpu(w_packed, scale, zero, g, g_idx)
     x = torch.randn(5, k, dtype=torch.bfloat16)
     _check(
-        int4_gemm_cpu(x, weight), reference.int4_gemm(x.float(), w_packed, scale.float(), zero, g, g_idx), **BF16_TIGHT
+        int4_gemm_cpu(x, weight), int4_twin.int4_gemm(x.float(), w_packed, scale.float(), zero, g, g_idx), **BF16_TIGHT
     )
 
 

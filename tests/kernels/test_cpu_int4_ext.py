@@ -1,4 +1,4 @@
-"""The C++ AMX int4 kernel (`quantkit.kernels.cpu_int4`) and its int4pack fallback against the
+"""The C++ AMX int4 kernel (`quantkit.kernels.int4.cpp`) and its int4pack fallback against the
 torch twin.
 
 Tolerances. The kernel's bf16 weights are the twin's dequantized weights rounded to bf16, bit for
@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.kernels import cpu_int4, reference
+from quantkit.kernels.int4 import cpp as cpu_int4
+from quantkit.kernels.int4 import twin as int4_twin
 from quantkit.packing import pack, unpack
 from quantkit.primitives import compute_qparams, dequantize, quantize
 from quantkit.scheme import QuantArgs
@@ -39,7 +40,7 @@ def _quantized(n, k, group_size, symmetric, g_idx=None, seed=0):
 def _check(y, x, w_packed, scale, zero, args, group_size, g_idx=None, atol_rms=2**-10):
     k = x.shape[-1]
     assert y.dtype == x.dtype and y.shape == (*x.shape[:-1], w_packed.shape[0])
-    twin = reference.int4_gemm(x.float(), w_packed, scale.float(), zero, group_size, g_idx)
+    twin = int4_twin.int4_gemm(x.float(), w_packed, scale.float(), zero, group_size, g_idx)
     rel = ((y.float() - twin).pow(2).mean() / twin.pow(2).mean()).sqrt().item()
     assert rel <= 1e-2, rel
     w_bf16 = dequantize(unpack(w_packed, k), scale, zero, args, g_idx).to(torch.bfloat16)

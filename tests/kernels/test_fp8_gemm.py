@@ -30,9 +30,9 @@ pytest.importorskip("triton")
 
 import torch  # noqa: E402
 
-from quantkit.kernels import fp8_gemm as kmod  # noqa: E402
-from quantkit.kernels import reference  # noqa: E402
-from quantkit.kernels.fp8_gemm import fp8_gemm, quantize_fp8_per_token  # noqa: E402
+from quantkit.kernels.fp8 import triton as kmod  # noqa: E402
+from quantkit.kernels.fp8 import twin as reference  # noqa: E402
+from quantkit.kernels.fp8.triton import fp8_gemm, quantize_fp8_per_token  # noqa: E402
 from quantkit.primitives import compute_qparams, quantize  # noqa: E402
 from quantkit.scheme import QuantArgs  # noqa: E402
 

@@ -24,9 +24,9 @@ pytest.importorskip("triton")
 
 import torch  # noqa: E402
 
-from quantkit.kernels import int4_gemm as kmod  # noqa: E402
-from quantkit.kernels import reference  # noqa: E402
-from quantkit.kernels.int4_gemm import int4_gemm  # noqa: E402
+from quantkit.kernels.int4 import triton as kmod  # noqa: E402
+from quantkit.kernels.int4 import twin as reference  # noqa: E402
+from quantkit.kernels.int4.triton import int4_gemm  # noqa: E402
 from quantkit.packing import pack  # noqa: E402
 from quantkit.primitives import compute_qparams, quantize  # noqa: E402
 from quantkit.scheme import QuantArgs  # noqa: E402

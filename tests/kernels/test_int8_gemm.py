@@ -1,4 +1,4 @@
-"""The W8A8 int8 GEMMs against the torch twin `reference.int8_gemm` (Q(x) · dequant(W)ᵀ in fp32).
+"""The W8A8 int8 GEMMs against the torch twin `int8_twin.int8_gemm` (Q(x) · dequant(W)ᵀ in fp32).
 
 `quantize_per_token` must give the primitives' int8 values and scales exactly: it is the
 same division and round-half-to-even. Both fast paths multiply the same int8 operands, so
@@ -19,14 +19,15 @@ import torch
 
 from quantkit import ops
 from quantkit.errors import QuantkitError
-from quantkit.kernels import cpu, reference
-from quantkit.kernels.int8_gemm import int8_gemm, quantize_per_token, unsupported
+from quantkit.kernels.int8 import onednn
+from quantkit.kernels.int8 import twin as int8_twin
+from quantkit.kernels.int8.int_mm import int8_gemm, quantize_per_token, unsupported
 from quantkit.primitives import compute_qparams, fake_quantize, quantize, sqnr
 from quantkit.scheme import QuantArgs
 
 N, K = 40, 96  # not multiples of any tile
 MS = [1, 3, 16, 17, 64, 255]  # 1 (decode) and rows that are not multiples of 8
-TOKEN = reference.INT8_TOKEN
+TOKEN = int8_twin.INT8_TOKEN
 
 
 def make_weight(strategy: str = "channel", n: int = N, k: int = K, seed: int = 0):
@@ -68,7 +69,7 @@ def test_twin_is_fake_quantized_matmul(strategy):
     from quantkit.primitives import dequantize
 
     expected = fake_quantize(x, TOKEN) @ dequantize(w_int8, w_scale, None, args).t()
-    torch.testing.assert_close(reference.int8_gemm(x, w_int8, w_scale), expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(int8_twin.int8_gemm(x, w_int8, w_scale), expected, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("m", MS)
@@ -76,39 +77,39 @@ def test_twin_is_fake_quantized_matmul(strategy):
 def test_int_mm_path_matches_the_twin(m, strategy):
     w_int8, w_scale = make_weight(strategy)
     x = make_x((m, K))
-    close(int8_gemm(x, w_int8, w_scale), reference.int8_gemm(x, w_int8, w_scale))
+    close(int8_gemm(x, w_int8, w_scale), int8_twin.int8_gemm(x, w_int8, w_scale))
 
 
-@pytest.mark.skipif(cpu.w8a8_unsupported(N, K) is not None, reason="no oneDNN int8 linear in this torch")
+@pytest.mark.skipif(onednn.w8a8_unsupported(N, K) is not None, reason="no oneDNN int8 linear in this torch")
 @pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize("strategy", ["channel", "tensor"])
 def test_onednn_path_matches_the_twin(m, strategy):
     w_int8, w_scale = make_weight(strategy)
-    weight = cpu.prepack_w8a8(w_int8, w_scale)
+    weight = onednn.prepack_w8a8(w_int8, w_scale)
     x = make_x((m, K))
-    ref = reference.int8_gemm(x, w_int8, w_scale)
-    close(cpu.w8a8_gemm_cpu(x, weight), ref)
-    y = cpu.w8a8_gemm_cpu(x.bfloat16(), weight)
+    ref = int8_twin.int8_gemm(x, w_int8, w_scale)
+    close(onednn.w8a8_gemm_cpu(x, weight), ref)
+    y = onednn.w8a8_gemm_cpu(x.bfloat16(), weight)
     assert y.dtype == torch.bfloat16 and y.shape == (m, N)
-    assert sqnr(reference.int8_gemm(x.bfloat16().float(), w_int8, w_scale), y.float()) > 40
+    assert sqnr(int8_twin.int8_gemm(x.bfloat16().float(), w_int8, w_scale), y.float()) > 40
 
 
-@pytest.mark.skipif(cpu.w8a8_unsupported(N, K) is not None, reason="no oneDNN int8 linear in this torch")
+@pytest.mark.skipif(onednn.w8a8_unsupported(N, K) is not None, reason="no oneDNN int8 linear in this torch")
 def test_onednn_path_takes_any_leading_shape_and_other_widths():
     w_int8, w_scale = make_weight(n=24, k=40)  # K not a multiple of 16
-    weight = cpu.prepack_w8a8(w_int8, w_scale)
+    weight = onednn.prepack_w8a8(w_int8, w_scale)
     x = make_x((2, 3, 40))
-    y = cpu.w8a8_gemm_cpu(x, weight)
+    y = onednn.w8a8_gemm_cpu(x, weight)
     assert y.shape == (2, 3, 24)
-    close(y, reference.int8_gemm(x, w_int8, w_scale))
+    close(y, int8_twin.int8_gemm(x, w_int8, w_scale))
     with pytest.raises(QuantkitError, match="x has 41 features, the weight takes 40"):
-        cpu.w8a8_gemm_cpu(torch.randn(2, 41), weight)
+        onednn.w8a8_gemm_cpu(torch.randn(2, 41), weight)
 
 
 def test_dispatcher_backends():
     w_int8, w_scale = make_weight()
     x = make_x((7, K))
-    ref = reference.int8_gemm(x, w_int8, w_scale)
+    ref = int8_twin.int8_gemm(x, w_int8, w_scale)
     assert torch.equal(ops.int8_gemm(x, w_int8, w_scale), ref)  # auto on the CPU: the twin
     assert torch.equal(ops.int8_gemm(x, w_int8, w_scale, backend="torch"), ref)
     close(ops.int8_gemm(x, w_int8, w_scale, backend="triton"), ref)
@@ -127,7 +128,7 @@ def test_launcher_refuses_bad_inputs_in_one_sentence():
 
 
 def _ext():
-    from quantkit.kernels import cpu_w8a8
+    from quantkit.kernels.int8 import cpp as cpu_w8a8
 
     ops_ = cpu_w8a8.load()
     if ops_ is None:
@@ -160,9 +161,9 @@ def test_cpp_row_scaling_rounds_like_torch():
 def test_onednn_path_with_and_without_the_cpp_passes(m):
     _ext()
     w_int8, w_scale = make_weight()
-    fused, plain = cpu.prepack_w8a8(w_int8, w_scale), cpu.prepack_w8a8(w_int8, w_scale, elementwise=False)
+    fused, plain = onednn.prepack_w8a8(w_int8, w_scale), onednn.prepack_w8a8(w_int8, w_scale, elementwise=False)
     assert fused.elementwise is not None and plain.elementwise is None
     x = make_x((m, K))
-    assert torch.equal(cpu.w8a8_gemm_cpu(x, fused), cpu.w8a8_gemm_cpu(x, plain))  # fp32: identical
-    ref = reference.int8_gemm(x.bfloat16().float(), w_int8, w_scale)
-    assert sqnr(ref, cpu.w8a8_gemm_cpu(x.bfloat16(), fused).float()) > 40
+    assert torch.equal(onednn.w8a8_gemm_cpu(x, fused), onednn.w8a8_gemm_cpu(x, plain))  # fp32: identical
+    ref = int8_twin.int8_gemm(x.bfloat16().float(), w_int8, w_scale)
+    assert sqnr(ref, onednn.w8a8_gemm_cpu(x.bfloat16(), fused).float()) > 40

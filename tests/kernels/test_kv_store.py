@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from quantkit.calibration.kv import fake_quantize_kv, kv_scales
-from quantkit.kernels import reference as ref
-from quantkit.kernels.kv_store import kv_store
+from quantkit.kernels.attention import twin as attention_twin
+from quantkit.kernels.attention.triton_kv_store import kv_store
 from quantkit.scheme import preset
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -76,7 +76,7 @@ def test_kernel_matches_twin(cache, kv_heads):
     k, v, slots, (k_scale, v_scale) = make_tokens(cache, kv_heads)
     caches = [stale_cache(dtype, kv_heads) for _ in range(4)]
     kv_store(k, v, caches[0], caches[1], slots, k_scale, v_scale)
-    ref.kv_store(k, v, caches[2], caches[3], slots, k_scale, v_scale)
+    attention_twin.kv_store(k, v, caches[2], caches[3], slots, k_scale, v_scale)
     assert torch.equal(raw(caches[0]), raw(caches[2]))
     assert torch.equal(raw(caches[1]), raw(caches[3]))
 
@@ -87,7 +87,7 @@ def test_twin_matches_fake_quantize_kv(cache):
     kv_heads = 2
     k, v, slots, (k_scale, v_scale) = make_tokens(cache, kv_heads, seed=1)
     k_cache, v_cache = stale_cache(dtype, kv_heads), stale_cache(dtype, kv_heads)
-    ref.kv_store(k, v, k_cache, v_cache, slots, k_scale, v_scale)
+    attention_twin.kv_store(k, v, k_cache, v_cache, slots, k_scale, v_scale)
     keep = slots >= 0
     for x, c, s in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
         stored = c.flatten(0, 1)[slots[keep]].float()  # [n, kv_heads, head_dim]
@@ -217,5 +217,5 @@ def test_launcher_errors_for_float_caches():
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     kwargs = {n: t.cpu() if t is not None else None for n, t in _good().items()}
-    with pytest.raises(ValueError, match=r"needs a GPU; on CPU call quantkit.kernels.reference.kv_store"):
+    with pytest.raises(ValueError, match=r"needs a GPU; on CPU call quantkit.kernels.attention.twin.kv_store"):
         kv_store(**kwargs)

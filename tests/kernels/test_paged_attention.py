@@ -23,9 +23,9 @@ from conftest import shuffled_cache
 from quantkit import ops
 from quantkit.calibration.kv import fake_quantize_kv, kv_scales
 from quantkit.errors import QuantkitError
-from quantkit.kernels import cpu_attention
-from quantkit.kernels import reference as ref
-from quantkit.kernels.paged_attention import paged_attention, paged_prefill
+from quantkit.kernels.attention import cpu as cpu_attention
+from quantkit.kernels.attention import twin as attention_twin
+from quantkit.kernels.attention.triton import paged_attention, paged_prefill
 from quantkit.scheme import preset
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -92,7 +92,7 @@ def make_case(cache: str, heads: int, kv_heads: int, seq_lens=SEQ_LENS, head_dim
             for i, n in enumerate(seq_lens)
         ]
     )
-    ref.kv_store(k_all, v_all, k_cache, v_cache, slots, k_scale, v_scale)
+    attention_twin.kv_store(k_all, v_all, k_cache, v_cache, slots, k_scale, v_scale)
     q = torch.randn(q_tokens or len(seq_lens), heads, head_dim, generator=g).to(q_dtype)
     to = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
     lens = torch.tensor(seq_lens, dtype=torch.int32)
@@ -135,7 +135,7 @@ def dense_attention(
 def test_twin_matches_dense(cache, gqa):
     case = make_case(cache, *GQA[gqa])
     scale = 16**-0.5
-    out = ref.paged_attention(case.q, *case.cache_args(), scale, case.k_scale, case.v_scale)
+    out = attention_twin.paged_attention(case.q, *case.cache_args(), scale, case.k_scale, case.v_scale)
     want = torch.zeros_like(case.q)
     for i, n in enumerate(SEQ_LENS):
         if n:
@@ -148,7 +148,7 @@ def test_twin_matches_dense(cache, gqa):
 def test_kernel_matches_twin(cache, gqa):
     case = make_case(cache, *GQA[gqa])
     out = paged_attention(case.q, *case.cache_args(), 0.3, case.k_scale, case.v_scale)
-    want = ref.paged_attention(case.q, *case.cache_args(), 0.3, case.k_scale, case.v_scale)
+    want = attention_twin.paged_attention(case.q, *case.cache_args(), 0.3, case.k_scale, case.v_scale)
     assert out.dtype == case.q.dtype and out.shape == case.q.shape
     assert torch.equal(out[SEQ_LENS.index(0)], torch.zeros_like(out[0]))  # an empty sequence gives zeros
     torch.testing.assert_close(out, want, **TOLERANCES[case.q.dtype])
@@ -157,7 +157,7 @@ def test_kernel_matches_twin(cache, gqa):
 def test_kernel_head_dim_not_a_power_of_two():
     case = make_case("fp8-head", 6, 2, seq_lens=[19, 33], head_dim=24)
     out = paged_attention(case.q, *case.cache_args(), 24**-0.5, case.k_scale, case.v_scale)
-    want = ref.paged_attention(case.q, *case.cache_args(), 24**-0.5, case.k_scale, case.v_scale)
+    want = attention_twin.paged_attention(case.q, *case.cache_args(), 24**-0.5, case.k_scale, case.v_scale)
     torch.testing.assert_close(out, want, **TOLERANCES[case.q.dtype])
 
 
@@ -165,7 +165,7 @@ def test_kernel_softmax_is_stable_for_large_scores():
     """Scores around 1e4 would overflow exp() without the running max."""
     case = make_case("fp32", 4, 2, seq_lens=[40, 7])
     out = paged_attention(case.q, *case.cache_args(), 300.0)
-    want = ref.paged_attention(case.q, *case.cache_args(), 300.0)
+    want = attention_twin.paged_attention(case.q, *case.cache_args(), 300.0)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
 
@@ -177,7 +177,7 @@ def test_kernel_softmax_is_stable_for_large_scores():
 def test_bf16_on_gpu(cache):
     case = make_case(cache, 32, 8, seq_lens=[1, 16, 200, 513], head_dim=128)
     out = paged_attention(case.q, *case.cache_args(), 128**-0.5, case.k_scale, case.v_scale)
-    want = ref.paged_attention(case.q, *case.cache_args(), 128**-0.5, case.k_scale, case.v_scale)
+    want = attention_twin.paged_attention(case.q, *case.cache_args(), 128**-0.5, case.k_scale, case.v_scale)
     torch.testing.assert_close(out, want, **TOLERANCES[torch.bfloat16])
 
 
@@ -199,7 +199,7 @@ def test_prefill_matches_dense(cache, gqa):
                 out[start : start + n], want.transpose(0, 1).to(case.q.dtype), **TOLERANCES[case.q.dtype]
             )
     # a one-token prefill is a decode step
-    decode = ref.paged_attention(
+    decode = attention_twin.paged_attention(
         case.q[29:30],
         case.k_cache,
         case.v_cache,
@@ -274,7 +274,7 @@ def test_float_cache_needs_a_query_of_its_dtype():
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     kwargs = {n: t.cpu() if isinstance(t, torch.Tensor) else t for n, t in _good().items()}
-    with pytest.raises(ValueError, match=r"needs a GPU; on CPU call quantkit.kernels.reference.paged_attention"):
+    with pytest.raises(ValueError, match=r"needs a GPU; on CPU call quantkit.kernels.attention.twin.paged_attention"):
         paged_attention(**kwargs)
 
 
@@ -311,7 +311,7 @@ def test_cpu_paged_attention_matches_twin(cache, gqa, chunk_bytes, monkeypatch):
     monkeypatch.setattr(cpu_attention, "CHUNK_BYTES", chunk_bytes)
     case = cpu_case(cache, gqa, seq_lens=CPU_SEQ_LENS)
     out = cpu_attention.paged_attention(case.q, *case.cache_args(), 0.3, case.k_scale, case.v_scale)
-    want = ref.paged_attention(case.q, *case.cache_args(), 0.3, case.k_scale, case.v_scale)
+    want = attention_twin.paged_attention(case.q, *case.cache_args(), 0.3, case.k_scale, case.v_scale)
     assert out.dtype == case.q.dtype and torch.equal(out[CPU_SEQ_LENS.index(0)], torch.zeros_like(out[0]))
     torch.testing.assert_close(out, want, **TOLERANCES[case.q.dtype])
 
@@ -328,7 +328,9 @@ def test_cpu_paged_prefill_matches_twin(cache, gqa):
     case = cpu_case(cache, gqa, seq_lens=PREFILL_SEQ_LENS, q_tokens=sum(PREFILL_QUERY_LENS))
     query_lens = torch.tensor(PREFILL_QUERY_LENS, dtype=torch.int32)
     args = (case.q, *case.cache_args(), query_lens, 0.25, case.k_scale, case.v_scale)
-    torch.testing.assert_close(cpu_attention.paged_prefill(*args), ref.paged_prefill(*args), **TOLERANCES[case.q.dtype])
+    torch.testing.assert_close(
+        cpu_attention.paged_prefill(*args), attention_twin.paged_prefill(*args), **TOLERANCES[case.q.dtype]
+    )
 
 
 @pytest.mark.parametrize("cache", ["bf16", "fp32", "fp8-tensor", "int8-head"])
@@ -346,7 +348,7 @@ def test_cpu_kv_store_writes_what_the_twin_writes(cache):
     )
     caches = [[torch.zeros(4, 16, 2, 16, dtype=dtype) for _ in range(2)] for _ in range(2)]
     cpu_attention.kv_store(k, v, *caches[0], slots, *scales)
-    ref.kv_store(k, v, *caches[1], slots, *scales)
+    attention_twin.kv_store(k, v, *caches[1], slots, *scales)
     for ours, theirs in zip(*caches):
         assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))
 
@@ -355,7 +357,7 @@ def test_ops_auto_takes_the_cpu_path_and_torch_the_twin():
     case = cpu_case("fp32", "gqa3", seq_lens=[21, 5])
     args = (case.q, *case.cache_args(), 0.3)
     assert torch.equal(ops.paged_attention(*args), cpu_attention.paged_attention(*args))
-    assert torch.equal(ops.paged_attention(*args, backend="torch"), ref.paged_attention(*args))
+    assert torch.equal(ops.paged_attention(*args, backend="torch"), attention_twin.paged_attention(*args))
 
 
 def test_cpu_paged_attention_replans_when_the_tables_change_in_place():
@@ -364,15 +366,15 @@ def test_cpu_paged_attention_replans_when_the_tables_change_in_place():
     case = cpu_case("fp32", "gqa3", seq_lens=[21, 32, 48])
     args = lambda: (case.q, *case.cache_args(), 0.3)  # noqa: E731
     torch.testing.assert_close(
-        cpu_attention.paged_attention(*args()), ref.paged_attention(*args()), **TOLERANCES[torch.float32]
+        cpu_attention.paged_attention(*args()), attention_twin.paged_attention(*args()), **TOLERANCES[torch.float32]
     )
     case.seq_lens[1] = 7
     torch.testing.assert_close(
-        cpu_attention.paged_attention(*args()), ref.paged_attention(*args()), **TOLERANCES[torch.float32]
+        cpu_attention.paged_attention(*args()), attention_twin.paged_attention(*args()), **TOLERANCES[torch.float32]
     )
     case.block_tables[2] = case.block_tables[2].roll(1)  # the same blocks in another order: other values
     torch.testing.assert_close(
-        cpu_attention.paged_attention(*args()), ref.paged_attention(*args()), **TOLERANCES[torch.float32]
+        cpu_attention.paged_attention(*args()), attention_twin.paged_attention(*args()), **TOLERANCES[torch.float32]
     )
 
 
@@ -397,7 +399,7 @@ def _dense_decode(case: Case, scale: float, window, softcap) -> torch.Tensor:
 @pytest.mark.parametrize("cache", ["fp16", "fp8-head", "int8-tensor"])
 def test_twin_window_softcap_matches_dense(cache, window, softcap):
     case = make_case(cache, *GQA["gqa3"])
-    out = ref.paged_attention(case.q, *case.cache_args(), 0.3, case.k_scale, case.v_scale, window, softcap)
+    out = attention_twin.paged_attention(case.q, *case.cache_args(), 0.3, case.k_scale, case.v_scale, window, softcap)
     torch.testing.assert_close(out, _dense_decode(case, 0.3, window, softcap), **TOLERANCES[case.q.dtype])
 
 
@@ -440,7 +442,7 @@ def test_kernel_window_softcap_matches_twin(cache, window, softcap):
     args = (case.q, *case.cache_args(), 0.3, case.k_scale, case.v_scale, window, softcap)
     out = paged_attention(*args)
     assert torch.equal(out[SEQ_LENS.index(0)], torch.zeros_like(out[0]))
-    torch.testing.assert_close(out, ref.paged_attention(*args), **TOLERANCES[case.q.dtype])
+    torch.testing.assert_close(out, attention_twin.paged_attention(*args), **TOLERANCES[case.q.dtype])
 
 
 def _tables_before_window_on_nan(case: Case, window: int) -> torch.Tensor:
@@ -459,7 +461,7 @@ def test_window_skips_the_blocks_before_it(backend, softcap):
     case = cpu_case("fp16", "gqa3") if backend == "cpu" else make_case("fp16", *GQA["gqa3"])  # unused slots: NaN
     tables = _tables_before_window_on_nan(case, 7)
     assert tables.ne(case.block_tables).any()
-    want = ref.paged_attention(case.q, *case.cache_args(), 0.3, window=7, softcap=softcap)
+    want = attention_twin.paged_attention(case.q, *case.cache_args(), 0.3, window=7, softcap=softcap)
     attend = cpu_attention.paged_attention if backend == "cpu" else paged_attention
     out = attend(case.q, case.k_cache, case.v_cache, tables, case.seq_lens, 0.3, window=7, softcap=softcap)
     torch.testing.assert_close(out, want, **TOLERANCES[torch.float16])
@@ -472,7 +474,7 @@ def test_cpu_paged_attention_window_softcap_matches_twin(cache, window, softcap,
     """Each sequence its own call (CHUNK_BYTES 1), then all in one padded, masked call."""
     case = cpu_case(cache, "gqa3", seq_lens=CPU_SEQ_LENS)
     args = (case.q, *case.cache_args(), 0.3, case.k_scale, case.v_scale, window, softcap)
-    want = ref.paged_attention(*args)
+    want = attention_twin.paged_attention(*args)
     for chunk_bytes in (1, cpu_attention.CHUNK_BYTES):
         monkeypatch.setattr(cpu_attention, "CHUNK_BYTES", chunk_bytes)
         out = cpu_attention.paged_attention(*args)
@@ -485,7 +487,7 @@ def test_cpu_paged_attention_window_softcap_other_head_groups(gqa):
     case = cpu_case("fp8-head", gqa, seq_lens=CPU_SEQ_LENS)
     args = (case.q, *case.cache_args(), 0.3, case.k_scale, case.v_scale, 7, 5.0)
     torch.testing.assert_close(
-        cpu_attention.paged_attention(*args), ref.paged_attention(*args), **TOLERANCES[case.q.dtype]
+        cpu_attention.paged_attention(*args), attention_twin.paged_attention(*args), **TOLERANCES[case.q.dtype]
     )
 
 
@@ -497,7 +499,9 @@ def test_cpu_paged_prefill_window_softcap_matches_twin(cache, window, softcap):
     case = cpu_case(cache, "gqa3", seq_lens=PREFILL_SEQ_LENS, q_tokens=sum(PREFILL_QUERY_LENS))
     query_lens = torch.tensor(PREFILL_QUERY_LENS, dtype=torch.int32)
     args = (case.q, *case.cache_args(), query_lens, 0.3, case.k_scale, case.v_scale, window, softcap)
-    torch.testing.assert_close(cpu_attention.paged_prefill(*args), ref.paged_prefill(*args), **TOLERANCES[case.q.dtype])
+    torch.testing.assert_close(
+        cpu_attention.paged_prefill(*args), attention_twin.paged_prefill(*args), **TOLERANCES[case.q.dtype]
+    )
 
 
 def test_cpu_plans_are_kept_per_window():
@@ -538,7 +542,7 @@ def test_cpu_decode_paths_match_twin(cache, group, head_dim, amx, monkeypatch):
     args = (case.q, *case.cache_args(), head_dim**-0.5, case.k_scale, case.v_scale)
     out = cpu_attention.paged_attention(*args)
     assert torch.equal(out[LONG_SEQ_LENS.index(0)], torch.zeros_like(out[0]))
-    torch.testing.assert_close(out, ref.paged_attention(*args), **TOLERANCES[case.q.dtype])
+    torch.testing.assert_close(out, attention_twin.paged_attention(*args), **TOLERANCES[case.q.dtype])
 
 
 @pytest.mark.parametrize("amx", ["on", "off"])
@@ -552,7 +556,7 @@ def test_cpu_decode_long_window_softcap_matches_twin(cache, window, softcap, amx
     case = make_case(CPU_CACHES[cache], *GQA["gqa3"], seq_lens=LONG_SEQ_LENS, head_dim=64)
     args = (case.q, *case.cache_args(), 0.3, case.k_scale, case.v_scale, window, softcap)
     torch.testing.assert_close(
-        cpu_attention.paged_attention(*args), ref.paged_attention(*args), **TOLERANCES[case.q.dtype]
+        cpu_attention.paged_attention(*args), attention_twin.paged_attention(*args), **TOLERANCES[case.q.dtype]
     )
 
 
@@ -619,4 +623,4 @@ def test_cpu_prefill_with_amx_takes_the_kernel_for_every_sequence():
     args = (case.q, *case.cache_args(), query_lens, 0.125)
     out = cpu_attention.paged_prefill(*args)
     assert torch.equal(out, ext.paged_prefill(*args, None, None, 0, 0.0, cpu_attention.PREFILL_TILE, 0))
-    torch.testing.assert_close(out, ref.paged_prefill(*args), **TOLERANCES[torch.bfloat16])
+    torch.testing.assert_close(out, attention_twin.paged_prefill(*args), **TOLERANCES[torch.bfloat16])

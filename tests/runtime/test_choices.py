@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from quantkit import ops
-from quantkit.kernels import choice, elementwise, reference
+from quantkit.kernels import choice, elementwise
 from quantkit.kernels.choice import Candidate, always, fixed
+from quantkit.kernels.elementwise import twin as elementwise_twin
 from quantkit.runtime.engine import LLM
 from quantkit.runtime.sequence import SamplingParams
 
@@ -84,7 +85,7 @@ def test_a_kernel_added_as_one_candidate_is_bound_named_and_run(tiny_llama, monk
 
     def dummy_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         calls.append(gate_up.shape[0])
-        return reference.silu_mul(gate_up)
+        return elementwise_twin.silu_mul(gate_up)
 
     dummy = Candidate("dummy silu", always, fixed(dummy_silu_mul))
     monkeypatch.setattr(elementwise, "SILU_MUL", [dummy, *elementwise.SILU_MUL])

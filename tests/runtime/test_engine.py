@@ -130,11 +130,13 @@ def test_every_op_forced_to_triton_gives_the_torch_paths_tokens(tiny_llama, tmp_
     prompts, params = PROMPTS[:3], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     import importlib
 
-    calls, modules = {}, {"int4_gemm" if method == "rtn" else "fp8_gemm", "paged_attention", "kv_store"}
-    for module in modules:  # before the load, which binds the launchers
+    gemm = ("int4.triton", "int4_gemm") if method == "rtn" else ("fp8.triton", "fp8_gemm")
+    launchers = dict([gemm, ("attention.triton", "paged_attention"), ("attention.triton_kv_store", "kv_store")])
+    calls, modules = {}, set(launchers.values())
+    for module, name in launchers.items():  # before the load, which binds the launchers
         kernel = importlib.import_module(f"quantkit.kernels.{module}")
-        launcher = getattr(kernel, module)
-        monkeypatch.setattr(kernel, module, lambda *a, _f=launcher, _m=module: calls.update({_m: 1}) or _f(*a))
+        launcher = getattr(kernel, name)
+        monkeypatch.setattr(kernel, name, lambda *a, _f=launcher, _m=name: calls.update({_m: 1}) or _f(*a))
     triton = LLM(str(tmp_path / "q"), block_size=16, num_blocks=32, backend="triton")
     chosen = {what: k.name for what, k in triton.runner.kernels}
     linear = "PackedInt4Linear" if method == "rtn" else "Fp8Linear"

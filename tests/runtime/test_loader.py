@@ -67,7 +67,7 @@ def test_other_formats_are_refused_by_name(checkpoint, tmp_path):
 
 
 def test_bf16_on_cpu_takes_a_cpu_int4_kernel(checkpoint):
-    from quantkit.kernels.cpu_int4 import Int4Weight
+    from quantkit.kernels.int4.cpp import Int4Weight
 
     model = quantkit.load(checkpoint)
     ids = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -101,7 +101,7 @@ def test_int8_per_channel_weights_load_as_transformers_reads_them(tiny_llama, ti
         x = torch.randn(3, down.in_features)
         fast = down(x)
         with pytest.MonkeyPatch.context() as m:
-            m.setattr("quantkit.kernels.cpu.int8_unsupported", lambda *_: "not here")
+            m.setattr("quantkit.kernels.int8.int8pack.int8_unsupported", lambda *_: "not here")
             kernel = down.prepare(x.dtype, "cpu")
             assert (kernel.name, kernel.why) == ("dequantized once (F.linear)", "int8pack (torch CPU): not here")
         torch.testing.assert_close(down(x), fast, rtol=1e-5, atol=1e-5)

@@ -1,5 +1,5 @@
 // The element-wise steps of a decoder block on the CPU, one pass each instead of the five to
-// ten torch ops of the module they replace (quantkit.kernels.cpu_fused builds and loads it):
+// ten torch ops of the module they replace (quantkit.kernels.elementwise.cpp builds and loads it):
 //
 //   rms_norm(x [N, H] or [T, heads, D], w, eps, gemma) -> y, x's shape, contiguous
 //   add_rms_norm_(x [N, H], delta [N, H], w, eps, gemma) -> y: x += delta in place, y = rms_norm(x)

@@ -17,7 +17,7 @@ Two kernels:
   multiplies in fp32), so the CPU tests run this same path. Epilogue: acc * s_x[m] * s_w[n]
   in fp32, cast to x's dtype.
 
-The twin is `quantkit.kernels.reference.fp8_gemm`. On a GPU the GEMM tiles are autotuned
+The twin is `quantkit.kernels.fp8.twin.fp8_gemm`. On a GPU the GEMM tiles are autotuned
 over `_configs()`; under TRITON_INTERPRET=1 the first config is used as is.
 """
 

@@ -13,7 +13,7 @@ walks K in BLOCK_K steps (interleaved over SPLIT_K programs when split-K is on):
 
 s and z come from the group of column k: g_idx[k] (act-order), k // group_size, or the
 single per-channel column; when a group spans whole K tiles one [BLOCK_N] row of scales is
-loaded per tile instead of a gather. The twin is `quantkit.kernels.reference.int4_gemm`.
+loaded per tile instead of a gather. The twin is `quantkit.kernels.int4.twin.int4_gemm`.
 
 On a GPU the tile sizes are autotuned over `_configs()`; under TRITON_INTERPRET=1 (CPU
 tests) autotune needs a driver, so the first config is used as is.

@@ -2,7 +2,7 @@
 W8A8 there; no Triton kernel needed). Activations are quantized per token with torch ops,
 products accumulate in int32, and both scales are applied in fp32. On the CPU the engine
 takes oneDNN's prepacked int8 GEMM instead (`quantkit.kernels.cpu.w8a8_gemm_cpu`);
-`torch._int_mm` runs there too, for tests. The twin is `quantkit.kernels.reference.int8_gemm`.
+`torch._int_mm` runs there too, for tests. The twin is `quantkit.kernels.int8.twin.int8_gemm`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 // W4A16 GEMM on x86 CPUs: y[M, N] (bf16) = x[M, K] (bf16) . dequant(W)^T, fp32 accumulation.
-// The Python side is quantkit.kernels.cpu_int4 (repack at load, the choice of path per call).
+// The Python side is quantkit.kernels.int4.cpp (repack at load; the schedule by row count is chosen here).
 //
 // Weight layout (built at load by cpu_int4.repack, never saved):
 //   nibbles int16 [N/4, K]: word (c, k) holds u[4c + i, k] at bits 4i .. 4i+3, u = q + 8 in 0..15

@@ -1,9 +1,9 @@
 """The paged KV cache on the CPU: what `quantkit.ops` runs for `kv_store`, `paged_attention`
 and `paged_prefill` when the tensors are not on a GPU. Same signatures, layout and results as
 the twins in `quantkit.kernels.reference` (the layout is spelled out in
-`quantkit.kernels.paged_attention`); tests hold them to the twins with a per-dtype tolerance.
+`quantkit.kernels.attention.triton`); tests hold them to the twins with a per-dtype tolerance.
 
-Attention takes the C++ kernels of `kernels/csrc/attention.cpp` (`cpu_ext`), which read the
+Attention takes the C++ kernels of `kernels/attention/attention.cpp` (`cpu_ext`), which read the
 blocks in place, when they are built and head_dim is a multiple of 16; prefill only for the
 sequences where they beat SDPA (`paged_prefill`). Decode with bf16 queries on a bf16, fp8 or
 int8 cache (head_dim 64 or 128) runs there in two passes per sequence, scores in AMX tiles where
@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from quantkit.kernels import cpu_ext
-from quantkit.kernels.reference import _quantize_kv, cap, visible
+from quantkit.kernels.attention.twin import _quantize_kv, cap, visible
 
 CHUNK_BYTES = 2 << 20  # K+V gathered per SDPA call: about the size of one core's L2
 PREFILL_TILE = 16  # queries per work item of the C++ prefill without AMX (the AMX one takes 256)

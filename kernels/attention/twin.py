@@ -1,5 +1,6 @@
-"""Pure-torch twins of the kernels: same signatures, plain math, the reference the
-Triton kernels are tested against and the CPU path."""
+"""The twins of the paged KV cache's operations: `kv_store` (an index copy), `paged_attention` and
+`paged_prefill` (gathered blocks, plain softmax attention; layout: `quantkit.kernels.attention.triton`),
+and their window and soft-cap helpers."""
 
 from __future__ import annotations
 
@@ -9,77 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from quantkit.errors import QuantkitError
-from quantkit.packing import unpack
-from quantkit.primitives import dequantize, fake_quantize
-from quantkit.scheme import QuantArgs
-
-
-def int4_gemm(
-    x: torch.Tensor,
-    w_packed: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: torch.Tensor | None,
-    group_size: int | None,
-    g_idx: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """y = x · dequant(W)ᵀ for W4A16.
-
-    x [..., in] (any float dtype); w_packed int32 [out, in / 8] in the pack-quantized
-    layout; scales [out, in / group_size] (or [out, 1] per channel); zeros int8
-    [out, in / group_size] unpacked signed zero points, None when symmetric; g_idx int32
-    [in] (act-order groups) or None. Dequantizes in scales' dtype, multiplies in x's
-    dtype; returns [..., out] in x's dtype.
-    """
-    in_features = w_packed.shape[1] * 8
-    args = QuantArgs(
-        num_bits=4,
-        symmetric=zeros is None,
-        strategy="group" if group_size else "channel",
-        group_size=group_size,
-    )
-    w = dequantize(unpack(w_packed, in_features), scales, zeros, args, g_idx)
-    return x @ w.to(x.dtype).t()
-
-
-FP8_MAX = 448.0
-
-
-def fp8_gemm(
-    x: torch.Tensor,
-    w_fp8: torch.Tensor,
-    w_scale: torch.Tensor,
-    x_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """y = (x_fp8 · W_fp8ᵀ) · s_x · s_w for W8A8 fp8 e4m3.
-
-    x [..., in] (float); w_fp8 float8_e4m3fn [out, in]; w_scale [out, 1] (per channel) or
-    [1] (per tensor); x_scale [1] (static per tensor) or None (dynamic: amax / 448 per
-    token). The fp8 products are summed in fp32; returns [..., out] in x's dtype.
-    """
-    xf = x.float()
-    if x_scale is None:
-        x_scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / FP8_MAX  # [..., 1]
-    x_fp8 = (xf / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    y = (x_fp8.float() @ w_fp8.float().t()) * x_scale * w_scale.float().reshape(1, -1)
-    return y.to(x.dtype)
-
-
-INT8_TOKEN = QuantArgs(num_bits=8, type="int", symmetric=True, strategy="token", group_size=None, dynamic=True)
-
-
-def int8_gemm(x: torch.Tensor, w_int8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """y = Q(x) · (W_int8 · s_w)ᵀ for W8A8 int8.
-
-    x [..., in] (float), quantized to int8 per token (symmetric, scale amax / 127.5, as
-    `quantkit.primitives`) and dequantized; w_int8 int8 [out, in]; w_scale [out, 1] (per
-    channel) or [1] (per tensor). Multiplies the dequantized values in fp32; returns
-    [..., out] in x's dtype.
-    """
-    w = w_int8.float() * w_scale.float().reshape(-1, 1)  # [out, in]
-    return (fake_quantize(x.float(), INT8_TOKEN) @ w.t()).to(x.dtype)
-
-
-# --- paged KV cache: kv_store and paged_attention (layout: kernels/paged_attention.py) ---
+from quantkit.kernels.fp8.twin import FP8_MAX
 
 
 def _quantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
@@ -222,49 +153,3 @@ def paged_prefill(
         out[start : start + q_len] = o.transpose(0, 1).to(q.dtype)
         start += q_len
     return out
-
-
-# The element-wise steps of a decoder block: transformers' own torch code, the twins of
-# `kernels/csrc/fused.cpp` (its header says where each rounds).
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:
-    """RMSNorm over the last dim as Llama computes it (`weight` times the normalised x in x's
-    dtype) or, with gemma, as Gemma does ((1 + weight) times it, in fp32, then x's dtype)."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    if gemma:
-        return (h * (1.0 + weight.float())).to(x.dtype)
-    return weight * h.to(x.dtype)
-
-
-def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False):
-    """x += delta in place (the residual stream), then `rms_norm(x)`."""
-    return rms_norm(x.add_(delta), weight, eps, gemma)
-
-
-def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1] written as [x2, x1] * [-sin1, sin2]
-    (the same products and sum as transformers'); x [T, heads, D], cos/sin [T, 1, R]: with
-    R < D (partial rotary) only the first R dims rotate."""
-    rotary = cos.shape[-1]
-    if rotary < x.shape[-1]:
-        return torch.cat([rope(x[..., :rotary], cos, sin_signed), x[..., rotary:]], dim=-1)
-    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # [x2, x1]
-    return x * cos + swapped * sin_signed
-
-
-def rope_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> None:
-    """`rope` in place: x [T, heads, D], cos and sign-folded sin [T, R]."""
-    x.copy_(rope(x, cos[:, None], sin_signed[:, None]))
-
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for gate_up [T, 2I] = [gate, up]."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def argmax(x: torch.Tensor) -> torch.Tensor:
-    """x.argmax(-1) for x [rows, vocab]: the first index of each row's maximum (NaN the largest)."""
-    return x.argmax(-1)

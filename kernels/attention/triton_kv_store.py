@@ -1,6 +1,6 @@
 """Triton `kv_store`: write the new tokens' keys and values into their paged-cache slots,
 quantising to fp8 e4m3 or int8 on the way. The cache layout is spelled out at the top of
-`kernels/paged_attention.py`; the torch twin is `kernels/reference.py::kv_store`.
+`attention/triton.py`; the torch twin is `attention/twin.py::kv_store`.
 
 Rounding is done in fp32 arithmetic, then an exactly representable value is cast, so the
 stored bytes equal torch's (`(x / scale).clamp(±448).to(float8_e4m3fn)`, `round` half to
@@ -165,7 +165,7 @@ def check_device(name: str, tensors: dict[str, torch.Tensor]) -> None:
         raise ValueError(f"{name}: all tensors must be on one device; got {where}.")
     if next(iter(tensors.values())).device.type == "cpu" and not interpreting():
         raise ValueError(
-            f"{name}: the Triton kernel needs a GPU; on CPU call quantkit.kernels.reference.{name} "
+            f"{name}: the Triton kernel needs a GPU; on CPU call quantkit.kernels.attention.twin.{name} "
             "(or set TRITON_INTERPRET=1 before importing triton)."
         )
 

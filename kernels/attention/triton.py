@@ -35,8 +35,14 @@ import torch
 import triton
 import triton.language as tl
 
-from quantkit.kernels import reference
-from quantkit.kernels.kv_store import FLOAT_CACHE_DTYPES, check_cache, check_device, interpreting, scale_stride
+from quantkit.kernels.attention import twin as attention_twin
+from quantkit.kernels.attention.triton_kv_store import (
+    FLOAT_CACHE_DTYPES,
+    check_cache,
+    check_device,
+    interpreting,
+    scale_stride,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -193,7 +199,7 @@ def paged_attention(
     scores at ±softcap with tanh (None: no cap). Online softmax in fp32; returns [num_seqs,
     num_heads, head_dim] in q's dtype (zeros for a sequence of length 0).
     """
-    reference.check_window_softcap("paged_attention", window, softcap)
+    attention_twin.check_window_softcap("paged_attention", window, softcap)
     kind = check_cache("paged_attention", k_cache, v_cache, k_scale, v_scale)
     _check_query("paged_attention", q, k_cache, kind)
     _check_tables("paged_attention", q.shape[0], block_tables, seq_lens)
@@ -261,12 +267,12 @@ def paged_prefill(
     [num_seqs]) new tokens, sequences back to back; they are the last query_lens[i] of its
     seq_lens[i] tokens, all already in the cache (kv_store first). A whole prompt has
     query_len == seq_len, a chunk after cached tokens query_len < seq_len. Each sequence's
-    blocks are gathered and dequantised to fp32 (`reference.gather_kv`) and fed to
+    blocks are gathered and dequantised to fp32 (`attention_twin.gather_kv`) and fed to
     `F.scaled_dot_product_attention` with a bottom-right causal mask (narrowed to the last
     `window` positions of each query with a window; explicit fp32 matmuls with a softcap);
-    returns q's shape and dtype. This validates its arguments and runs `reference.paged_prefill`.
+    returns q's shape and dtype. This validates its arguments and runs `attention_twin.paged_prefill`.
     """
-    reference.check_window_softcap("paged_prefill", window, softcap)
+    attention_twin.check_window_softcap("paged_prefill", window, softcap)
     kind = check_cache("paged_prefill", k_cache, v_cache, k_scale, v_scale)
     _check_query("paged_prefill", q, k_cache, kind)
     _check_tables("paged_prefill", seq_lens.numel(), block_tables, seq_lens)
@@ -285,6 +291,6 @@ def paged_prefill(
                 f"paged_prefill: sequence {i} needs 0 <= query_len <= seq_len <= {capacity} (the block table's "
                 f"capacity); got query_len {q_len}, seq_len {seq_len}."
             )
-    return reference.paged_prefill(
+    return attention_twin.paged_prefill(
         q, k_cache, v_cache, block_tables, seq_lens, query_lens, scale, k_scale, v_scale, window, softcap
     )

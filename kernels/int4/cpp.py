@@ -1,4 +1,4 @@
-"""W4A16 on x86 CPUs: the AMX / AVX512-BF16 kernel of `kernels/csrc/int4_gemm.cpp`, and torch's
+"""W4A16 on x86 CPUs: the AMX / AVX512-BF16 kernel of `kernels/int4/int4_gemm.cpp`, and torch's
 paths where the CPU has no AMX.
 
     weight, why = repack(w_packed, scales, zeros, group_size, g_idx)   # once, at load
@@ -42,7 +42,9 @@ from dataclasses import dataclass
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.kernels import cpu, cpu_ext, reference
+from quantkit.kernels import cpu_ext
+from quantkit.kernels.int4 import int4pack
+from quantkit.kernels.int4 import twin as int4_twin
 from quantkit.packing import unpack
 
 KERNELS = ("amx", "int4pack")
@@ -67,7 +69,7 @@ class Int4Weight:
     scales: torch.Tensor | None = None
     zs: torch.Tensor | None = None
     perm: torch.Tensor | None = None
-    fallback: cpu.Int4CpuWeight | None = None
+    fallback: int4pack.Int4CpuWeight | None = None
 
     @property
     def nbytes(self) -> int:
@@ -83,7 +85,7 @@ def _needs(flags: str) -> str | None:
     return None if "amx_bf16" in flags.split() else "this CPU has no AMX-BF16"
 
 
-EXTENSION = cpu_ext.Extension("int4_gemm.cpp", "quantkit_int4", "gemm", "the AMX int4 CPU kernel", needs=_needs)
+EXTENSION = cpu_ext.Extension("int4/int4_gemm.cpp", "quantkit_int4", "gemm", "the AMX int4 CPU kernel", needs=_needs)
 _load = EXTENSION.load
 
 
@@ -114,7 +116,7 @@ def shape_reason(out_features: int, in_features: int, group_size: int | None) ->
 def amx_unsupported(out_features: int, in_features: int, group_size: int | None, g_idx: torch.Tensor | None) -> str:
     """ "" when the AMX kernel runs here and takes this weight, else one phrase saying why not."""
     why = reason() or shape_reason(out_features, in_features, group_size)
-    if not why and g_idx is not None and group_size and cpu._act_order_perm(g_idx, group_size) is None:
+    if not why and g_idx is not None and group_size and int4pack._act_order_perm(g_idx, group_size) is None:
         why = "its act-order groups are not contiguous once sorted"
     return why
 
@@ -146,16 +148,16 @@ def repack(
     n, k = scales.shape[0], w_packed.shape[1] * 8
     g = group_size or k
     source = (w_packed, scales, zeros, group_size, g_idx)
-    perm = None if g_idx is None or not group_size else cpu._act_order_perm(g_idx, g)
+    perm = None if g_idx is None or not group_size else int4pack._act_order_perm(g_idx, g)
     why = (
         "forced by QUANTKIT_INT4_KERNEL / kernel=" if kernel == "int4pack" else amx_unsupported(n, k, group_size, g_idx)
     )
     if why:
         if kernel == "amx":
             raise QuantkitError(f"the AMX int4 kernel cannot run this [{n}, {k}] weight: {why}.")
-        if not cpu.supports(n, k, group_size, g_idx):
+        if not int4pack.supports(n, k, group_size, g_idx):
             return None, f"{why}, and torch's int4pack kernel cannot take it either; use the torch twin"
-        fallback = cpu.repack_int4_cpu(w_packed, scales, zeros, group_size, g_idx)
+        fallback = int4pack.repack_int4_cpu(w_packed, scales, zeros, group_size, g_idx)
         weight = Int4Weight("int4pack", n, k, fallback.group_size, source, fallback=fallback)
         return weight, f"torch's int4pack below {DENSE_MIN_M} rows, dequantize + fp32 matmul from there ({why})"
     n_pad = -(-n // 16) * 16
@@ -209,8 +211,8 @@ def gemm_int4pack(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
     dequantization and an fp32 matmul from there."""
     x2, w = _rows(x, weight), weight
     if x2.shape[0] < DENSE_MIN_M:
-        y = cpu.int4_gemm_cpu(x2, w.fallback)
+        y = int4pack.int4_gemm_cpu(x2, w.fallback)
     else:
         w_packed, scales, zeros, group_size, g_idx = w.source
-        y = reference.int4_gemm(x2.float(), w_packed, scales.float(), zeros, group_size, g_idx)
+        y = int4_twin.int4_gemm(x2.float(), w_packed, scales.float(), zeros, group_size, g_idx)
     return y.to(x.dtype).reshape(*x.shape[:-1], w.out_features)

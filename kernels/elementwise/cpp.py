@@ -1,4 +1,4 @@
-"""The C++ element-wise kernels of a decoder block on the CPU (`kernels/csrc/fused.cpp`): RMSNorm,
+"""The C++ element-wise kernels of a decoder block on the CPU (`kernels/elementwise/fused.cpp`): RMSNorm,
 residual add + RMSNorm, rotary embedding in place, SiLU(gate) * up, each one pass instead of the
 torch ops of the module it replaces, and the greedy sampler's argmax. Built on first use by
 `cpu_ext.Extension`; `load()` is `torch.ops.quantkit_fused` or None, and `reason()` says why.
@@ -11,7 +11,7 @@ import torch
 
 from quantkit.kernels import cpu_ext
 
-EXTENSION = cpu_ext.Extension("fused.cpp", "quantkit_fused", "silu_mul", "the C++ CPU element-wise kernels")
+EXTENSION = cpu_ext.Extension("elementwise/fused.cpp", "quantkit_fused", "silu_mul", "the C++ CPU element-wise kernels")
 load, reason = EXTENSION.load, EXTENSION.reason
 
 

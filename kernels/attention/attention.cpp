@@ -1,7 +1,7 @@
 // Paged attention on the CPU, reading K/V blocks where they lie (no gather): decode, one
 // query per sequence, and prefill, the new tokens of each sequence over its cached ones.
 // Same semantics as quantkit.kernels.reference.paged_attention / paged_prefill; built and
-// loaded by kernels/cpu_ext.py, called from kernels/cpu_attention.py.
+// loaded by kernels/cpu_ext.py, called from kernels/attention/cpu.py.
 //
 // `attend` (prefill, and decode where `decode_item` does not apply): a work item is (sequence,
 // KV head, tile of queries). Its rows are the (query, head) pairs that share that KV head, so K/V

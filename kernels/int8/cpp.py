@@ -1,4 +1,4 @@
-"""The C++ element-wise passes of W8A8 on the CPU (`kernels/csrc/w8a8.cpp`), built on first use
+"""The C++ element-wise passes of W8A8 on the CPU (`kernels/int8/w8a8.cpp`), built on first use
 by `cpu_ext.Extension` (the same compiler flags, cache folder and build lock as the other kernels).
 
 `load()` returns `torch.ops.quantkit_w8a8` (`quantize_per_token`, `scale_rows_`) or None, and
@@ -11,5 +11,5 @@ from __future__ import annotations
 
 from quantkit.kernels import cpu_ext
 
-EXTENSION = cpu_ext.Extension("w8a8.cpp", "quantkit_w8a8", "quantize_per_token", "the W8A8 CPU kernels")
+EXTENSION = cpu_ext.Extension("int8/w8a8.cpp", "quantkit_w8a8", "quantize_per_token", "the W8A8 CPU kernels")
 load, reason = EXTENSION.load, EXTENSION.reason
