@@ -236,11 +236,14 @@ class _Run:
         return {"ok": ok, "sqnr_dB": db}
 
 
+TRITON_MODULES = {"int4_gemm": "int4.triton", "fp8_gemm": "fp8.triton", "paged_attention": "attention.triton"}
+
+
 def _load(name: str, impls: dict | None, run: _Run):
     if impls is not None:
         return impls.get(name)
     try:
-        return getattr(importlib.import_module(f"quantkit.kernels.{name}"), name)
+        return getattr(importlib.import_module(f"quantkit.kernels.{TRITON_MODULES[name]}"), name)
     except Exception as e:  # noqa: BLE001 - a missing or broken module skips that kernel only
         run.log(f"note: skipping {name}: {type(e).__name__}: {e}")
         return None
@@ -396,7 +399,7 @@ def run_gpu(
     """Check each Triton kernel against its twin, then time it; returns the rows.
 
     `impls` maps "int4_gemm" / "fp8_gemm" / "paged_attention" to launchers (default: import
-    `quantkit.kernels.<name>`, skipping a missing module with a note). `device="cpu"` with
+    `quantkit.kernels.<op>.triton`, skipping a missing module with a note). `device="cpu"` with
     small `sizes` runs the same code on the CPU (a smoke test of the bench itself). Sections
     left when `budget_s` has passed are skipped with a note. The paged cache follows
     `kernels/paged_attention.py`: [num_blocks, block_size, kv_heads, head_dim].
