@@ -2,7 +2,7 @@
 activations, with the layout it needs built at load.
 
 What the int4pack kernel computes (torch 2.13, checked against its source and numerically
-in tests/kernels/test_cpu_int4.py):
+in tests/kernels/int4/test_int4pack.py):
 
     w[n, k] = (u[n, k] - 8) * S[k // G, n, 0] + S[k // G, n, 1]     u in 0..15 (unsigned nibble)
 

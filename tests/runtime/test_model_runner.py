@@ -90,7 +90,7 @@ def test_quantized_logits_and_greedy_tokens_match_the_reference_model(checkpoint
     the runner's attention takes the torch path (SDPA, transformers' arithmetic; the C++
     candidates are taken off the lists): the C++ kernel attends in fp32, 5-6% RMS of logits
     away from transformers' bf16 on this random model (which is itself 6-11% from fp32), and
-    is held to the twins in test_cpu_ext.py."""
+    is held to the twins in tests/kernels/attention/test_attention_cpp.py."""
     if dtype == torch.bfloat16:
         for name in ("DECODE", "PREFILL"):
             torch_only = [c for c in getattr(attention, name) if not c.name.startswith("quantkit C++")]

@@ -5,7 +5,7 @@ Tolerances. The kernel's bf16 weights are the twin's dequantized weights rounded
 bit (bf16 scales make the fma exact), so against x_bf16 · W_bf16ᵀ computed in fp32 the only
 differences are the order of the fp32 sums and the bf16 output: rtol = 2^-7 (one bf16 ulp) with
 atol = 2^-10 · rms. Torch's int4pack (the fallback) rounds its zero term -z·s to bf16 as well, so
-there atol = 2^-7 · rms, as in test_cpu_int4.py. Against the fp32 twin (weights not rounded) we
+there atol = 2^-7 · rms, as in test_int4pack.py. Against the fp32 twin (weights not rounded) we
 ask for a relative RMS error ≤ 1e-2 (measured ~2e-3, which is bf16's rounding of the weights).
 The AMX tests skip where the kernel cannot run (no AMX-BF16, no compiler, QUANTKIT_NO_EXT=1); the
 fallback tests run anywhere.
