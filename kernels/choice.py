@@ -1,5 +1,5 @@
 """How a kernel is chosen: once, from an ordered list of candidates, with a reason for each one
-passed over (vLLM's `choose_mp_linear_kernel` and attention selector, in 60 lines).
+passed over (vLLM's `choose_mp_linear_kernel` and attention selector).
 
     choice = choose("decode attention", attention.DECODE, Problem(device, dtype, head_dim=64))
     out = choice.fn(q, k_cache, ...)        # the hot path: no checks, the winner's callable

@@ -14,9 +14,7 @@ import torch
 
 from quantkit.kernels import attention, elementwise, fp8, int4, int8
 from quantkit.kernels.attention import twin as attention_twin
-from quantkit.kernels.choice import BACKENDS, Problem, check_backend, choose
-
-__all__ = ["BACKENDS", "check_backend"]
+from quantkit.kernels.choice import Problem, choose
 
 
 def _gemm(op: str, candidates: list, x: torch.Tensor, backend: str, **weight):
@@ -88,7 +86,6 @@ def paged_prefill(
     """Causal attention of the new tokens of several sequences over their cached blocks, with an
     optional sliding window and softcap as `paged_attention`; see
     `quantkit.kernels.attention.twin.paged_prefill`."""
-    check_backend(backend)
     attention_twin.check_window_softcap("paged_prefill", window, softcap)
     fn = choose("prefill attention", attention.PREFILL, _cache_problem(q, k_cache, backend)).fn
     return fn(q, k_cache, v_cache, block_tables, seq_lens, query_lens, scale, k_scale, v_scale, window, softcap)

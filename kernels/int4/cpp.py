@@ -4,7 +4,8 @@ paths where the CPU has no AMX.
     weight, why = repack(w_packed, scales, zeros, group_size, g_idx)   # once, at load
     y = gemm(x, weight)                                                 # x [..., K] -> y [..., N]
 
-`repack` picks the kernel once per weight and says why (`Int4Weight.kernel`):
+`repack` builds the weight for one kernel (`Int4Weight.kernel`); the engine chooses which at load
+(`quantkit.kernels.int4.CANDIDATES`) and binds `gemm_amx` or `gemm_int4pack`; `gemm` takes either.
 
 - `amx` (AMX-BF16, the extension built): up to `GEMV_ROWS` rows (decode), no tiles: the weight
   streams once, looked up into bf16 and multiplied with x by AVX512-BF16 dot products (lanes
@@ -12,11 +13,12 @@ paths where the CPU has no AMX.
   rows); up to `AMX_FEW_ROWS` rows (32 at a time), the weight
   is looked up into bf16 8 k steps at a time, in L1, and multiplied at once on the tiles; more rows, the
   weight is looked up once per call into VNNI tiles (~0.5 MB at a time, in L2) and x's tiles
-  are read in place, 8 k steps at a time. The choice is made in the C++ per call; a dense path
-  (whole weight dequantized + oneDNN) measured slower than both at every M and is not taken.
+  are read in place, 8 k steps at a time. The schedule is the C++ kernel's, by row count, per
+  call; a dense path (whole weight dequantized + oneDNN) measured slower than both at every M and
+  is not taken.
 - `int4pack` (any other CPU: AVX2, AVX-512 without AMX; or no build): torch's
-  `_weight_int4pack_mm_for_cpu` (`quantkit.kernels.cpu`) below `DENSE_MIN_M` rows, the twin's
-  dequantization + an fp32 matmul from there (a bf16 matmul is slow without native bf16).
+  `_weight_int4pack_mm_for_cpu` (`quantkit.kernels.int4.int4pack`) below `DENSE_MIN_M` rows, the
+  twin's dequantization + an fp32 matmul from there (a bf16 matmul is slow without native bf16).
 
 Layout of the `amx` weight (built here, never saved; the C++ file's header says how it is read):
 `nibbles` int16 [N_pad/4, K], word (c, k) holding u = q + 8 of channels 4c .. 4c+3 at bits 0, 4,

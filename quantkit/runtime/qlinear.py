@@ -1,5 +1,5 @@
-"""Linear modules that hold packed weights as they are on disk and compute through
-`quantkit.ops`."""
+"""Linear modules that hold packed weights as they are on disk and compute through the kernel
+each chooses once, at load, from its GEMM's candidates (`quantkit.kernels.int4`, `.int8`, `.fp8`)."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ class PackedInt4Linear(_Prepared):
 class PackedInt8Linear(_Prepared):
     """A linear with compressed-tensors `pack-quantized` int8 weights (w8a16; buffers named as
     in the checkpoint). Symmetric per-channel weights on the CPU compute through torch's
-    int8-weight GEMM (`ops.int8_gemm_cpu`, built on the first call); any other layout or
+    int8-weight GEMM (`kernels/int8/int8pack.py`, chosen at load); any other layout or
     device dequantizes its weight once, into the activations' dtype."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, args: QuantArgs, dtype: torch.dtype):
