@@ -24,7 +24,8 @@ import time
 
 import torch
 
-from quantkit.kernels import cpu_attention, cpu_ext
+from quantkit.kernels import cpu_ext
+from quantkit.kernels.attention import cpu as cpu_attention
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
 SCALE = HEAD_DIM**-0.5

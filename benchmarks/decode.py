@@ -48,11 +48,7 @@ def linear_bytes(module: nn.Module) -> int:
 
 
 def weight_bytes_per_token(llm: LLM) -> int:
-    layers = llm.runner.layers
-    total = sum(
-        linear_bytes(m) for layer in layers for m in (layer.qkv, layer.o_proj, layer.mlp.gate_up, layer.mlp.down)
-    )
-    return total + linear_bytes(llm.runner.lm_head)
+    return sum(linear_bytes(m) for m in llm.runner.linears)  # the blocks' (fused) linears and lm_head
 
 
 def decode_tps(llm: LLM, tokens: int) -> float:

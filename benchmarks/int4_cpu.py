@@ -1,4 +1,4 @@
-"""W4A16 on the CPU, one thread: the C++ int4 kernel (`quantkit.kernels.cpu_int4`) against
+"""W4A16 on the CPU, one thread: the C++ int4 kernel (`quantkit.kernels.int4.cpp`) against
 torch's int4pack kernel and a bf16 GEMM on a prepacked weight (oneDNN), bf16 activations.
 
     python benchmarks/int4_cpu.py [--rows 1 16 64 256 512 1024 2048] [--rounds 5] [--group G]
@@ -30,7 +30,8 @@ import time
 
 import torch
 
-from quantkit.kernels import cpu, cpu_int4
+from quantkit.kernels import cpu
+from quantkit.kernels.int4 import cpp as cpu_int4
 from quantkit.packing import pack
 
 SHAPES = [(576, 960), (576, 3072), (1536, 576), (576, 576), (2048, 2048)]  # (in, out)
@@ -88,7 +89,7 @@ def bench_shape(
     z = zeros.float().repeat_interleave(g, dim=1) if asym else 0.0
     dense = ((q.float() - z) * scales.float().repeat_interleave(g, dim=1)).to(torch.bfloat16)
     prepacked = cpu.prepack_bf16(dense)
-    packed4 = cpu.repack_int4_cpu(w_packed, scales, zeros, g) if int4pack else None
+    packed4 = int4pack.repack_int4_cpu(w_packed, scales, zeros, g) if int4pack else None
     ours, _ = cpu_int4.repack(w_packed, scales, zeros, g)
     bf16s = itertools.cycle(
         _copies(lambda: cpu.prepack_bf16(dense), 2 * n * k, cold_mb) if prepacked is not None else [None]
@@ -104,7 +105,7 @@ def bench_shape(
             "ours": _timer(lambda: cpu_int4.gemm(x, next(ourss))),
         }
         if packed4 is not None:
-            impls["int4pack"] = _timer(lambda: cpu.int4_gemm_cpu(x, packed4))
+            impls["int4pack"] = _timer(lambda: int4pack.int4_gemm_cpu(x, packed4))
         times = {name: [] for name in impls}
         for _ in range(rounds):
             for name, once in impls.items():

@@ -11,8 +11,8 @@ thread spends switched out for other jobs does not count). The candidates:
 - int_mm: per-token quantization in torch ops, `torch._int_mm` (oneDNN, weight not prepacked),
   both scales applied in fp32;
 - onednn+torch: `onednn.qlinear_pointwise` on a weight prepacked once (`qlinear_prepack`),
-  quantization and row scaling in torch ops (`cpu.prepack_w8a8(..., elementwise=False)`);
-- onednn+C++: the same GEMM with the C++ quantization and row scaling (`kernels/csrc/w8a8.cpp`),
+  quantization and row scaling in torch ops (`onednn.prepack_w8a8(..., elementwise=False)`);
+- onednn+C++: the same GEMM with the C++ quantization and row scaling (`kernels/int8/w8a8.cpp`),
   what `Int8Linear` runs;
 - gemm only: `qlinear_pointwise` alone on already-quantized activations (the floor).
 """
@@ -27,7 +27,8 @@ import time
 import torch
 
 from quantkit.kernels import cpu
-from quantkit.kernels.int8_gemm import quantize_per_token
+from quantkit.kernels.int8 import onednn
+from quantkit.kernels.int8.int_mm import quantize_per_token
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # fused qkv, o, fused gate/up, down
 
@@ -38,7 +39,7 @@ def candidates(k: int, n: int) -> dict:
     scale = w.abs().amax(1, keepdim=True) / 127.5
     w_int8 = torch.round(w / scale).clamp(-128, 127).to(torch.int8)
     bf16 = cpu.prepack_bf16(w.bfloat16())
-    fused, plain = cpu.prepack_w8a8(w_int8, scale), cpu.prepack_w8a8(w_int8, scale, elementwise=False)
+    fused, plain = onednn.prepack_w8a8(w_int8, scale), onednn.prepack_w8a8(w_int8, scale, elementwise=False)
     w_t, s_w = w_int8.t(), scale.reshape(1, n)
     q_fixed = quantize_per_token(torch.randn(max(ARGS.ms), k, generator=g))[0]
 
@@ -55,10 +56,10 @@ def candidates(k: int, n: int) -> dict:
     found = {
         "bf16": lambda x: cpu.bf16_linear(x, bf16),
         "int_mm": int_mm,
-        "onednn+torch": lambda x: cpu.w8a8_gemm_cpu(x, plain),
+        "onednn+torch": lambda x: onednn.w8a8_gemm_cpu(x, plain),
     }
     if fused.elementwise is not None:
-        found["onednn+C++"] = lambda x: cpu.w8a8_gemm_cpu(x, fused)
+        found["onednn+C++"] = lambda x: onednn.w8a8_gemm_cpu(x, fused)
     found["gemm only"] = gemm_only
     return found
 

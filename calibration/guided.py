@@ -166,7 +166,7 @@ def _keep_gradient(into: list, groups: int):
 def _head_gradient(h, rows, final_norm, head, softcap):
     """∂(Σ next-token cross-entropy)/∂h for the last block's output h [b, seq, hidden], one
     row at a time (the logits of a whole batch can take gigabytes)."""
-    from quantkit.kernels import reference
+    from quantkit.kernels.attention import twin as reference
 
     grads = []
     for x, ids in zip(h, rows):

@@ -1,6 +1,6 @@
-"""The C++ CPU kernels of `kernels/csrc/`, each built on first use (`Extension`): the paged
-attention (`ATTENTION`, attention.cpp), the AMX int4 GEMM (`cpu_int4`) and the W8A8 passes
-(`cpu_w8a8`).
+"""The C++ CPU kernels, each a source beside its operation's Python (`kernels/<op>/*.cpp`), built on
+first use (`Extension`): the paged attention (`ATTENTION`, attention/attention.cpp), the element-wise
+steps (`elementwise.cpp`), the AMX int4 GEMM (`int4.cpp`) and the W8A8 passes (`int8.cpp`).
 
 `load()` returns the ops (for the attention, `torch.ops.quantkit_cpu`: `paged_attention`,
 `paged_prefill`) or None, and `reason()` says why it is None: `QUANTKIT_NO_EXT=1` is set, no
@@ -37,7 +37,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-CSRC = Path(__file__).parent / "csrc"
+ROOT = Path(__file__).parent  # the sources lie beside their operation's Python: attention/attention.cpp
 _ARCH = "-march=native" if platform.machine().lower() in ("x86_64", "amd64", "i686") else "-mcpu=native"
 CFLAGS = ["-O3", _ARCH, "-ffp-contract=fast", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]  # links the libgomp that torch has loaded already (same soname): one OpenMP runtime
@@ -102,14 +102,15 @@ def locked_build(directory: Path, build) -> object:
 
 
 class Extension:
-    """One C++ source of `kernels/csrc/`, built on the first `load()` of the process into
-    `$QUANTKIT_CACHE/ext/<prefix>-<key>` and registered as `torch.ops.<namespace>`; `load()` is
-    None and `reason()` says why when it cannot be. `needs(flags)`, given /proc/cpuinfo's flags,
-    may name a CPU feature the source requires (then nothing is built)."""
+    """One C++ source under `kernels/` (`source`, e.g. "attention/attention.cpp"), built on the first
+    `load()` of the process into `$QUANTKIT_CACHE/ext/<prefix>-<key>` and registered as
+    `torch.ops.<namespace>`; `load()` is None and `reason()` says why when it cannot be.
+    `needs(flags)`, given /proc/cpuinfo's flags, may name a CPU feature the source requires (then
+    nothing is built)."""
 
     def __init__(self, source: str, namespace: str, probe: str, what: str, needs=None):
-        self.source, self.namespace, self.probe, self.what = CSRC / source, namespace, probe, what
-        self.prefix, self.needs = source.removesuffix(".cpp").split("_")[0], needs
+        self.source, self.namespace, self.probe, self.what = ROOT / source, namespace, probe, what
+        self.prefix, self.needs = Path(source).stem.split("_")[0], needs
         self._lock = threading.Lock()
         self._result: tuple[object | None, str] | None = None  # (ops, reason), once per process
 
@@ -179,5 +180,5 @@ class Extension:
         return ops, ""
 
 
-ATTENTION = Extension("attention.cpp", "quantkit_cpu", "paged_attention", "the C++ CPU attention kernels")
+ATTENTION = Extension("attention/attention.cpp", "quantkit_cpu", "paged_attention", "the C++ CPU attention kernels")
 load, reason = ATTENTION.load, ATTENTION.reason  # the attention kernels' (`cpu_attention` calls these)

@@ -7,7 +7,7 @@ import torch
 
 from quantkit import ops
 from quantkit.errors import QuantkitError
-from quantkit.kernels import reference
+from quantkit.kernels.attention import twin as attention_twin
 
 
 def cache_case():
@@ -25,7 +25,9 @@ def test_auto_on_cpu_agrees_with_the_twin_and_triton():
     # as the twin, summed in another order: 2e-5)
     q, kc, vc, tables, lens = cache_case()
     auto = ops.paged_attention(q, kc, vc, tables, lens, 0.25)
-    torch.testing.assert_close(auto, reference.paged_attention(q, kc, vc, tables, lens, 0.25), rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(
+        auto, attention_twin.paged_attention(q, kc, vc, tables, lens, 0.25), rtol=2e-5, atol=2e-5
+    )
     pytest.importorskip("triton")
     torch.testing.assert_close(
         ops.paged_attention(q, kc, vc, tables, lens, 0.25, backend="triton"), auto, rtol=2e-5, atol=2e-5
@@ -42,8 +44,8 @@ def test_window_and_softcap_reach_every_backend():
     # query 0 at position 19 sees 13..19 (blocks 0 and 1), query 1 at 8 sees 2..8
     q, kc, vc, tables, lens = cache_case()
     opts = dict(window=7, softcap=5.0)
-    twin = reference.paged_attention(q, kc, vc, tables, lens, 0.25, None, None, 7, 5.0)
-    assert not torch.allclose(twin, reference.paged_attention(q, kc, vc, tables, lens, 0.25))
+    twin = attention_twin.paged_attention(q, kc, vc, tables, lens, 0.25, None, None, 7, 5.0)
+    assert not torch.allclose(twin, attention_twin.paged_attention(q, kc, vc, tables, lens, 0.25))
     torch.testing.assert_close(ops.paged_attention(q, kc, vc, tables, lens, 0.25, **opts), twin, rtol=2e-5, atol=2e-5)
     assert torch.equal(ops.paged_attention(q, kc, vc, tables, lens, 0.25, **opts, backend="torch"), twin)
     pytest.importorskip("triton")
@@ -57,8 +59,8 @@ def test_prefill_window_and_softcap_reach_every_backend():
     q = torch.randn(12, 4, 16, generator=torch.Generator().manual_seed(1))
     query_lens = torch.tensor([8, 4], dtype=torch.int32)  # the last 8 of 20, the last 4 of 9
     args = (q, kc, vc, tables, lens, query_lens, 0.25)
-    twin = reference.paged_prefill(*args, window=7, softcap=5.0)
-    assert not torch.allclose(twin, reference.paged_prefill(*args))
+    twin = attention_twin.paged_prefill(*args, window=7, softcap=5.0)
+    assert not torch.allclose(twin, attention_twin.paged_prefill(*args))
     torch.testing.assert_close(ops.paged_prefill(*args, window=7, softcap=5.0), twin, rtol=2e-5, atol=2e-5)
     assert torch.equal(ops.paged_prefill(*args, window=7, softcap=5.0, backend="torch"), twin)
 

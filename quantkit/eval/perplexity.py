@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from quantkit.errors import QuantkitError
-from quantkit.kernels import reference
+from quantkit.kernels.attention import twin as reference
 from quantkit.progress import Track, no_progress
 
 # observe(first window, ids [b, seq], first position, fp32 logits [b, chunk, vocab]): called

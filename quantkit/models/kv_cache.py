@@ -19,7 +19,7 @@ import torch
 
 from quantkit.calibration.kv import check_kv_args, fake_quantize_kv, kv_scales
 from quantkit.errors import QuantkitError
-from quantkit.kernels import reference
+from quantkit.kernels.attention import twin as reference
 from quantkit.models.arch import arch_for, get_module
 from quantkit.scheme import QuantArgs
 

@@ -22,7 +22,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from quantkit.kernels import cpu, reference
+from quantkit.kernels.attention import twin as attention_twin
+from quantkit.kernels.fp8 import twin as fp8_twin
+from quantkit.kernels.int4 import int4pack
+from quantkit.kernels.int4 import twin as int4_twin
 from quantkit.packing import unpack
 from quantkit.primitives import dequantize, sqnr
 from quantkit.scheme import QuantArgs
@@ -117,15 +120,15 @@ def _cpu_cases(m: int, k: int, group: int) -> dict[str, tuple]:
     w_bf16 = w.to(torch.bfloat16)
     x = torch.randn(m, k)
     x_bf16 = x.to(torch.bfloat16)
-    packed = cpu.repack_int4_cpu(w_packed, scales, None, group)
+    packed = int4pack.repack_int4_cpu(w_packed, scales, None, group)
     return {
         "dense fp32": (lambda: x @ w.t(), w.numel() * 4),
         "dense bf16": (lambda: x_bf16 @ w_bf16.t(), w.numel() * 2),
         "twin int4 (fp32)": (
-            lambda: reference.int4_gemm(x, w_packed, scales, None, group),
+            lambda: int4_twin.int4_gemm(x, w_packed, scales, None, group),
             w_packed.numel() * 4 + scales.numel() * 4,
         ),
-        "int4pack bf16": (lambda: cpu.int4_gemm_cpu(x_bf16, packed), packed.nbytes),
+        "int4pack bf16": (lambda: int4pack.int4_gemm_cpu(x_bf16, packed), packed.nbytes),
     }
 
 
@@ -233,11 +236,14 @@ class _Run:
         return {"ok": ok, "sqnr_dB": db}
 
 
+TRITON_MODULES = {"int4_gemm": "int4.triton", "fp8_gemm": "fp8.triton", "paged_attention": "attention.triton"}
+
+
 def _load(name: str, impls: dict | None, run: _Run):
     if impls is not None:
         return impls.get(name)
     try:
-        return getattr(importlib.import_module(f"quantkit.kernels.{name}"), name)
+        return getattr(importlib.import_module(f"quantkit.kernels.{TRITON_MODULES[name]}"), name)
     except Exception as e:  # noqa: BLE001 - a missing or broken module skips that kernel only
         run.log(f"note: skipping {name}: {type(e).__name__}: {e}")
         return None
@@ -266,13 +272,13 @@ def _gpu_int4(run: _Run, s: GpuSizes, kernel) -> None:
         row |= run.check(
             f"int4 sym M={m}",
             lambda: kernel(x, w_packed, scales, None, g),
-            reference.int4_gemm(x.float(), w_packed, scales.float(), None, g),
+            int4_twin.int4_gemm(x.float(), w_packed, scales.float(), None, g),
         )
         if m == s.int4_ms[0]:
             run.check(
                 f"int4 asym M={m}",
                 lambda: kernel(x, w_packed, scales, zeros, g),
-                reference.int4_gemm(x.float(), w_packed, scales.float(), zeros, g),
+                int4_twin.int4_gemm(x.float(), w_packed, scales.float(), zeros, g),
             )
         if "sqnr_dB" in row:
             t, t_ref = run.ms(lambda: kernel(x, w_packed, scales, None, g)), run.ms(lambda: x @ w_dense.t())
@@ -292,7 +298,7 @@ def _gpu_int4(run: _Run, s: GpuSizes, kernel) -> None:
 def _gpu_fp8(run: _Run, s: GpuSizes, kernel) -> None:
     dev, k = run.device, s.k
     w = torch.randn(k, k, device=dev) * 0.02
-    w_scale = w.abs().amax(dim=1, keepdim=True) / reference.FP8_MAX  # [N, 1] fp32
+    w_scale = w.abs().amax(dim=1, keepdim=True) / fp8_twin.FP8_MAX  # [N, 1] fp32
     w_fp8 = (w / w_scale).to(torch.float8_e4m3fn)
     w_dense = (w_fp8.float() * w_scale).to(s.dtype)
     scale_b = w_scale.reshape(1, -1).contiguous()
@@ -302,14 +308,14 @@ def _gpu_fp8(run: _Run, s: GpuSizes, kernel) -> None:
         x = torch.randn(m, k, device=dev, dtype=s.dtype)
         row = {"kernel": "fp8_gemm", "shape": f"M={m} K=N={k} dyn/token"}
         row |= run.check(
-            f"fp8 dynamic M={m}", lambda: kernel(x, w_fp8, w_scale), reference.fp8_gemm(x.float(), w_fp8, w_scale)
+            f"fp8 dynamic M={m}", lambda: kernel(x, w_fp8, w_scale), fp8_twin.fp8_gemm(x.float(), w_fp8, w_scale)
         )
         if m == s.fp8_ms[0]:
-            x_scale = x.float().abs().amax().reshape(1) / reference.FP8_MAX
+            x_scale = x.float().abs().amax().reshape(1) / fp8_twin.FP8_MAX
             run.check(
                 f"fp8 static M={m}",
                 lambda: kernel(x, w_fp8, w_scale, x_scale),
-                reference.fp8_gemm(x.float(), w_fp8, w_scale, x_scale),
+                fp8_twin.fp8_gemm(x.float(), w_fp8, w_scale, x_scale),
             )
         if "sqnr_dB" in row:
             t, t_ref = run.ms(lambda: kernel(x, w_fp8, w_scale)), run.ms(lambda: x @ w_dense.t())
@@ -321,7 +327,7 @@ def _gpu_fp8(run: _Run, s: GpuSizes, kernel) -> None:
                 "TFLOP/s": 2 * m * k * k / t / 1e9,
             }
             try:  # informative: cuBLAS fp8 with rowwise scales, x already quantized (not counted)
-                xs = x.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / reference.FP8_MAX
+                xs = x.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / fp8_twin.FP8_MAX
                 xq = (x.float() / xs).to(torch.float8_e4m3fn)
                 row["cuBLAS_fp8_ms"] = run.ms(
                     lambda: torch._scaled_mm(xq, w_fp8.t(), scale_a=xs, scale_b=scale_b, out_dtype=s.dtype)
@@ -360,15 +366,15 @@ def _gpu_attention(run: _Run, s: GpuSizes, kernel) -> None:
         if cache == "dense":
             kc, vc, ks, vs = k, v, None, None
         else:
-            ks = (k.float().abs().amax() / reference.FP8_MAX).reshape(1)
-            vs = (v.float().abs().amax() / reference.FP8_MAX).reshape(1)
+            ks = (k.float().abs().amax() / fp8_twin.FP8_MAX).reshape(1)
+            vs = (v.float().abs().amax() / fp8_twin.FP8_MAX).reshape(1)
             kc, vc = (k.float() / ks).to(torch.float8_e4m3fn), (v.float() / vs).to(torch.float8_e4m3fn)
         args = (q, kc, vc, block_tables, seq_lens, scale, ks, vs)
         row = {
             "kernel": "paged_attention",
             "shape": f"{s.seqs}x{s.context} ctx, {s.heads}/{s.kv_heads} heads, d{s.head_dim}, {str(kc.dtype)[6:]} KV",
         }
-        row |= run.check(f"paged attention {cache}", lambda: kernel(*args), reference.paged_attention(*args))
+        row |= run.check(f"paged attention {cache}", lambda: kernel(*args), attention_twin.paged_attention(*args))
         if "sqnr_dB" in row:
             t = run.ms(lambda: kernel(*args))
             kv_bytes = 2 * tokens * s.kv_heads * s.head_dim * kc.element_size()
@@ -393,7 +399,7 @@ def run_gpu(
     """Check each Triton kernel against its twin, then time it; returns the rows.
 
     `impls` maps "int4_gemm" / "fp8_gemm" / "paged_attention" to launchers (default: import
-    `quantkit.kernels.<name>`, skipping a missing module with a note). `device="cpu"` with
+    `quantkit.kernels.<op>.triton`, skipping a missing module with a note). `device="cpu"` with
     small `sizes` runs the same code on the CPU (a smoke test of the bench itself). Sections
     left when `budget_s` has passed are skipped with a note. The paged cache follows
     `kernels/paged_attention.py`: [num_blocks, block_size, kv_heads, head_dim].

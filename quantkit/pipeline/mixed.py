@@ -215,7 +215,7 @@ def _measure(path: Path, scheme: QuantScheme, calibration, track: Track, method,
     from quantkit.calibration.datasets import calibration_samples, load_documents
     from quantkit.calibration.runner import BlockInputs, capture_block_inputs
     from quantkit.eval.kld import divergence
-    from quantkit.kernels import reference
+    from quantkit.kernels.attention import twin as reference
     from quantkit.models.arch import arch_for, get_module
     from quantkit.models.loading import load_float_model
 

@@ -123,7 +123,7 @@ class LLM:
         eos = self.model.generation_config.eos_token_id if getattr(self.model, "generation_config", None) else None
         eos = eos if eos is not None else self.tokenizer.eos_token_id
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, eos_token_id=eos)
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.runner.argmax)
         self.context = getattr(self.model.config, "max_position_embeddings", None) or 1 << 30
         self._ids = itertools.count()
         self.outputs: dict[int, RequestOutput] = {}

@@ -4,14 +4,19 @@ The module tree comes from `quantkit.load` (float, packed int4 or fp8 linears, w
 compute through `quantkit.ops`); the forward here is ours, and the family's description
 says which norms, q/k norms and activation a block has: all scheduled tokens of a step run
 as one flat batch [T, hidden] through each block's fused q/k/v and gate/up linears, new
-keys/values go into the paged cache with `ops.kv_store`, prefill tokens attend with
-`ops.paged_prefill`, all decode tokens together with `ops.paged_attention` (each with the
-layer's scale, sliding window and logit soft-cap), and logits are computed only for the
-tokens that are sampled. The residual stream is added to in place, each add fused with the
-norm that follows it (`ops.add_rms_norm_`); RMSNorms, rotary embedding and SiLU · up go
-through `ops` (C++ on the CPU) where the module computes what the twin does, checked once at
-load (`_Norm`, `_silu`), and through the module otherwise. A mixture-of-experts block routes
-with the model's own router and runs each routed expert once on its tokens (`_SparseMLP`).
+keys/values go into the paged cache (the KV store), prefill tokens attend with the prefill
+attention, all decode tokens together with the decode attention (each with the layer's scale,
+sliding window and logit soft-cap), and logits are computed only for the tokens that are
+sampled. The residual stream is added to in place, each add fused with the norm that follows
+it; RMSNorms, rotary embedding and SiLU · up take the element-wise kernels (C++ on the CPU)
+where the module computes what the twin does, checked once at load (`_Norm`, `_silu`), and the
+module otherwise. A mixture-of-experts block routes with the model's own router and runs each
+routed expert once on its tokens (`_SparseMLP`).
+
+Every kernel is chosen once, at load, from its operation's candidates
+(`quantkit.kernels.choice`; the quantized linears' `prepare`, the rest `ModelRunner._pick`),
+and the forward calls the chosen callables with no checks. The notes (`kernel_notes`) are
+those choices: what runs, and why faster candidates were passed over.
 """
 
 from __future__ import annotations
@@ -24,9 +29,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from quantkit import ops
 from quantkit.errors import QuantkitError
-from quantkit.kernels import reference
+from quantkit.kernels import attention, choice, elementwise
+from quantkit.kernels.attention import twin as attention_twin
+from quantkit.kernels.choice import Choice, Problem
+from quantkit.kernels.elementwise import twin as elementwise_twin
 from quantkit.models import moe
 from quantkit.models.arch import MoE, arch_for, get_module, unsupported_features
 from quantkit.runtime.qlinear import fuse_linears, prepack
@@ -71,30 +78,35 @@ def _probe(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     return (torch.randn(shape, generator=g) * 2).to(like.device, like.dtype)
 
 
+Pick = Callable[..., Callable]  # (op, candidates, **shapes) -> the chosen callable (`ModelRunner._pick`)
+
+
 @dataclass(slots=True)
 class _Norm:
-    """An RMSNorm as the runner calls it: `ops.rms_norm` where the module computes Llama's or
-    Gemma's RMSNorm exactly (`reference.rms_norm`, checked once at load on a probe input),
-    otherwise the module itself. `add_` is the residual add and the norm in one pass."""
+    """An RMSNorm as the runner calls it: the chosen `rms_norm` kernel where the module computes
+    Llama's or Gemma's RMSNorm exactly (`elementwise_twin.rms_norm`, checked once at load on a probe
+    input), otherwise the module itself. `add_` is the residual add and the norm in one pass."""
 
     module: nn.Module
     fused: tuple[torch.Tensor, float, bool] | None  # (weight, eps, gemma), or None: the module
-    backend: str
+    rms: Callable | None = None  # (x, weight, eps, gemma) -> y
+    add: Callable | None = None  # (x, delta, weight, eps, gemma) -> y, x += delta in place
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is None:
             return self.module(x)
-        return ops.rms_norm(x, *self.fused, backend=self.backend)
+        return self.rms(x, *self.fused)
 
     def add_(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """x += delta in place (the residual stream), then the norm of x."""
         if self.fused is None:
             return self.module(x.add_(delta))
-        return ops.add_rms_norm_(x, delta, *self.fused, backend=self.backend)
+        return self.add(x, delta, *self.fused)
 
     @classmethod
-    def of(cls, module: nn.Module, like: torch.Tensor, backend: str) -> _Norm:
-        """`module` as the runner calls it; `like`, an activation's dtype and device."""
+    def of(cls, module: nn.Module, like: torch.Tensor, pick: Pick) -> _Norm:
+        """`module` as the runner calls it; `like`, an activation's dtype and device (the residual
+        stream and the linears' outputs have it)."""
         weight = getattr(module, "weight", None)
         eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
         if isinstance(weight, torch.Tensor) and weight.dim() == 1 and isinstance(eps, float):
@@ -102,9 +114,11 @@ class _Norm:
             with torch.inference_mode():
                 want = module(x)
                 for gemma in (False, True):
-                    if torch.equal(reference.rms_norm(x, weight, eps, gemma), want):
-                        return cls(module, (weight, eps, gemma), backend)
-        return cls(module, None, backend)
+                    if torch.equal(elementwise_twin.rms_norm(x, weight, eps, gemma), want):
+                        rms = pick("rms_norm", elementwise.RMS_NORM, dtypes=(weight.dtype,))
+                        add = pick("add_rms_norm_", elementwise.ADD_RMS_NORM, dtypes=(like.dtype, weight.dtype))
+                        return cls(module, (weight, eps, gemma), rms, add)
+        return cls(module, None)
 
 
 def _silu(act: Callable[[torch.Tensor], torch.Tensor], like: torch.Tensor) -> bool:
@@ -133,6 +147,10 @@ class _Layer:
     rope: str | None  # the layer type whose rotary tables it uses (Gemma 3), None: the one table
     k_scale: torch.Tensor | None
     v_scale: torch.Tensor | None
+    rope_: Callable  # the chosen kernels (`ModelRunner._cache_ops`): (x, cos, sin) -> None, in place
+    kv_store: Callable  # (k, v, k_cache, v_cache, slots, k_scale, v_scale) -> None
+    prefill: Callable  # (q, k_cache, v_cache, tables, seq_lens, query_lens, scale, k_scale, v_scale, window, softcap)
+    decode: Callable  # (q, k_cache, v_cache, tables, seq_lens, scale, k_scale, v_scale, window, softcap)
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
@@ -157,22 +175,20 @@ class _MLP:
 
     gate_up: Callable[[torch.Tensor], torch.Tensor]  # [T, hidden] -> [T, 2 * intermediate]
     act: Callable[[torch.Tensor], torch.Tensor]
-    down: nn.Module
-    silu: bool  # act is SiLU: act(gate) * up in one pass (`ops.silu_mul`)
-    backend: str
+    down: Callable[[torch.Tensor], torch.Tensor]
+    silu_mul: Callable | None  # act is SiLU: the chosen kernel for act(gate) * up in one pass
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.silu:
-            return self.down(ops.silu_mul(self.gate_up(x), self.backend))
+        if self.silu_mul is not None:
+            return self.down(self.silu_mul(self.gate_up(x)))
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(self.act(gate) * up)
 
     @classmethod
-    def of(cls, gate_up: list[nn.Module], act, down: nn.Module, like: torch.Tensor, backend: str = "auto") -> _MLP:
-        """From the model's modules: gate and up, or one fused gate/up projection; `like`, an
-        activation's dtype and device."""
-        silu = _silu(act, like)
-        return cls(_prepacked(_projection(gate_up), gate_up), act, _prepacked(down, [down]), silu, backend)
+    def of(cls, gate_up: list[nn.Module], act, down: nn.Module, runner: ModelRunner) -> _MLP:
+        """From the model's modules: gate and up, or one fused gate/up projection."""
+        silu = runner._pick("silu_mul", elementwise.SILU_MUL) if _silu(act, runner._like) else None
+        return cls(runner._linear(_projection(gate_up, runner), gate_up), act, runner._linear(down, [down]), silu)
 
 
 @dataclass(slots=True)
@@ -195,28 +211,28 @@ class _SparseMLP:
         return out
 
     @classmethod
-    def of(cls, block: nn.Module, spec: MoE, like: torch.Tensor, backend: str) -> _SparseMLP:
+    def of(cls, block: nn.Module, spec: MoE, runner: ModelRunner) -> _SparseMLP:
         sparse = get_module(block, spec.module)
         gate, up, down = spec.names
         experts = [
-            _MLP.of([getattr(x, gate), getattr(x, up)], x.act_fn, getattr(x, down), like, backend)
-            for x in sparse.experts
+            _MLP.of([getattr(x, gate), getattr(x, up)], x.act_fn, getattr(x, down), runner) for x in sparse.experts
         ]
         shared = None
         if spec.shared is not None:
             s = get_module(block, spec.shared)
-            shared = _MLP.of([s.gate_proj, s.up_proj], s.act_fn, s.down_proj, like, backend)
+            shared = _MLP.of([s.gate_proj, s.up_proj], s.act_fn, s.down_proj, runner)
         gate = None if spec.shared_gate is None else get_module(block, spec.shared_gate)
         return cls(get_module(block, spec.router), experts, shared, gate)
 
 
-def _projection(modules: list[nn.Module]) -> Callable[[torch.Tensor], torch.Tensor]:
+def _projection(modules: list[nn.Module], runner: ModelRunner) -> Callable[[torch.Tensor], torch.Tensor]:
     if len(modules) == 1:  # stored fused (Phi-3's qkv_proj, gate_up_proj)
         return modules[0]
     fused = fuse_linears(modules)
     if fused is not None:
         return fused
-    return lambda x: torch.cat([m(x) for m in modules], dim=-1)
+    parts = [runner._linear(m, [m]) for m in modules]
+    return lambda x: torch.cat([m(x) for m in parts], dim=-1)
 
 
 def _prepacked(module: nn.Module, originals: list[nn.Module]) -> nn.Module:
@@ -239,7 +255,7 @@ class ModelRunner:
     become meta tensors, so the model's own forward no longer runs)."""
 
     def __init__(self, model: nn.Module, num_blocks: int, block_size: int = 16, backend: str = "auto"):
-        ops.check_backend(backend)
+        choice.check_backend(backend)
         self.model, self.config, self.backend = model, model.config, backend
         self.spec = arch_for(model.config)
         blocks = list(get_module(model, self.spec.blocks))
@@ -253,64 +269,89 @@ class ModelRunner:
         self.kv_args = getattr(getattr(attn, "quantkit_kv", None), "args", None)
         self.rotary_emb = get_module(model, self.spec.blocks.rsplit(".", 1)[0]).rotary_emb
         self._like = torch.empty(0, dtype=self.dtype, device=self.device)  # an activation's dtype and device
-        self.layers = [self._layer(b) for b in blocks]
-        self.embed = model.get_input_embeddings()
-        self.final_norm = _Norm.of(get_module(model, self.spec.final_norm), self._like, backend)
-        head = model.get_output_embeddings()
-        self.lm_head = _prepacked(head, [] if head.weight is self.embed.weight else [head])  # tied: still looked up
-        self.final_softcap = getattr(c, "final_logit_softcapping", None)
+        self.linears: list[nn.Module] = []  # every linear the forward calls (fused, prepacked), in order
+        self._linears: list[tuple[str, Choice]] = []  # each quantized linear's kernel, chosen by its `prepare`
+        self._choices: dict[tuple, Choice] = {}  # the other operations' kernels, one per problem (`_pick`)
         kv_dtype = kv_cache_dtype(model)
+        self.layers = [self._layer(b, kv_dtype) for b in blocks]
+        self.embed = model.get_input_embeddings()
+        self.final_norm = _Norm.of(get_module(model, self.spec.final_norm), self._like, self._pick)
+        head = model.get_output_embeddings()
+        self.lm_head = self._linear(head, [] if head.weight is self.embed.weight else [head])  # tied: still looked up
+        self.final_softcap = getattr(c, "final_logit_softcapping", None)
+        self.argmax = self._pick("argmax", elementwise.ARGMAX)  # the greedy sampler's, on the logits
         shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
         self.k_cache = [torch.zeros(shape, dtype=kv_dtype, device=self.device) for _ in blocks]
         self.v_cache = [torch.zeros(shape, dtype=kv_dtype, device=self.device) for _ in blocks]
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.kernels = self._choose_kernels()
 
-    def _choose_kernels(self) -> list[tuple[str, ops.Kernel]]:
-        """Each quantized linear's kernel, chosen once here for the runner's dtype, device and
-        backend (vLLM's way, not per call), and the attention's: [(what, kernel)]."""
-        chosen = []
-        for layer in self.layers:
-            mlps = [layer.mlp] if isinstance(layer.mlp, _MLP) else [*layer.mlp.experts, layer.mlp.shared]
-            for m in [layer.qkv, layer.o_proj, *(x for mlp in mlps if mlp for x in (mlp.gate_up, mlp.down))]:
-                if hasattr(m, "prepare"):
-                    chosen.append((type(m).__name__, m.prepare(self.dtype, self.device, self.backend)))
-        kv_dtype = self.k_cache[0].dtype
-        chosen.append(("attention", ops.attention_kernel(self.device, kv_dtype, self.backend)))
-        chosen.append(("element-wise", ops.fused_kernel(self.device, self.backend)))
-        return chosen
+    def _pick(self, op: str, candidates: list, **shapes) -> Callable:
+        """The callable chosen for `op` (`quantkit.kernels.choice.choose`) on the runner's device,
+        dtype and backend with `shapes`; each distinct problem is chosen once, and kept for the
+        notes."""
+        key = (op, tuple(sorted(shapes.items())))
+        if key not in self._choices:
+            problem = Problem(self.device, self.dtype, self.backend, **shapes)
+            self._choices[key] = choice.choose(op, candidates, problem)
+        return self._choices[key].fn
+
+    def _linear(self, module, originals: list[nn.Module]) -> Callable[[torch.Tensor], torch.Tensor]:
+        """`module` as the runner calls it: a quantized linear's chosen kernel (its `prepare`), a
+        bf16 float linear reordered for oneDNN (`_prepacked`), else the module."""
+        if hasattr(module, "prepare"):
+            self._linears.append((type(module).__name__, module.prepare(self.dtype, self.device, self.backend)))
+            self.linears.append(module)
+            return module.run
+        module = _prepacked(module, originals)
+        if isinstance(module, nn.Module):
+            self.linears.append(module)
+        return module
+
+    @property
+    def kernels(self) -> list[tuple[str, Choice]]:
+        """What runs: [(the kind of linear or the operation, its `Choice`)], as chosen at load."""
+        return self._linears + [(k.op, k) for k in self._choices.values()]
 
     def kernel_notes(self) -> list[str]:
-        """One line per kind of layer that does not get the fast kernel, saying why."""
-        counts = Counter((what, k) for what, k in self.kernels if k.why)
-        return [
-            f"{n} {what} {'layers run' if n > 1 else 'layer runs'} on {k.name}: {k.why}."
-            for (what, k), n in counts.items()
+        """One line per kernel that is not the fastest of its operation's candidates, saying why
+        the faster ones were passed over (from the choices themselves: what they name runs)."""
+        counts = Counter((what, k.name, k.why) for what, k in self._linears if k.why)
+        notes = [
+            f"{n} {what} {'layers run' if n > 1 else 'layer runs'} on {name}: {why}."
+            for (what, name, why), n in counts.items()
         ]
+        ops: dict[tuple[str, str], list[str]] = {}
+        for k in self._choices.values():
+            if k.why and k.op not in ops.setdefault((k.name, k.why), []):
+                ops[(k.name, k.why)].append(k.op)
+        for (name, why), names in ops.items():
+            notes.append(f"{', '.join(names)} {'run' if len(names) > 1 else 'runs'} on {name}: {why}.")
+        return notes
 
-    def _layer(self, block: nn.Module) -> _Layer:
+    def _layer(self, block: nn.Module, kv_dtype: torch.dtype) -> _Layer:
         spec = self.spec.for_block(block)
         qkv, o = spec.sequential[:2]  # q/k/v (fused or not), o
         mods = lambda names: [get_module(block, n) for n in names]  # noqa: E731
 
         def norm(name: str | None):
-            return _identity if name is None else _Norm.of(get_module(block, name), self._like, self.backend)
+            return _identity if name is None else _Norm.of(get_module(block, name), self._like, self._pick)
 
         attn = get_module(block, spec.attention)
         scales = (attn.k_scale, attn.v_scale) if self.kv_args is not None else (None, None)
         qkv_mods, o_proj = mods(qkv), get_module(block, o[0])
         if spec.moe is not None:
-            mlp = _SparseMLP.of(block, spec.moe, self._like, self.backend)
+            mlp = _SparseMLP.of(block, spec.moe, self)
         else:
             gate_up, down = spec.sequential[2:]  # gate/up (fused or not), down
-            mlp = _MLP.of(
-                mods(gate_up), get_module(block, spec.act), get_module(block, down[0]), self._like, self.backend
-            )
+            mlp = _MLP.of(mods(gate_up), get_module(block, spec.act), get_module(block, down[0]), self)
         takes_layer_type = "layer_type" in inspect.signature(self.rotary_emb.forward).parameters
+        window, softcap = _window(attn, self.config), getattr(attn, "attn_logit_softcapping", None)
+        attention_twin.check_window_softcap("paged_attention", window, softcap)
+        rope = getattr(attn, "layer_type", None) if takes_layer_type else None
         return _Layer(
             norm(spec.input_norm),
-            _prepacked(_projection(qkv_mods), qkv_mods),
-            _prepacked(o_proj, [o_proj]),
+            self._linear(_projection(qkv_mods, self), qkv_mods),
+            self._linear(o_proj, [o_proj]),
             norm(spec.post_attention_norm),
             norm(spec.pre_mlp_norm),
             mlp,
@@ -318,10 +359,23 @@ class ModelRunner:
             norm(spec.q_norm),
             norm(spec.k_norm),
             attn.scaling,
-            _window(attn, self.config),
-            getattr(attn, "attn_logit_softcapping", None),
-            getattr(attn, "layer_type", None) if takes_layer_type else None,
+            window,
+            softcap,
+            rope,
             *scales,
+            *self._cache_ops(kv_dtype, scales, rope),
+        )
+
+    def _cache_ops(self, kv_dtype: torch.dtype, scales: tuple, rope: str | None) -> tuple[Callable, ...]:
+        """A layer's kernels for rotary embedding, the KV store, prefill and decode attention."""
+        cos, sin = self._rope_tables(torch.zeros(1, dtype=torch.long, device=self.device), rope)
+        attention_shapes = {"head_dim": self.head_dim, "num_heads": self.num_heads, "kv_dtype": kv_dtype}
+        scale_dtypes = tuple(s.dtype for s in scales if s is not None)
+        return (
+            self._pick("rope_", elementwise.ROPE, dtypes=(cos.dtype, sin.dtype)),
+            self._pick("KV store", attention.KV_STORE, **attention_shapes, scales=scale_dtypes),
+            self._pick("prefill attention", attention.PREFILL, **attention_shapes),
+            self._pick("decode attention", attention.DECODE, **attention_shapes),
         )
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -333,7 +387,7 @@ class ModelRunner:
             k[dst], v[dst] = k[src], v[src]
 
     def _rope_tables(self, positions: torch.Tensor, layer_type: str | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin [T, rotary_dim] for `ops.rope_`."""
+        """cos and sign-folded sin [T, rotary_dim] for the rotary kernel (`_Layer.rope_`)."""
         dummy = torch.empty(0, dtype=self.dtype, device=self.device)
         extra = () if layer_type is None else (layer_type,)
         cos, sin = self.rotary_emb(dummy, positions[None], *extra)
@@ -344,41 +398,13 @@ class ModelRunner:
     def _attention(self, b: Batch, q: torch.Tensor, i: int, layer: _Layer) -> torch.Tensor:
         P, T = b.num_prefill_tokens, q.shape[0]
         kc, vc, ks, vs = self.k_cache[i], self.v_cache[i], layer.k_scale, layer.v_scale
-        extra = (
-            {} if layer.window is None and layer.softcap is None else {"window": layer.window, "softcap": layer.softcap}
-        )
-        parts = []
+        window, softcap, parts = layer.window, layer.softcap, []
         if P:
-            parts.append(
-                ops.paged_prefill(
-                    q[:P],
-                    kc,
-                    vc,
-                    b.prefill_tables,
-                    b.prefill_seq_lens,
-                    b.prefill_query_lens,
-                    layer.scale,
-                    ks,
-                    vs,
-                    **extra,
-                    backend=self.backend,
-                )
-            )
+            tables, lens, query_lens = b.prefill_tables, b.prefill_seq_lens, b.prefill_query_lens
+            parts.append(layer.prefill(q[:P], kc, vc, tables, lens, query_lens, layer.scale, ks, vs, window, softcap))
         if P < T:
-            parts.append(
-                ops.paged_attention(
-                    q[P:],
-                    kc,
-                    vc,
-                    b.decode_tables,
-                    b.decode_seq_lens,
-                    layer.scale,
-                    ks,
-                    vs,
-                    **extra,
-                    backend=self.backend,
-                )
-            )
+            tables, lens = b.decode_tables, b.decode_seq_lens
+            parts.append(layer.decode(q[P:], kc, vc, tables, lens, layer.scale, ks, vs, window, softcap))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     @torch.inference_mode()
@@ -393,12 +419,10 @@ class ModelRunner:
             qkv = layer.qkv(h)  # [T, (H + 2 KV) D]
             q = layer.q_norm(qkv[:, : H * D].view(T, H, D))
             k = layer.k_norm(qkv[:, H * D : (H + KV) * D].view(T, KV, D))
-            ops.rope_(q, cos, sin, self.backend)
-            ops.rope_(k, cos, sin, self.backend)
+            layer.rope_(q, cos, sin)
+            layer.rope_(k, cos, sin)
             v = qkv[:, (H + KV) * D :].view(T, KV, D)
-            ops.kv_store(
-                k, v, self.k_cache[i], self.v_cache[i], b.slot_mapping, layer.k_scale, layer.v_scale, self.backend
-            )
+            layer.kv_store(k, v, self.k_cache[i], self.v_cache[i], b.slot_mapping, layer.k_scale, layer.v_scale)
             out = layer.post_attention_norm(layer.o_proj(self._attention(b, q, i, layer).view(T, H * D)))
             h = layer.pre_mlp_norm.add_(x, out)
             out = layer.post_mlp_norm(layer.mlp(h))
@@ -407,7 +431,7 @@ class ModelRunner:
             else:
                 x.add_(out)
         logits = self.lm_head(self.final_norm(x[b.logits_indices]))
-        return reference.cap(logits, self.final_softcap)
+        return attention_twin.cap(logits, self.final_softcap)
 
 
 def check_supported(model: nn.Module) -> None:

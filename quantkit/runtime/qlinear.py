@@ -1,5 +1,5 @@
-"""Linear modules that hold packed weights as they are on disk and compute through
-`quantkit.ops`."""
+"""Linear modules that hold packed weights as they are on disk and compute through the kernel
+each chooses once, at load, from its GEMM's candidates (`quantkit.kernels.int4`, `.int8`, `.fp8`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from torch import nn
 
 from quantkit import ops, packing
 from quantkit.formats import float_quantized, int_quantized, pack_quantized
-from quantkit.primitives import dequantize
+from quantkit.kernels import choice, fp8, int4, int8
+from quantkit.kernels.choice import Choice, Problem
 from quantkit.scheme import QuantArgs
 
 
@@ -18,20 +19,35 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 class _Prepared(nn.Module):
-    """A quantized linear whose `prepare(dtype, device, backend)` chooses its kernel once (the
-    engine calls it at load; the first call does otherwise, and again only if the activations'
-    dtype or device change) and sets `_run`, `kernel` (which, and why) and `runtime_weight` (the
-    kernel's own layout of the weight, where it builds one)."""
+    """A quantized linear whose `prepare(dtype, device, backend)` chooses its kernel once, from
+    its operation's candidates (`quantkit.kernels.choice`; the engine calls it at load, a first
+    call does otherwise, and again only if the activations' dtype or device change), and sets
+    `run` (x -> y, bias added: what the engine calls), `kernel` (the `Choice`: which, and why)
+    and `runtime_weight` (the kernel's own layout of the weight, where it builds one)."""
 
-    kernel: ops.Kernel | None = None
+    kernel: Choice | None = None
     runtime_weight = None
     _prepared_for: tuple | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._prepared_for != (x.dtype, x.device):
             self.prepare(x.dtype, x.device)
-        y = self._run(x)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+        return self.run(x)
+
+    def _choose(self, op: str, candidates: list, problem: Problem) -> Choice:
+        self._prepared_for = (problem.dtype, problem.device)
+        self.kernel = choice.choose(op, candidates, problem)
+        self.runtime_weight = getattr(self.kernel.fn, "weight", None)
+        self.run = self.kernel.fn if self.bias is None else _plus_bias(self.kernel.fn, self.bias)
+        return self.kernel
+
+
+def _plus_bias(run, bias: torch.Tensor):
+    def run_plus_bias(x: torch.Tensor) -> torch.Tensor:
+        y = run(x)
+        return y + bias.to(y.dtype)
+
+    return run_plus_bias
 
 
 class PackedInt4Linear(_Prepared):
@@ -58,36 +74,15 @@ class PackedInt4Linear(_Prepared):
             self._zeros = packing.unpack(self.weight_zero_point, self.out_features, 4, dim=0)
         return self._zeros
 
-    def prepare(self, dtype: torch.dtype, device: torch.device | str, backend: str = "auto") -> ops.Kernel:
+    def prepare(self, dtype: torch.dtype, device: torch.device | str, backend: str = "auto") -> Choice:
         """Choose the kernel once, for activations of `dtype` on `device` (what the engine does at
-        load; a first call does it otherwise): for bf16 on the CPU the AMX kernel, else torch's
-        int4pack (`ops.int4_cpu_weight`), the Triton kernel on a GPU (or with backend "triton"),
-        else the torch twin, which dequantizes the weight on every call. `self.kernel` says
-        which, and why."""
+        load; a first call does it otherwise), from `quantkit.kernels.int4.CANDIDATES`: the
+        Triton kernel on a GPU, for bf16 on the CPU the AMX kernel, else torch's int4pack, else
+        the torch twin, which dequantizes the weight on every call. `self.kernel` says which, and
+        why."""
         group = self.args.group_size if self.args.strategy == "group" else None
-        device = torch.device(device)
-        ops.check_backend(backend)
-        self._prepared_for = (dtype, device)
-        args = (self.weight_packed, self.weight_scale, self.zeros(), group, self.weight_g_idx)
-        fast = backend == "triton" or (backend == "auto" and device.type == "cuda")
-        why = None if fast else f"backend {backend}"
-        if backend == "auto" and device.type == "cpu":
-            if dtype != torch.bfloat16:
-                why = f"its activations are {dtype_name(dtype)} and the CPU int4 kernels take bfloat16"
-            else:
-                weight, why = ops.int4_cpu_weight(*args)
-                if weight is not None:
-                    self._run = lambda x: ops.int4_gemm_cpu(x, weight)
-                    self.runtime_weight = weight
-                    amx = weight.kernel == "amx"
-                    self.kernel = ops.Kernel(
-                        "int4 AMX (quantkit C++)" if amx else "int4pack (torch CPU)", None if amx else why
-                    )
-                    return self.kernel
-        self.runtime_weight = None
-        self._run = lambda x: ops.int4_gemm(x, *args, backend=backend)
-        self.kernel = ops.Kernel("int4_gemm (Triton)" if fast else "int4 twin (dequantizes on every call)", why)
-        return self.kernel
+        weight = (self.weight_packed, self.weight_scale, self.zeros(), group, self.weight_g_idx)
+        return self._choose("int4 GEMM", int4.CANDIDATES, Problem(device, dtype, backend, weight=weight))
 
     def extra_repr(self) -> str:
         a = self.args
@@ -99,7 +94,7 @@ class PackedInt4Linear(_Prepared):
 class PackedInt8Linear(_Prepared):
     """A linear with compressed-tensors `pack-quantized` int8 weights (w8a16; buffers named as
     in the checkpoint). Symmetric per-channel weights on the CPU compute through torch's
-    int8-weight GEMM (`ops.int8_gemm_cpu`, built on the first call); any other layout or
+    int8-weight GEMM (`kernels/int8/int8pack.py`, chosen at load); any other layout or
     device dequantizes its weight once, into the activations' dtype."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, args: QuantArgs, dtype: torch.dtype):
@@ -113,28 +108,17 @@ class PackedInt8Linear(_Prepared):
         self.weight_g_idx = getattr(self, "weight_g_idx", None)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device="meta")) if bias else None
 
-    def prepare(self, dtype: torch.dtype, device: torch.device | str, backend: str = "auto") -> ops.Kernel:
-        """Choose the kernel once (see `PackedInt4Linear.prepare`): torch's int8-weight GEMM for
-        symmetric per-channel weights on the CPU, else the weight dequantized once into `dtype`."""
-        a, device = self.args, torch.device(device)
-        ops.check_backend(backend)
-        self._prepared_for = (dtype, device)
-        why = "its weights are not symmetric per-channel" if not (a.symmetric and a.strategy == "channel") else None
-        if device.type != "cpu":
-            why = "torch's int8-weight kernel runs on the CPU"
-        if why is None:
-            why = ops.int8_cpu_unsupported(self.out_features, self.in_features)
-        if why is None:
-            weight = ops.int8_cpu_weight(self._ints(), self.weight_scale)
-            self._run = lambda x: ops.int8_gemm_cpu(x, weight)
-            self.kernel = ops.Kernel("int8pack (torch CPU)")
-            return self.kernel
+    def prepare(self, dtype: torch.dtype, device: torch.device | str, backend: str = "auto") -> Choice:
+        """Choose the kernel once (see `PackedInt4Linear.prepare`) from
+        `quantkit.kernels.int8.W8A16`: torch's int8-weight GEMM for symmetric per-channel weights
+        on the CPU, else the weight dequantized once into `dtype`."""
         zeros = self.weight_zero_point
         zeros = None if zeros is None else packing.unpack(zeros, self.out_features, 8, dim=0)
-        dense = dequantize(self._ints(), self.weight_scale, zeros, a, self.weight_g_idx).to(dtype)
-        self._run = lambda x: torch.nn.functional.linear(x, dense)
-        self.kernel = ops.Kernel(f"dequantized once to {dtype_name(dtype)}", why)
-        return self.kernel
+        problem = Problem(
+            device, dtype, backend, ints=self._ints(), scales=self.weight_scale, zeros=zeros, args=self.args,
+            g_idx=self.weight_g_idx,
+        )  # fmt: skip
+        return self._choose("int8 GEMM", int8.W8A16, problem)
 
     def _ints(self) -> torch.Tensor:
         return packing.unpack(self.weight_packed, self.in_features, 8)  # int8 [out, in]
@@ -146,7 +130,7 @@ class PackedInt8Linear(_Prepared):
         )
 
 
-class Fp8Linear(nn.Module):
+class Fp8Linear(_Prepared):
     """A linear with compressed-tensors `float-quantized` fp8 weights; activations are
     quantized to fp8 per token at run time (dynamic) or with the stored `input_scale`."""
 
@@ -160,22 +144,12 @@ class Fp8Linear(nn.Module):
         self.input_scale = getattr(self, "input_scale", None)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device="meta")) if bias else None
 
-        self.kernel: ops.Kernel | None = None
-        self._backend = "auto"
-
-    def prepare(self, dtype: torch.dtype, device: torch.device | str, backend: str = "auto") -> ops.Kernel:
-        """Choose the kernel once (see `PackedInt4Linear.prepare`): the Triton fp8 GEMM on a GPU
-        (or with backend "triton"), else the torch twin."""
-        ops.check_backend(backend)
-        self._backend = backend
-        fast = backend == "triton" or (backend == "auto" and torch.device(device).type == "cuda")
-        why = None if fast else ("quantkit has no fp8 GEMM for the CPU" if backend == "auto" else f"backend {backend}")
-        self.kernel = ops.Kernel("fp8_gemm (Triton)" if fast else "fp8 twin (dequantizes on every call)", why)
-        return self.kernel
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = ops.fp8_gemm(x, self.weight, self.weight_scale, self.input_scale, backend=self._backend)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+    def prepare(self, dtype: torch.dtype, device: torch.device | str, backend: str = "auto") -> Choice:
+        """Choose the kernel once (see `PackedInt4Linear.prepare`) from
+        `quantkit.kernels.fp8.CANDIDATES`: the Triton fp8 GEMM on a GPU, else the torch twin."""
+        weight = {"weight": self.weight, "scales": self.weight_scale, "input_scale": self.input_scale}
+        problem = Problem(device, dtype, backend, **weight)
+        return self._choose("fp8 GEMM", fp8.CANDIDATES, problem)
 
     def extra_repr(self) -> str:
         kind = "static" if self.input_scale is not None else "dynamic per-token"
@@ -309,37 +283,13 @@ class Int8Linear(_Prepared):
             self.register_buffer(name, torch.empty(shape, dtype=dt, device="meta"))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device="meta")) if bias else None
 
-    def prepare(self, dtype: torch.dtype, device: torch.device | str, backend: str = "auto") -> ops.Kernel:
-        """Choose the kernel once (see `PackedInt4Linear.prepare`): oneDNN's int8 GEMM on a
-        prepacked weight on the CPU (AMX or VNNI where the CPU has them), `torch._int_mm` on a GPU
-        (or with backend "triton"), else the torch twin, which dequantizes on every call."""
-        device = torch.device(device)
-        ops.check_backend(backend)
-        self._prepared_for = (dtype, device)
-        self.runtime_weight = None
-        if backend == "auto" and device.type == "cpu":
-            why = ops.w8a8_cpu_unsupported(self.out_features, self.in_features)
-            if why is None:
-                weight = ops.w8a8_cpu_weight(self.weight, self.weight_scale)
-                self._run = lambda x: ops.w8a8_gemm_cpu(x, weight)
-                self.runtime_weight = weight
-                if weight.elementwise is None:  # the same math, ten torch ops a call
-                    why = f"its activations are quantized by torch ops: {ops.w8a8_cpu_ext_reason()}"
-                    self.kernel = ops.Kernel("oneDNN int8 GEMM (torch CPU), torch-op quantization", why)
-                else:
-                    self.kernel = ops.Kernel("oneDNN int8 GEMM (torch CPU)")
-                return self.kernel
-        elif backend == "torch":
-            why = "backend torch"
-        else:
-            why = ops.int8_gemm_unsupported(self.out_features, self.in_features, device)
-            if why is None:
-                self._run = lambda x: ops.int8_gemm(x, self.weight, self.weight_scale, backend="triton")
-                self.kernel = ops.Kernel("torch._int_mm")
-                return self.kernel
-        self._run = lambda x: ops.int8_gemm(x, self.weight, self.weight_scale, backend="torch")
-        self.kernel = ops.Kernel("int8 twin (dequantizes on every call)", why)
-        return self.kernel
+    def prepare(self, dtype: torch.dtype, device: torch.device | str, backend: str = "auto") -> Choice:
+        """Choose the kernel once (see `PackedInt4Linear.prepare`) from
+        `quantkit.kernels.int8.W8A8`: `torch._int_mm` on a GPU, oneDNN's int8 GEMM on a prepacked
+        weight on the CPU (AMX or VNNI where the CPU has them; the activations quantized in C++
+        where it builds), else the torch twin, which dequantizes on every call."""
+        problem = Problem(device, dtype, backend, weight=self.weight, scales=self.weight_scale)
+        return self._choose("W8A8 int8 GEMM", int8.W8A8, problem)
 
     def extra_repr(self) -> str:
         shape = f"in={self.in_features}, out={self.out_features}"

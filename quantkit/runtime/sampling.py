@@ -9,10 +9,13 @@ from quantkit.runtime.sequence import SamplingParams
 
 
 class Sampler:
-    """Keeps one random generator per seeded request so its samples repeat exactly."""
+    """Keeps one random generator per seeded request so its samples repeat exactly. `argmax` is
+    the greedy kernel (logits [rows, vocab] -> int64 [rows]): the engine passes the one its
+    runner chose at load (`ModelRunner.argmax`); `ops.argmax`, which chooses per call, otherwise."""
 
-    def __init__(self):
+    def __init__(self, argmax=ops.argmax):
         self.generators: dict[int, torch.Generator] = {}
+        self.argmax = argmax
 
     def forget(self, seq_id: int) -> None:
         self.generators.pop(seq_id, None)
@@ -28,7 +31,7 @@ class Sampler:
         """One token per row of logits [n, vocab] (any float dtype; probabilities are
         computed in fp32); returns (token ids, logprob records: None, or (logprob of the
         token, [(id, logprob)] top-n) per row). A greedy row costs one shared argmax."""
-        greedy = ops.argmax(logits).tolist()
+        greedy = self.argmax(logits).tolist()
         if all(p.temperature == 0 and p.logprobs is None for _, p in requests):
             return greedy, [None] * len(greedy)
         logits = logits.float()

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from quantkit.kernels import reference
+from quantkit.kernels.attention import twin as attention_twin
+from quantkit.kernels.fp8 import twin as fp8_twin
+from quantkit.kernels.int4 import twin as int4_twin
 from quantkit.perf import kernels as bench
 
 GEMM_KEYS = {"kernel", "impl", "M", "K=N", "group", "ms", "weight_MB", "GB/s", "%copy", "vs_fp32", "vs_bf16"}
@@ -40,9 +42,9 @@ def test_run_gpu_code_path_on_cpu_with_the_twins():
         block_size=16,
     )
     impls = {
-        "int4_gemm": reference.int4_gemm,
-        "fp8_gemm": reference.fp8_gemm,
-        "paged_attention": reference.paged_attention,
+        "int4_gemm": int4_twin.int4_gemm,
+        "fp8_gemm": fp8_twin.fp8_gemm,
+        "paged_attention": attention_twin.paged_attention,
     }
     rows = bench.run_gpu(sizes=sizes, impls=impls, device="cpu")
     assert [r["kernel"] for r in rows] == ["int4_gemm"] * 2 + ["fp8_gemm"] + ["paged_attention"] * 2

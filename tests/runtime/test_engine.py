@@ -128,18 +128,21 @@ def test_every_op_forced_to_triton_gives_the_torch_paths_tokens(tiny_llama, tmp_
     s = preset(scheme)
     quantize(str(tiny_llama), s.with_group_size(32) if method == "rtn" else s, tmp_path / "q", method)
     prompts, params = PROMPTS[:3], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    triton = LLM(str(tmp_path / "q"), block_size=16, num_blocks=32, backend="triton")
-    names = {k.name for _, k in triton.runner.kernels}
-    assert any("Triton" in n and ("int4" in n or "fp8" in n) for n in names) and all("twin" not in n for n in names)
-    torch_path = LLM(str(tmp_path / "q"), block_size=16, num_blocks=32, backend="torch")
-    assert all(k.why == "backend torch" for _, k in torch_path.runner.kernels)
     import importlib
 
-    calls, modules = {}, {"int4_gemm" if method == "rtn" else "fp8_gemm", "paged_attention", "kv_store"}
-    for module in modules:
+    gemm = ("int4.triton", "int4_gemm") if method == "rtn" else ("fp8.triton", "fp8_gemm")
+    launchers = dict([gemm, ("attention.triton", "paged_attention"), ("attention.triton_kv_store", "kv_store")])
+    calls, modules = {}, set(launchers.values())
+    for module, name in launchers.items():  # before the load, which binds the launchers
         kernel = importlib.import_module(f"quantkit.kernels.{module}")
-        launcher = getattr(kernel, module)
-        monkeypatch.setattr(kernel, module, lambda *a, _f=launcher, _m=module: calls.update({_m: 1}) or _f(*a))
+        launcher = getattr(kernel, name)
+        monkeypatch.setattr(kernel, name, lambda *a, _f=launcher, _m=name: calls.update({_m: 1}) or _f(*a))
+    triton = LLM(str(tmp_path / "q"), block_size=16, num_blocks=32, backend="triton")
+    chosen = {what: k.name for what, k in triton.runner.kernels}
+    linear = "PackedInt4Linear" if method == "rtn" else "Fp8Linear"
+    assert chosen[linear].endswith("(Triton)") and chosen["decode attention"] == chosen["KV store"] == "Triton"
+    torch_path = LLM(str(tmp_path / "q"), block_size=16, num_blocks=32, backend="torch")
+    assert all(k.why == "backend torch" for _, k in torch_path.runner.kernels)
     got = [o.token_ids for o in triton.generate(prompts, params)]
     assert set(calls) == modules  # each Triton launcher ran
     assert got == [o.token_ids for o in torch_path.generate(prompts, params)]

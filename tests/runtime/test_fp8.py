@@ -3,7 +3,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import quantkit
-from quantkit.kernels.reference import fp8_gemm
+from quantkit.kernels.fp8.twin import fp8_gemm
 from quantkit.pipeline.quantize import Calibration, quantize
 from quantkit.primitives import compute_qparams, fake_quantize
 from quantkit.primitives import quantize as q

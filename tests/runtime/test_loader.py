@@ -4,7 +4,6 @@ import pytest
 import torch
 
 import quantkit
-from quantkit import ops
 from quantkit.errors import QuantkitError
 from quantkit.pipeline.quantize import quantize
 from quantkit.scheme import preset
@@ -68,7 +67,7 @@ def test_other_formats_are_refused_by_name(checkpoint, tmp_path):
 
 
 def test_bf16_on_cpu_takes_a_cpu_int4_kernel(checkpoint):
-    from quantkit.kernels.cpu_int4 import Int4Weight
+    from quantkit.kernels.int4.cpp import Int4Weight
 
     model = quantkit.load(checkpoint)
     ids = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -102,8 +101,9 @@ def test_int8_per_channel_weights_load_as_transformers_reads_them(tiny_llama, ti
         x = torch.randn(3, down.in_features)
         fast = down(x)
         with pytest.MonkeyPatch.context() as m:
-            m.setattr("quantkit.ops.int8_cpu_unsupported", lambda *_: "not here")
-            assert down.prepare(x.dtype, "cpu") == ops.Kernel("dequantized once to float32", "not here")
+            m.setattr("quantkit.kernels.int8.int8pack.int8_unsupported", lambda *_: "not here")
+            kernel = down.prepare(x.dtype, "cpu")
+            assert (kernel.name, kernel.why) == ("dequantized once (F.linear)", "int8pack (torch CPU): not here")
         torch.testing.assert_close(down(x), fast, rtol=1e-5, atol=1e-5)
 
 

@@ -6,6 +6,8 @@ import torch
 from torch import nn
 
 import quantkit
+from quantkit.kernels import attention
+from quantkit.kernels.choice import Problem, choose
 from quantkit.pipeline.quantize import quantize
 from quantkit.runtime.engine import LLM, _slots
 from quantkit.runtime.model_runner import Batch
@@ -85,11 +87,14 @@ def test_quantized_logits_and_greedy_tokens_match_the_reference_model(checkpoint
     prompts in fp32 and at least four in bf16 (measured: 5/5 for both kinds); batched, in
     fp32 on all five. In bf16 a batch changes the GEMMs' rounding, and this untrained
     model has near ties (batched bf16 matched on 4/5 prompts for int4, 2/5 for fp8). In bf16
-    the runner's attention takes the torch path (SDPA, transformers' arithmetic): the C++
-    kernel attends in fp32, 5-6% RMS of logits away from transformers' bf16 on this random
-    model (which is itself 6-11% from fp32), and is held to the twins in test_cpu_ext.py."""
+    the runner's attention takes the torch path (SDPA, transformers' arithmetic; the C++
+    candidates are taken off the lists): the C++ kernel attends in fp32, 5-6% RMS of logits
+    away from transformers' bf16 on this random model (which is itself 6-11% from fp32), and
+    is held to the twins in tests/kernels/attention/test_attention_cpp.py."""
     if dtype == torch.bfloat16:
-        monkeypatch.setattr("quantkit.kernels.cpu_attention._ext", lambda q: None)
+        for name in ("DECODE", "PREFILL"):
+            torch_only = [c for c in getattr(attention, name) if not c.name.startswith("quantkit C++")]
+            monkeypatch.setattr(attention, name, torch_only)
     llm = LLM(str(checkpoints[kind]), dtype=dtype, block_size=16, num_blocks=64)
     reference = quantkit.load(checkpoints[kind], dtype=dtype)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
@@ -132,17 +137,21 @@ def test_norms_and_activations_are_recognised_at_load(dtype):
     from quantkit.runtime.model_runner import _Norm, _silu
 
     like = torch.empty(0, dtype=dtype)
+
+    def pick(op, candidates, **shapes):
+        return choose(op, candidates, Problem("cpu", dtype, **shapes)).fn
+
     llama, gemma, other = LlamaRMSNorm(48, eps=1e-6), Gemma3RMSNorm(48, eps=1e-6), _LayerNormLike(48)
     for m in (llama, gemma, other):
         with torch.no_grad():
             m.weight.uniform_(-1, 2, generator=torch.Generator().manual_seed(0))
         m.to(dtype)
-    assert _Norm.of(llama, like, "auto").fused[1:] == (1e-6, False)
-    assert _Norm.of(gemma, like, "auto").fused[1:] == (1e-6, True)
-    assert _Norm.of(other, like, "auto").fused is None
+    assert _Norm.of(llama, like, pick).fused[1:] == (1e-6, False)
+    assert _Norm.of(gemma, like, pick).fused[1:] == (1e-6, True)
+    assert _Norm.of(other, like, pick).fused is None
     x = torch.randn(5, 48).to(dtype)
     for m in (llama, gemma, other):  # whichever way it runs, the module's values
-        norm, residual = _Norm.of(m, like, "auto"), x.clone()
+        norm, residual = _Norm.of(m, like, pick), x.clone()
         torch.testing.assert_close(norm(x), m(x), rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=1e-5)
         out = norm.add_(residual, x)
         assert torch.equal(residual, x + x)

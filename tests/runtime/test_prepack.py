@@ -35,8 +35,7 @@ def test_only_bf16_cpu_linears_are_prepacked():
 @needs_prepack
 def test_runner_holds_bf16_weights_once(tiny_llama):
     llm = LLM(str(tiny_llama), dtype=torch.bfloat16, block_size=16, num_blocks=16)
-    layer = llm.runner.layers[0]
-    assert all(isinstance(m, PrepackedLinear) for m in (layer.qkv, layer.o_proj, layer.mlp.gate_up, layer.mlp.down))
+    assert all(isinstance(m, PrepackedLinear) for m in llm.runner.linears[:4])  # block 0's four
     block = llm.model.model.layers[0]
     assert block.self_attn.q_proj.weight.is_meta and block.mlp.down_proj.weight.is_meta
     assert not llm.model.get_input_embeddings().weight.is_meta  # still looked up

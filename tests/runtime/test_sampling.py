@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from quantkit import ops
-from quantkit.kernels.cpu_fused import torch_argmax
+from quantkit.kernels.elementwise.cpp import torch_argmax
 from quantkit.runtime.sampling import Sampler
 from quantkit.runtime.sequence import SamplingParams
 

@@ -1,0 +1,89 @@
+"""The int8-weight GEMMs, each a list of candidates, fastest first, the twin last
+(`quantkit.kernels.choice`):
+
+- `W8A16`: y = x · dequant(W)ᵀ from pack-quantized int8 weights. A problem gives `dtype` (the
+  activations'), `ints` int8 [N, K], `scales`, `zeros` (unpacked, or None), `args` (QuantArgs)
+  and `g_idx`.
+- `W8A8`: x quantized to int8 per token, int32 products. A problem gives `dtype`, `weight` int8
+  [N, K] and `scales` [N, 1] or [1].
+
+`build` returns x -> y, with the kernel's own layout of the weight, where it makes one, as
+`.weight`.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+from quantkit.kernels.choice import Candidate, Problem, always
+from quantkit.kernels.int4 import bind
+from quantkit.kernels.int8 import cpp as cpu_w8a8
+from quantkit.kernels.int8 import int8pack, onednn
+from quantkit.kernels.int8 import twin as int8_twin
+from quantkit.primitives import dequantize
+
+
+def _int8pack_ok(p: Problem) -> tuple[bool, str]:
+    if not (p.args.symmetric and p.args.strategy == "channel"):
+        return False, "its weights are not symmetric per-channel"
+    why = int8pack.int8_unsupported(*p.ints.shape)
+    return not why, why or ""
+
+
+def _dense(p: Problem):
+    dense = dequantize(p.ints, p.scales, p.zeros, p.args, p.g_idx).to(p.dtype)
+    return bind(F.linear, dense)
+
+
+W8A16 = [
+    Candidate(
+        "int8pack (torch CPU)",
+        _int8pack_ok,
+        lambda p: bind(int8pack.int8_gemm_cpu, int8pack.repack_int8_cpu(p.ints, p.scales)),
+        device="cpu",
+    ),
+    Candidate("dequantized once (F.linear)", always, _dense, backend="torch"),
+]
+
+
+def _int_mm_ok(p: Problem) -> tuple[bool, str]:
+    from quantkit.kernels.int8 import int_mm as int8_gemm
+
+    why = int8_gemm.unsupported(*p.weight.shape, p.device)
+    return not why, why or ""
+
+
+def _int_mm(p: Problem):
+    from quantkit.kernels.int8 import int_mm as int8_gemm
+
+    weight, scales = p.weight, p.scales
+    return lambda x: int8_gemm.int8_gemm(x, weight, scales)
+
+
+def _onednn_ok(p: Problem) -> tuple[bool, str]:
+    why = onednn.w8a8_unsupported(*p.weight.shape)
+    return not why, why or ""
+
+
+def _onednn_cpp_ok(p: Problem) -> tuple[bool, str]:
+    ok, why = _onednn_ok(p)
+    if ok and cpu_w8a8.load() is None:
+        return False, f"its activations are quantized by torch ops: {cpu_w8a8.reason()}"
+    return ok, why
+
+
+def _onednn(elementwise: bool):
+    return lambda p: bind(onednn.w8a8_gemm_cpu, onednn.prepack_w8a8(p.weight, p.scales, elementwise))
+
+
+def _twin(p: Problem):
+    weight, scales = p.weight, p.scales
+    return lambda x: int8_twin.int8_gemm(x, weight, scales)
+
+
+W8A8 = [
+    Candidate("torch._int_mm", _int_mm_ok, _int_mm, device="cuda", backend="triton"),
+    Candidate("oneDNN int8 GEMM (torch CPU)", _onednn_cpp_ok, _onednn(True), device="cpu"),
+    Candidate("oneDNN int8 GEMM (torch CPU), torch-op quantization", _onednn_ok, _onednn(False), device="cpu"),
+    Candidate("int8 twin (dequantizes on every call)", always, _twin, backend="torch"),
+]
