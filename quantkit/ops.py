@@ -5,7 +5,7 @@ and linears choose once, at load, from the same lists, and call the winners.
 
 `auto` takes the Triton kernel when the tensors live on a GPU; on a CPU the C++ kernels where they
 are built (else batched torch) for the paged-cache and element-wise ops, and the twin
-(`quantkit.kernels.reference`) for the GEMMs, whose CPU kernels build their weight layout at load.
+(each operation's `twin.py`) for the GEMMs, whose CPU kernels build their weight layout at load.
 "triton" and "torch" (the twin) force one."""
 
 from __future__ import annotations
