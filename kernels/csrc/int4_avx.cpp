@@ -1,0 +1,457 @@
+// W4A16 and W8A16 GEMMs for fp32 activations on x86 CPUs with AVX2+FMA or AVX-512:
+// y[M, N] (fp32) = x[M, K] (fp32) . dequant(W)^T, fp32 accumulation, the weight dequantized in
+// registers (or, for many rows, one L1-sized block at a time), never as a whole.
+// The Python side is quantkit.kernels.cpu_int4_avx (repack at load, the ISA and crossover).
+//
+// int4 weight layout (built at load, never saved): int32 [T = N_pad/16][groups][G/8 + 2][16].
+//   Rows 0 .. G/8-1 of (t, g): word (kb, i) holds the 8 nibbles u = q + 8 of channel 16t + i for
+//   k = gG + 8kb .. +7, the first in bits 0..3 (the on-disk words, transposed);
+//   row G/8: s (fp32 bits) of channels 16t .. 16t+15, row G/8+1: zs = -(8 + z) s, so
+//   w = (q - z) s = u s + zs. N_pad is N rounded up to 16 (zero channels). One tile of 16
+//   channels is one contiguous stream of words and scales.
+// int8 weight layout: int8 [T][K][16] (q of channel 16t + i at k), scales fp32 [N_pad]; w = q s.
+//
+// Schedules (lanes along output channels, 16 channels a tile):
+//   few rows (M <= few_rows, in chunks of RMAX): per word row, nibble j is taken in place
+//     (v & 15 << 4j, exact as fp32: u 2^4j; the top one v >> 28) and converted, and every row's
+//     x[k] 2^-4j (pre-scaled per call, exact) is fma'd into a per-group accumulator; at the
+//     group's end y += s acc + zs sum(x over the group). The weight streams once per RMAX rows.
+//   more rows: a panel of PANEL channels (16 on AVX2, 32 on AVX-512) is dequantized KC k at a
+//     time into an L1 buffer [KC][PANEL] fp32 and multiplied by an R x PANEL register-blocked
+//     fp32 micro-kernel (x read in place, broadcast), y accumulated in a [MB][PANEL] buffer.
+//
+// ISAs: the kernel body (the #else branch at the end) is compiled twice, into namespace avx2
+// (target avx2,fma,no-avx512f: VEX only, ymm registers) and avx512 (zmm), and the caller
+// passes which to run (`isa`: 1 AVX2, 2 AVX-512); isa_level() says what the CPU and OS allow.
+
+#ifndef QK_AVX_BODY
+
+#if !defined(__x86_64__)
+#error "the AVX int4 CPU kernel is for x86-64 CPUs"
+#endif
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <cpuid.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+struct Problem {
+  const float* x;      // [M, K]
+  const float* xs;     // [M, K]: x[m, k] 2^-4(k % 8) (k % 8 < 7), x[m, k] (k % 8 == 7); few rows, int4
+  const float* sums;   // [M, groups]: sum of x over each group; few rows, int4
+  const int32_t* w4;   // int4 layout
+  const int8_t* w8;    // int8 layout
+  const float* s8;     // int8 scales [N_pad]
+  float* y;            // [M, N]
+  int64_t M, N, K, G, groups;
+  int64_t gstride, tstride;  // int32 words per (tile, group) and per tile (int4)
+};
+
+// 1: AVX2 + FMA, 2: AVX-512 F/BW/VL/DQ too; 0: neither (or the OS does not save the registers).
+int64_t detect() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+  const bool fma = c >> 12 & 1, osxsave = c >> 27 & 1, avx = c >> 28 & 1;
+  if (!(fma && osxsave && avx) || __get_cpuid_max(0, nullptr) < 7) return 0;
+  uint32_t lo, hi;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  if ((lo & 0x6) != 0x6) return 0;  // the OS saves xmm and ymm
+  __cpuid_count(7, 0, a, b, c, d);
+  if (!(b >> 5 & 1)) return 0;  // AVX2
+  const bool avx512 = (b >> 16 & 1) && (b >> 17 & 1) && (b >> 30 & 1) && (b >> 31 & 1);
+  return avx512 && (lo & 0xE6) == 0xE6 ? 2 : 1;
+}
+
+const int64_t kIsa = detect();
+
+}  // namespace
+
+#define QK_AVX_BODY
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,no-avx512f")
+namespace avx2 {
+typedef float vf __attribute__((vector_size(32)));
+typedef int32_t vi __attribute__((vector_size(32)));
+typedef uint32_t vu __attribute__((vector_size(32)));
+typedef float vf_m __attribute__((vector_size(32), aligned(4), may_alias));  // unaligned memory
+typedef uint32_t vu_m __attribute__((vector_size(32), aligned(4), may_alias));
+constexpr int W = 8;      // fp32 lanes per vector
+constexpr int RMAX = 4;   // few rows at a time (2 x RMAX accumulators of 16 ymm)
+constexpr int R_MM = 6;   // micro-kernel rows: 6 x 2 ymm accumulators
+inline vf splat(float s) { return vf{s, s, s, s, s, s, s, s}; }
+inline vi load_i8(const int8_t* p) {  // vpmovsxbd (the intrinsic's header carries -march=native's AVX-512)
+  typedef char v16qi __attribute__((vector_size(16)));
+  v16qi b = {};
+  __builtin_memcpy(&b, p, 8);
+  return (vi)__builtin_ia32_pmovsxbd256(b);
+}
+#include "int4_avx.cpp"  // this file again: the #else branch below
+}  // namespace avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq")
+namespace avx512 {
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+typedef float vf_m __attribute__((vector_size(64), aligned(4), may_alias));
+typedef uint32_t vu_m __attribute__((vector_size(64), aligned(4), may_alias));
+constexpr int W = 16;
+constexpr int RMAX = 8;   // 8 accumulators and 8 y vectors of 32 zmm
+constexpr int R_MM = 8;   // micro-kernel rows: 8 x 2 zmm accumulators
+inline vf splat(float s) { return vf{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
+inline vi load_i8(const int8_t* p) {
+  return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#include "int4_avx.cpp"  // this file again: the #else branch below
+}  // namespace avx512
+#pragma GCC pop_options
+
+namespace {
+
+using Runner = void (*)(const Problem&, int64_t, int64_t);
+
+void check_isa(int64_t isa) {
+  TORCH_CHECK(isa == 1 || isa == 2, "isa must be 1 (AVX2) or 2 (AVX-512), not ", isa);
+  TORCH_CHECK(isa <= kIsa, isa == 2 ? "this CPU (or its OS) has no AVX-512" : "this CPU has no AVX2 + FMA");
+}
+
+// x -> (x 2^-4(k % 8), sums over groups) for the few-rows int4 schedule.
+void prescale(const Problem& p, std::vector<float>& xs, std::vector<float>& sums) {
+  xs.resize(p.M * p.K), sums.resize(p.M * p.groups);
+  static const float f[8] = {1.f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.f};
+  for (int64_t m = 0; m < p.M; ++m) {
+    const float* x = p.x + m * p.K;
+    for (int64_t k = 0; k < p.K; ++k) xs[m * p.K + k] = x[k] * f[k & 7];
+    for (int64_t g = 0; g < p.groups; ++g) {
+      float s = 0.f;
+      for (int64_t k = g * p.G; k < (g + 1) * p.G; ++k) s += x[k];
+      sums[m * p.groups + g] = s;
+    }
+  }
+}
+
+// Few rows: tiles of 16 channels (grain: 4); more rows: panels of 16 (AVX2) or 32 (AVX-512) channels.
+void run(Problem& p, int64_t isa, bool few, Runner few_fn, Runner many_fn) {
+  const int64_t tiles = (p.N + 15) / 16;
+  if (few) {
+    at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) { few_fn(p, t0, t1); });
+  } else {
+    const int64_t per = isa == 2 ? 2 : 1, panels = (tiles + per - 1) / per;
+    at::parallel_for(0, panels, 1, [&](int64_t a, int64_t b) { many_fn(p, a * per, std::min(tiles, b * per)); });
+  }
+}
+
+torch::Tensor int4_gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t n, int64_t group_size, int64_t isa,
+                        int64_t few_rows) {
+  check_isa(isa);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous fp32 [M, K]");
+  TORCH_CHECK(w.dim() == 4 && w.scalar_type() == at::kInt && w.is_contiguous() && w.size(3) == 16 &&
+                  w.size(2) == group_size / 8 + 2 && 16 * w.size(0) >= n && 16 * (w.size(0) - 1) < n,
+              "w must be int32 [ceil(N/16), K/G, G/8 + 2, 16]");
+  const int64_t k = x.size(1), groups = w.size(1);
+  TORCH_CHECK(group_size % 8 == 0 && groups * group_size == k, "x has ", k, " features, the weight takes ",
+              groups * group_size);
+  auto y = torch::empty({x.size(0), n}, x.options());
+  if (x.size(0) == 0) return y;
+  Problem p{x.data_ptr<float>(), nullptr, nullptr, w.data_ptr<int32_t>(), nullptr, nullptr, y.data_ptr<float>(),
+            x.size(0), n, k, group_size, groups, (group_size / 8 + 2) * 16, groups * (group_size / 8 + 2) * 16};
+  const bool few = p.M <= few_rows;
+  std::vector<float> xs, sums;
+  if (few) prescale(p, xs, sums), p.xs = xs.data(), p.sums = sums.data();
+  if (isa == 2) run(p, isa, few, avx512::few_rows4, avx512::many_rows4);
+  else run(p, isa, few, avx2::few_rows4, avx2::many_rows4);
+  return y;
+}
+
+torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales, int64_t n,
+                        int64_t isa, int64_t few_rows) {
+  check_isa(isa);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous fp32 [M, K]");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kChar && q.is_contiguous() && q.size(2) == 16 &&
+                  16 * q.size(0) >= n && 16 * (q.size(0) - 1) < n,
+              "q must be int8 [ceil(N/16), K, 16]");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == 16 * q.size(0),
+              "scales must be fp32 [N_pad]");
+  const int64_t k = x.size(1);
+  TORCH_CHECK(q.size(1) == k, "x has ", k, " features, the weight takes ", q.size(1));
+  auto y = torch::empty({x.size(0), n}, x.options());
+  if (x.size(0) == 0) return y;
+  Problem p{x.data_ptr<float>(), nullptr, nullptr, nullptr, q.data_ptr<int8_t>(), scales.data_ptr<float>(),
+            y.data_ptr<float>(), x.size(0), n, k, k, 1, 0, 0};
+  const bool few = p.M <= few_rows;
+  if (isa == 2) run(p, isa, few, avx512::few_rows8, avx512::many_rows8);
+  else run(p, isa, few, avx2::few_rows8, avx2::many_rows8);
+  return y;
+}
+
+int64_t isa_level() { return kIsa; }
+
+}  // namespace
+
+TORCH_LIBRARY(quantkit_int4_avx, m) {
+  m.def("int4_gemm(Tensor x, Tensor w, int n, int group_size, int isa, int few_rows) -> Tensor", &int4_gemm);
+  m.def("int8_gemm(Tensor x, Tensor q, Tensor scales, int n, int isa, int few_rows) -> Tensor", &int8_gemm);
+  m.def("isa_level() -> int", &isa_level);  // 0: neither, 1: AVX2 + FMA, 2: AVX-512 (F, BW, VL, DQ) too
+}
+
+#else  // QK_AVX_BODY: the kernels, written once for the vector type vf of W fp32 lanes (included twice above)
+
+constexpr int V = 16 / W;           // vectors per tile of 16 channels
+constexpr int PANEL = 2 * W;        // channels per micro-kernel panel (two vectors)
+constexpr int64_t KC = 256;         // k per dequantized block: KC x PANEL fp32 (16 / 32 KB), in L1
+constexpr int64_t MB = 256;         // rows per y block [MB][PANEL] (16 / 32 KB)
+constexpr int64_t AHEAD = 1024;     // software prefetch distance in the weight stream, bytes
+
+#define QK_INLINE inline __attribute__((always_inline))
+
+// Plain vector-extension code (no intrinsics: their headers carry -march=native's ISA, which
+// the avx2 namespace has switched off).
+QK_INLINE vf loadf(const float* p) { return *reinterpret_cast<const vf_m*>(p); }
+QK_INLINE vu loadu(const int32_t* p) { return *reinterpret_cast<const vu_m*>(p); }
+QK_INLINE void storef(float* p, vf v) { *reinterpret_cast<vf_m*>(p) = v; }
+
+// rows of y (fp32 [rows][16] at c, ldc apart) -> y[m0 .., 16t ..] (the valid columns), times s8 (int8).
+QK_INLINE void store_rows(const Problem& p, const float* c, int64_t ldc, int64_t rows, int64_t m0, int64_t n0,
+                          int64_t cols) {
+  const int64_t valid = std::min<int64_t>(cols, p.N - n0);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* dst = p.y + (m0 + r) * p.N + n0;
+    const float* src = c + r * ldc;
+    if (p.s8 != nullptr) {
+      for (int64_t i = 0; i < valid; ++i) dst[i] = src[i] * p.s8[n0 + i];
+    } else {
+      std::memcpy(dst, src, valid * sizeof(float));
+    }
+  }
+}
+
+// ---------------------------------------------------------------- few rows
+
+// R rows (m0 ..) of y for int4 tile t: the weight's 16 channels in V vectors, every row's x
+// broadcast against them, per-group accumulators folded into y with the group's s and zs.
+template <int R>
+void few4(const Problem& p, int64_t t, int64_t m0) {
+  const int32_t* src = p.w4 + t * p.tstride;
+  const float* xs = p.xs + m0 * p.K;
+  const float* sums = p.sums + m0 * p.groups;
+  const int64_t rows8 = p.G / 8;
+  vf out[R][V] = {};
+  for (int64_t g = 0; g < p.groups; ++g, src += p.gstride) {
+    vf acc[R][V] = {};
+    const float* xg = xs + g * p.G;
+    for (int64_t kb = 0; kb < rows8; ++kb) {
+      __builtin_prefetch(reinterpret_cast<const char*>(src + 16 * kb) + AHEAD);
+      vu v[V];
+#pragma GCC unroll 4
+      for (int h = 0; h < V; ++h) v[h] = loadu(src + 16 * kb + W * h);
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        vf xb[R];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) xb[r] = splat(xg[r * p.K + 8 * kb + j]);
+#pragma GCC unroll 4
+        for (int h = 0; h < V; ++h) {
+          const vi b = j == 7 ? (vi)(v[h] >> 28) : (vi)(v[h] & (15u << (4 * j)));
+          const vf wv = __builtin_convertvector(b, vf);
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) acc[r][h] += wv * xb[r];
+        }
+      }
+    }
+    const float* sc = reinterpret_cast<const float*>(src + 16 * rows8);
+#pragma GCC unroll 4
+    for (int h = 0; h < V; ++h) {
+      const vf s = loadf(sc + W * h), zs = loadf(sc + 16 + W * h);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) out[r][h] += s * acc[r][h] + zs * splat(sums[r * p.groups + g]);
+    }
+  }
+  alignas(64) float c[R][16];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int h = 0; h < V; ++h) storef(c[r] + W * h, out[r][h]);
+  store_rows(p, c[0], 16, R, m0, 16 * t, 16);
+}
+
+// R rows of y for int8 tile t (per-channel scales applied on the way out).
+template <int R>
+void few8(const Problem& p, int64_t t, int64_t m0) {
+  const int8_t* src = p.w8 + t * p.K * 16;
+  const float* x = p.x + m0 * p.K;
+  vf acc[R][V] = {};
+  for (int64_t k = 0; k < p.K; ++k) {
+    if ((k & 3) == 0) __builtin_prefetch(src + 16 * k + AHEAD);
+    vf xb[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) xb[r] = splat(x[r * p.K + k]);
+#pragma GCC unroll 4
+    for (int h = 0; h < V; ++h) {
+      const vf wv = __builtin_convertvector(load_i8(src + 16 * k + W * h), vf);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[r][h] += wv * xb[r];
+    }
+  }
+  alignas(64) float c[R][16];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int h = 0; h < V; ++h) storef(c[r] + W * h, acc[r][h]);
+  store_rows(p, c[0], 16, R, m0, 16 * t, 16);
+}
+
+template <void (*F1)(const Problem&, int64_t, int64_t), void (*F2)(const Problem&, int64_t, int64_t),
+          void (*F3)(const Problem&, int64_t, int64_t), void (*F4)(const Problem&, int64_t, int64_t),
+          void (*F5)(const Problem&, int64_t, int64_t), void (*F6)(const Problem&, int64_t, int64_t),
+          void (*F7)(const Problem&, int64_t, int64_t), void (*F8)(const Problem&, int64_t, int64_t)>
+void few_tiles(const Problem& p, int64_t t0, int64_t t1) {
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t m0 = 0; m0 < p.M; m0 += RMAX) {
+      switch (std::min<int64_t>(RMAX, p.M - m0)) {
+        case 1: F1(p, t, m0); break;
+        case 2: F2(p, t, m0); break;
+        case 3: F3(p, t, m0); break;
+        case 4: F4(p, t, m0); break;
+        case 5: F5(p, t, m0); break;
+        case 6: F6(p, t, m0); break;
+        case 7: F7(p, t, m0); break;
+        default: F8(p, t, m0); break;
+      }
+    }
+  }
+}
+
+void few_rows4(const Problem& p, int64_t t0, int64_t t1) {
+  few_tiles<few4<1>, few4<2>, few4<3>, few4<4>, few4<std::min(5, RMAX)>, few4<std::min(6, RMAX)>,
+            few4<std::min(7, RMAX)>, few4<std::min(8, RMAX)>>(p, t0, t1);
+}
+
+void few_rows8(const Problem& p, int64_t t0, int64_t t1) {
+  few_tiles<few8<1>, few8<2>, few8<3>, few8<4>, few8<std::min(5, RMAX)>, few8<std::min(6, RMAX)>,
+            few8<std::min(7, RMAX)>, few8<std::min(8, RMAX)>>(p, t0, t1);
+}
+
+// ---------------------------------------------------------------- many rows
+
+// k in [k0, k1) of int4 tiles t .. t+P-1 -> buf [k1 - k0][PANEL] fp32 (P * 16 channels of each row).
+// k0, k1 multiples of 8. Per group segment and nibble j: w = cvt(v & 15 << 4j) (s 2^-4j) + zs.
+void dequant4(const Problem& p, int64_t t, int P, int64_t k0, int64_t k1, float* buf) {
+  static constexpr float f[8] = {1.f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.f};
+  const int64_t rows8 = p.G / 8;
+  for (int q = 0; q < P; ++q) {
+    const int32_t* tile = p.w4 + (t + q) * p.tstride;
+    for (int64_t kb = k0 / 8; kb < k1 / 8;) {
+      const int64_t g = kb / rows8, end = std::min(k1 / 8, (g + 1) * rows8);
+      const int32_t* src = tile + g * (p.gstride - 16 * rows8);  // word row kb of group g at src + 16 kb
+      const float* sc = reinterpret_cast<const float*>(tile + g * p.gstride + 16 * rows8);
+#pragma GCC unroll 4
+      for (int h = 0; h < V; ++h) {
+        const vf s = loadf(sc + W * h), zs = loadf(sc + 16 + W * h);
+        float* dst = buf + 16 * q + W * h;
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+          const vf sj = s * f[j];
+          for (int64_t r = kb; r < end; ++r) {
+            const vu v = loadu(src + 16 * r + W * h);
+            const vi b = j == 7 ? (vi)(v >> 28) : (vi)(v & (15u << (4 * j)));
+            storef(dst + (8 * r + j - k0) * PANEL, __builtin_convertvector(b, vf) * sj + zs);
+          }
+        }
+      }
+      kb = end;
+    }
+  }
+}
+
+// k in [k0, k1) of int8 tiles t .. t+P-1 -> buf [k1 - k0][PANEL] fp32 (q as floats; scales on the way out).
+void dequant8(const Problem& p, int64_t t, int P, int64_t k0, int64_t k1, float* buf) {
+  for (int q = 0; q < P; ++q) {
+    const int8_t* src = p.w8 + (t + q) * p.K * 16;
+    for (int64_t k = k0; k < k1; ++k)
+#pragma GCC unroll 4
+      for (int h = 0; h < V; ++h)
+        storef(buf + (k - k0) * PANEL + 16 * q + W * h, __builtin_convertvector(load_i8(src + 16 * k + W * h), vf));
+  }
+}
+
+// c[R][PANEL] (+)= x[R rows, ldx apart][kc] . b[kc][PANEL]: R x 2 vector accumulators, x broadcast.
+template <int R>
+void micro(const float* x, int64_t ldx, const float* b, int64_t kc, float* c, bool first) {
+  vf acc[R][2];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) acc[r][h] = first ? vf{} : loadf(c + r * PANEL + W * h);
+  for (int64_t k = 0; k < kc; ++k) {
+    const vf b0 = loadf(b + k * PANEL), b1 = loadf(b + k * PANEL + W);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const vf xb = splat(x[r * ldx + k]);
+      acc[r][0] += b0 * xb;
+      acc[r][1] += b1 * xb;
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) storef(c + r * PANEL + W * h, acc[r][h]);
+}
+
+void micro_rows(int64_t rows, const float* x, int64_t ldx, const float* b, int64_t kc, float* c, bool first) {
+  for (int64_t r = 0; r < rows; r += R_MM) {
+    const float* xr = x + r * ldx;
+    float* cr = c + r * PANEL;
+    switch (std::min<int64_t>(R_MM, rows - r)) {
+      case 1: micro<1>(xr, ldx, b, kc, cr, first); break;
+      case 2: micro<2>(xr, ldx, b, kc, cr, first); break;
+      case 3: micro<3>(xr, ldx, b, kc, cr, first); break;
+      case 4: micro<4>(xr, ldx, b, kc, cr, first); break;
+      case 5: micro<5>(xr, ldx, b, kc, cr, first); break;
+      case 6: micro<6>(xr, ldx, b, kc, cr, first); break;
+      case 7: micro<std::min(7, R_MM)>(xr, ldx, b, kc, cr, first); break;
+      default: micro<R_MM>(xr, ldx, b, kc, cr, first); break;
+    }
+  }
+}
+
+// Tiles [t0, t1), all rows: per block of MB rows and panel of PANEL channels, KC k at a time
+// are dequantized into L1 and multiplied into the block's y buffer, then y is written.
+template <void (*Dequant)(const Problem&, int64_t, int, int64_t, int64_t, float*)>
+void many_rows(const Problem& p, int64_t t0, int64_t t1) {
+  static thread_local std::vector<float> bufs;
+  if (bufs.size() < size_t(KC * PANEL + MB * PANEL + 32)) bufs.resize(KC * PANEL + MB * PANEL + 32);
+  float* buf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(bufs.data()) + 63) & ~uintptr_t(63));
+  float* c = buf + KC * PANEL;
+  constexpr int per = PANEL / 16;  // tiles per panel
+  for (int64_t m0 = 0; m0 < p.M; m0 += MB) {
+    const int64_t rows = std::min(MB, p.M - m0);
+    for (int64_t t = t0; t < t1; t += per) {
+      const int P = int(std::min<int64_t>(per, t1 - t));
+      if (P < per) std::memset(buf, 0, KC * PANEL * sizeof(float));  // the missing tile's lanes stay 0
+      for (int64_t k0 = 0; k0 < p.K; k0 += KC) {
+        const int64_t k1 = std::min(p.K, k0 + KC);
+        Dequant(p, t, P, k0, k1, buf);
+        micro_rows(rows, p.x + m0 * p.K + k0, p.K, buf, k1 - k0, c, k0 == 0);
+      }
+      store_rows(p, c, PANEL, rows, m0, 16 * t, 16 * P);
+    }
+  }
+}
+
+void many_rows4(const Problem& p, int64_t t0, int64_t t1) { many_rows<dequant4>(p, t0, t1); }
+void many_rows8(const Problem& p, int64_t t0, int64_t t1) { many_rows<dequant8>(p, t0, t1); }
+
+#undef QK_INLINE
+
+#endif  // QK_AVX_BODY
