@@ -117,7 +117,9 @@ def bench_shape(k: int, n: int, a) -> list[dict]:
             cells = [f"{ms['fp32']:.3f}", f"{ms['int4']:.3f}", f"**{ms['fp32'] / ms['int4']:.2f}×**"]
             if a.int8:
                 cells += [f"{ms['int8']:.3f}", f"{ms['fp32'] / ms['int8']:.2f}×"]
-                cells += [f"{ms['int8pack']:.3f}", f"{ms['fp32'] / ms['int8pack']:.2f}×"] if "int8pack" in ms else ["–", "–"]
+                cells += (
+                    [f"{ms['int8pack']:.3f}", f"{ms['fp32'] / ms['int8pack']:.2f}×"] if "int8pack" in ms else ["–", "–"]
+                )
             print(f"| {k}→{n} | {'cold' if cold else 'warm'} | {m} | " + " | ".join(cells) + " |", flush=True)
     return out
 
@@ -146,10 +148,13 @@ def main() -> None:
     isa, why = cpu_int4_avx.choose_isa()
     assert isa is not None, why
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes] if a.shapes else SHAPES
-    forced = " (AVX2 forced on this CPU: a proxy for an AVX2-only one)" if os.environ.get("QUANTKIT_ISA") == "avx2" else ""
+    forced = (
+        " (AVX2 forced on this CPU: a proxy for an AVX2-only one)" if os.environ.get("QUANTKIT_ISA") == "avx2" else ""
+    )
     print(
-        f"fp32-activation int4 GEMM, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, torch {torch.__version__} "
-        f"(ATen {torch.backends.cpu.get_cpu_capability()}), {_cpu_name()}, 1 thread, ours: {isa}{forced}, "
+        f"fp32-activation int4 GEMM, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, "
+        f"torch {torch.__version__} (ATen {torch.backends.cpu.get_cpu_capability()}), {_cpu_name()}, 1 thread, "
+        f"ours: {isa}{forced}, "
         f"group {a.group} {'symmetric' if a.sym else 'asymmetric'}, cold = {a.cold:g} MB of weight copies\n"
     )
     head = "| in→out | weights | M | fp32 ms | int4 ms | int4 vs fp32 |"

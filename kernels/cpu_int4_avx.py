@@ -187,9 +187,7 @@ def gemm(x: torch.Tensor, weight: Int4AvxWeight) -> torch.Tensor:
     return y.to(x.dtype).reshape(*x.shape[:-1], weight.out_features)
 
 
-def repack_int8(
-    w_int8: torch.Tensor, scales: torch.Tensor, isa: str | None = None
-) -> tuple[Int8AvxWeight | None, str]:
+def repack_int8(w_int8: torch.Tensor, scales: torch.Tensor, isa: str | None = None) -> tuple[Int8AvxWeight | None, str]:
     """int8 [N, K] symmetric values and per-channel scales [N] or [N, 1] (any float dtype) ->
     (`Int8AvxWeight`, what runs), or (None, why it cannot). Call once, at load."""
     n, k = w_int8.shape

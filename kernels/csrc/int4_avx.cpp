@@ -88,11 +88,14 @@ constexpr int W = 8;      // fp32 lanes per vector
 constexpr int RMAX = 4;   // few rows at a time (2 x RMAX accumulators of 16 ymm)
 constexpr int R_MM = 6;   // micro-kernel rows: 6 x 2 ymm accumulators
 inline vf splat(float s) { return vf{s, s, s, s, s, s, s, s}; }
-inline vi load_i8(const int8_t* p) {  // vpmovsxbd (the intrinsic's header carries -march=native's AVX-512)
-  typedef char v16qi __attribute__((vector_size(16)));
-  v16qi b = {};
-  __builtin_memcpy(&b, p, 8);
-  return (vi)__builtin_ia32_pmovsxbd256(b);
+// 16 int8 -> 2 vectors of int32 (vpmovsxbd through the builtin: the intrinsics' header carries
+// -march=native's AVX-512, which this namespace has switched off).
+inline void load_i8x16(const int8_t* p, vi (&out)[2]) {
+  typedef char v16qi __attribute__((vector_size(16), aligned(1), may_alias));
+  typedef char v16qa __attribute__((vector_size(16)));
+  const v16qa b = *reinterpret_cast<const v16qi*>(p);
+  out[0] = (vi)__builtin_ia32_pmovsxbd256(b);
+  out[1] = (vi)__builtin_ia32_pmovsxbd256(__builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
 }
 #include "int4_avx.cpp"  // this file again: the #else branch below
 }  // namespace avx2
@@ -110,8 +113,8 @@ constexpr int W = 16;
 constexpr int RMAX = 8;   // 8 accumulators and 8 y vectors of 32 zmm
 constexpr int R_MM = 8;   // micro-kernel rows: 8 x 2 zmm accumulators
 inline vf splat(float s) { return vf{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
-inline vi load_i8(const int8_t* p) {
-  return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+inline void load_i8x16(const int8_t* p, vi (&out)[1]) {
+  out[0] = (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 #include "int4_avx.cpp"  // this file again: the #else branch below
 }  // namespace avx512
@@ -215,6 +218,9 @@ constexpr int64_t AHEAD = 1024;     // software prefetch distance in the weight 
 
 #define QK_INLINE inline __attribute__((always_inline))
 
+// std::min is compiled for -march=native, so this namespace would call it rather than inline it.
+QK_INLINE int64_t lesser(int64_t a, int64_t b) { return a < b ? a : b; }
+
 // Plain vector-extension code (no intrinsics: their headers carry -march=native's ISA, which
 // the avx2 namespace has switched off).
 QK_INLINE vf loadf(const float* p) { return *reinterpret_cast<const vf_m*>(p); }
@@ -224,7 +230,7 @@ QK_INLINE void storef(float* p, vf v) { *reinterpret_cast<vf_m*>(p) = v; }
 // rows of y (fp32 [rows][16] at c, ldc apart) -> y[m0 .., 16t ..] (the valid columns), times s8 (int8).
 QK_INLINE void store_rows(const Problem& p, const float* c, int64_t ldc, int64_t rows, int64_t m0, int64_t n0,
                           int64_t cols) {
-  const int64_t valid = std::min<int64_t>(cols, p.N - n0);
+  const int64_t valid = lesser(cols, p.N - n0);
   for (int64_t r = 0; r < rows; ++r) {
     float* dst = p.y + (m0 + r) * p.N + n0;
     const float* src = c + r * ldc;
@@ -296,9 +302,11 @@ void few8(const Problem& p, int64_t t, int64_t m0) {
     vf xb[R];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) xb[r] = splat(x[r * p.K + k]);
+    vi qv[V];
+    load_i8x16(src + 16 * k, qv);
 #pragma GCC unroll 4
     for (int h = 0; h < V; ++h) {
-      const vf wv = __builtin_convertvector(load_i8(src + 16 * k + W * h), vf);
+      const vf wv = __builtin_convertvector(qv[h], vf);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) acc[r][h] += wv * xb[r];
     }
@@ -318,7 +326,7 @@ template <void (*F1)(const Problem&, int64_t, int64_t), void (*F2)(const Problem
 void few_tiles(const Problem& p, int64_t t0, int64_t t1) {
   for (int64_t t = t0; t < t1; ++t) {
     for (int64_t m0 = 0; m0 < p.M; m0 += RMAX) {
-      switch (std::min<int64_t>(RMAX, p.M - m0)) {
+      switch (lesser(RMAX, p.M - m0)) {
         case 1: F1(p, t, m0); break;
         case 2: F2(p, t, m0); break;
         case 3: F3(p, t, m0); break;
@@ -352,7 +360,7 @@ void dequant4(const Problem& p, int64_t t, int P, int64_t k0, int64_t k1, float*
   for (int q = 0; q < P; ++q) {
     const int32_t* tile = p.w4 + (t + q) * p.tstride;
     for (int64_t kb = k0 / 8; kb < k1 / 8;) {
-      const int64_t g = kb / rows8, end = std::min(k1 / 8, (g + 1) * rows8);
+      const int64_t g = kb / rows8, end = lesser(k1 / 8, (g + 1) * rows8);
       const int32_t* src = tile + g * (p.gstride - 16 * rows8);  // word row kb of group g at src + 16 kb
       const float* sc = reinterpret_cast<const float*>(tile + g * p.gstride + 16 * rows8);
 #pragma GCC unroll 4
@@ -378,10 +386,12 @@ void dequant4(const Problem& p, int64_t t, int P, int64_t k0, int64_t k1, float*
 void dequant8(const Problem& p, int64_t t, int P, int64_t k0, int64_t k1, float* buf) {
   for (int q = 0; q < P; ++q) {
     const int8_t* src = p.w8 + (t + q) * p.K * 16;
-    for (int64_t k = k0; k < k1; ++k)
+    for (int64_t k = k0; k < k1; ++k) {
+      vi qv[V];
+      load_i8x16(src + 16 * k, qv);
 #pragma GCC unroll 4
-      for (int h = 0; h < V; ++h)
-        storef(buf + (k - k0) * PANEL + 16 * q + W * h, __builtin_convertvector(load_i8(src + 16 * k + W * h), vf));
+      for (int h = 0; h < V; ++h) storef(buf + (k - k0) * PANEL + 16 * q + W * h, __builtin_convertvector(qv[h], vf));
+    }
   }
 }
 
@@ -412,7 +422,7 @@ void micro_rows(int64_t rows, const float* x, int64_t ldx, const float* b, int64
   for (int64_t r = 0; r < rows; r += R_MM) {
     const float* xr = x + r * ldx;
     float* cr = c + r * PANEL;
-    switch (std::min<int64_t>(R_MM, rows - r)) {
+    switch (lesser(R_MM, rows - r)) {
       case 1: micro<1>(xr, ldx, b, kc, cr, first); break;
       case 2: micro<2>(xr, ldx, b, kc, cr, first); break;
       case 3: micro<3>(xr, ldx, b, kc, cr, first); break;
@@ -435,12 +445,12 @@ void many_rows(const Problem& p, int64_t t0, int64_t t1) {
   float* c = buf + KC * PANEL;
   constexpr int per = PANEL / 16;  // tiles per panel
   for (int64_t m0 = 0; m0 < p.M; m0 += MB) {
-    const int64_t rows = std::min(MB, p.M - m0);
+    const int64_t rows = lesser(MB, p.M - m0);
     for (int64_t t = t0; t < t1; t += per) {
-      const int P = int(std::min<int64_t>(per, t1 - t));
+      const int P = int(lesser(per, t1 - t));
       if (P < per) std::memset(buf, 0, KC * PANEL * sizeof(float));  // the missing tile's lanes stay 0
       for (int64_t k0 = 0; k0 < p.K; k0 += KC) {
-        const int64_t k1 = std::min(p.K, k0 + KC);
+        const int64_t k1 = lesser(p.K, k0 + KC);
         Dequant(p, t, P, k0, k1, buf);
         micro_rows(rows, p.x + m0 * p.K + k0, p.K, buf, k1 - k0, c, k0 == 0);
       }
