@@ -123,6 +123,9 @@ inline void load_i8x16(const int8_t* p, vi (&out)[1]) {
 namespace {
 
 using Runner = void (*)(const Problem&, int64_t, int64_t);
+struct Kernels {
+  Runner few, many;
+};
 
 void check_isa(int64_t isa) {
   TORCH_CHECK(isa == 1 || isa == 2, "isa must be 1 (AVX2) or 2 (AVX-512), not ", isa);
@@ -144,14 +147,15 @@ void prescale(const Problem& p, std::vector<float>& xs, std::vector<float>& sums
   }
 }
 
-// Few rows: tiles of 16 channels (grain: 4); more rows: panels of 16 (AVX2) or 32 (AVX-512) channels.
-void run(Problem& p, int64_t isa, bool few, Runner few_fn, Runner many_fn) {
+// Up to few_rows rows: registers, tiles of 16 channels (grain 4); more: L1 blocks, panels of 16
+// (AVX2) or 32 (AVX-512) channels.
+void run(const Problem& p, int64_t isa, int64_t few_rows, const Kernels& kern) {
   const int64_t tiles = (p.N + 15) / 16;
-  if (few) {
-    at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) { few_fn(p, t0, t1); });
+  if (p.M <= few_rows) {
+    at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) { kern.few(p, t0, t1); });
   } else {
     const int64_t per = isa == 2 ? 2 : 1, panels = (tiles + per - 1) / per;
-    at::parallel_for(0, panels, 1, [&](int64_t a, int64_t b) { many_fn(p, a * per, std::min(tiles, b * per)); });
+    at::parallel_for(0, panels, 1, [&](int64_t a, int64_t b) { kern.many(p, a * per, std::min(tiles, b * per)); });
   }
 }
 
@@ -169,11 +173,11 @@ torch::Tensor int4_gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t 
   if (x.size(0) == 0) return y;
   Problem p{x.data_ptr<float>(), nullptr, nullptr, w.data_ptr<int32_t>(), nullptr, nullptr, y.data_ptr<float>(),
             x.size(0), n, k, group_size, groups, (group_size / 8 + 2) * 16, groups * (group_size / 8 + 2) * 16};
-  const bool few = p.M <= few_rows;
   std::vector<float> xs, sums;
-  if (few) prescale(p, xs, sums), p.xs = xs.data(), p.sums = sums.data();
-  if (isa == 2) run(p, isa, few, avx512::few_rows4, avx512::many_rows4);
-  else run(p, isa, few, avx2::few_rows4, avx2::many_rows4);
+  if (p.M <= few_rows) prescale(p, xs, sums), p.xs = xs.data(), p.sums = sums.data();
+  static const Kernels k2{avx2::few_rows4, avx2::many_rows4};
+  static const Kernels k512{avx512::few_rows4, avx512::many_rows4};
+  run(p, isa, few_rows, isa == 2 ? k512 : k2);
   return y;
 }
 
@@ -192,9 +196,9 @@ torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& q, const to
   if (x.size(0) == 0) return y;
   Problem p{x.data_ptr<float>(), nullptr, nullptr, nullptr, q.data_ptr<int8_t>(), scales.data_ptr<float>(),
             y.data_ptr<float>(), x.size(0), n, k, k, 1, 0, 0};
-  const bool few = p.M <= few_rows;
-  if (isa == 2) run(p, isa, few, avx512::few_rows8, avx512::many_rows8);
-  else run(p, isa, few, avx2::few_rows8, avx2::many_rows8);
+  static const Kernels k2{avx2::few_rows8, avx2::many_rows8};
+  static const Kernels k512{avx512::few_rows8, avx512::many_rows8};
+  run(p, isa, few_rows, isa == 2 ? k512 : k2);
   return y;
 }
 
@@ -212,9 +216,14 @@ TORCH_LIBRARY(quantkit_int4_avx, m) {
 
 constexpr int V = 16 / W;           // vectors per tile of 16 channels
 constexpr int PANEL = 2 * W;        // channels per micro-kernel panel (two vectors)
-constexpr int64_t KC = 256;         // k per dequantized block: KC x PANEL fp32 (16 / 32 KB), in L1
-constexpr int64_t MB = 256;         // rows per y block [MB][PANEL] (16 / 32 KB)
-constexpr int64_t AHEAD = 1024;     // software prefetch distance in the weight stream, bytes
+#ifndef QK_KC  // -D overrides for tuning builds
+#define QK_KC 256
+#define QK_MB 128
+#define QK_AHEAD 1024
+#endif
+constexpr int64_t KC = QK_KC;         // k per dequantized block: KC x PANEL fp32 (16 / 32 KB), in L1
+constexpr int64_t MB = QK_MB;         // rows per y block [MB][PANEL] (16 / 32 KB)
+constexpr int64_t AHEAD = QK_AHEAD;   // software prefetch distance in the weight stream, bytes
 
 #define QK_INLINE inline __attribute__((always_inline))
 
@@ -227,19 +236,11 @@ QK_INLINE vf loadf(const float* p) { return *reinterpret_cast<const vf_m*>(p); }
 QK_INLINE vu loadu(const int32_t* p) { return *reinterpret_cast<const vu_m*>(p); }
 QK_INLINE void storef(float* p, vf v) { *reinterpret_cast<vf_m*>(p) = v; }
 
-// rows of y (fp32 [rows][16] at c, ldc apart) -> y[m0 .., 16t ..] (the valid columns), times s8 (int8).
+// rows of y (fp32 [rows][cols] at c, ldc apart) -> y[m0 .., n0 ..] (the columns before N).
 QK_INLINE void store_rows(const Problem& p, const float* c, int64_t ldc, int64_t rows, int64_t m0, int64_t n0,
                           int64_t cols) {
   const int64_t valid = lesser(cols, p.N - n0);
-  for (int64_t r = 0; r < rows; ++r) {
-    float* dst = p.y + (m0 + r) * p.N + n0;
-    const float* src = c + r * ldc;
-    if (p.s8 != nullptr) {
-      for (int64_t i = 0; i < valid; ++i) dst[i] = src[i] * p.s8[n0 + i];
-    } else {
-      std::memcpy(dst, src, valid * sizeof(float));
-    }
-  }
+  for (int64_t r = 0; r < rows; ++r) std::memcpy(p.y + (m0 + r) * p.N + n0, c + r * ldc, valid * sizeof(float));
 }
 
 // ---------------------------------------------------------------- few rows
@@ -312,10 +313,12 @@ void few8(const Problem& p, int64_t t, int64_t m0) {
     }
   }
   alignas(64) float c[R][16];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int h = 0; h < V; ++h) storef(c[r] + W * h, acc[r][h]);
+  for (int h = 0; h < V; ++h) {
+    const vf s = loadf(p.s8 + 16 * t + W * h);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) storef(c[r] + W * h, acc[r][h] * s);
+  }
   store_rows(p, c[0], 16, R, m0, 16 * t, 16);
 }
 
@@ -352,12 +355,12 @@ void few_rows8(const Problem& p, int64_t t0, int64_t t1) {
 
 // ---------------------------------------------------------------- many rows
 
-// k in [k0, k1) of int4 tiles t .. t+P-1 -> buf [k1 - k0][PANEL] fp32 (P * 16 channels of each row).
-// k0, k1 multiples of 8. Per group segment and nibble j: w = cvt(v & 15 << 4j) (s 2^-4j) + zs.
-void dequant4(const Problem& p, int64_t t, int P, int64_t k0, int64_t k1, float* buf) {
+// k in [k0, k1) of int4 tiles t .. t+P-1 -> buf [k1 - k0][ldb] fp32 (16 P channels at the start of
+// each row). k0, k1 multiples of 8. Per group segment and nibble j: w = cvt(v & 15 << 4j) (s 2^-4j) + zs.
+void dequant4(const Problem& p, int64_t t, int64_t P, int64_t k0, int64_t k1, float* buf, int64_t ldb) {
   static constexpr float f[8] = {1.f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.f};
   const int64_t rows8 = p.G / 8;
-  for (int q = 0; q < P; ++q) {
+  for (int64_t q = 0; q < P; ++q) {
     const int32_t* tile = p.w4 + (t + q) * p.tstride;
     for (int64_t kb = k0 / 8; kb < k1 / 8;) {
       const int64_t g = kb / rows8, end = lesser(k1 / 8, (g + 1) * rows8);
@@ -373,7 +376,7 @@ void dequant4(const Problem& p, int64_t t, int P, int64_t k0, int64_t k1, float*
           for (int64_t r = kb; r < end; ++r) {
             const vu v = loadu(src + 16 * r + W * h);
             const vi b = j == 7 ? (vi)(v >> 28) : (vi)(v & (15u << (4 * j)));
-            storef(dst + (8 * r + j - k0) * PANEL, __builtin_convertvector(b, vf) * sj + zs);
+            storef(dst + (8 * r + j - k0) * ldb, __builtin_convertvector(b, vf) * sj + zs);
           }
         }
       }
@@ -382,32 +385,38 @@ void dequant4(const Problem& p, int64_t t, int P, int64_t k0, int64_t k1, float*
   }
 }
 
-// k in [k0, k1) of int8 tiles t .. t+P-1 -> buf [k1 - k0][PANEL] fp32 (q as floats; scales on the way out).
-void dequant8(const Problem& p, int64_t t, int P, int64_t k0, int64_t k1, float* buf) {
-  for (int q = 0; q < P; ++q) {
+// k in [k0, k1) of int8 tiles t .. t+P-1 -> buf [k1 - k0][ldb] fp32, w = q s.
+void dequant8(const Problem& p, int64_t t, int64_t P, int64_t k0, int64_t k1, float* buf, int64_t ldb) {
+  for (int64_t q = 0; q < P; ++q) {
     const int8_t* src = p.w8 + (t + q) * p.K * 16;
+    vf s[V];
+#pragma GCC unroll 4
+    for (int h = 0; h < V; ++h) s[h] = loadf(p.s8 + 16 * (t + q) + W * h);
     for (int64_t k = k0; k < k1; ++k) {
       vi qv[V];
       load_i8x16(src + 16 * k, qv);
 #pragma GCC unroll 4
-      for (int h = 0; h < V; ++h) storef(buf + (k - k0) * PANEL + 16 * q + W * h, __builtin_convertvector(qv[h], vf));
+      for (int h = 0; h < V; ++h)
+        storef(buf + (k - k0) * ldb + 16 * q + W * h, __builtin_convertvector(qv[h], vf) * s[h]);
     }
   }
 }
 
-// c[R][PANEL] (+)= x[R rows, ldx apart][kc] . b[kc][PANEL]: R x 2 vector accumulators, x broadcast.
+// c[R rows, ldc apart][PANEL] (+)= x . b: x packed [kc][R_MM] (R of its rows used), b [kc][PANEL];
+// R x 2 vector accumulators, x broadcast.
 template <int R>
-void micro(const float* x, int64_t ldx, const float* b, int64_t kc, float* c, bool first) {
+void micro(const float* x, const float* b, int64_t kc, float* c, int64_t ldc, bool first) {
   vf acc[R][2];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) acc[r][h] = first ? vf{} : loadf(c + r * PANEL + W * h);
+    for (int h = 0; h < 2; ++h) acc[r][h] = first ? vf{} : loadf(c + r * ldc + W * h);
+#pragma GCC unroll 4
   for (int64_t k = 0; k < kc; ++k) {
     const vf b0 = loadf(b + k * PANEL), b1 = loadf(b + k * PANEL + W);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      const vf xb = splat(x[r * ldx + k]);
+      const vf xb = splat(x[k * R_MM + r]);
       acc[r][0] += b0 * xb;
       acc[r][1] += b1 * xb;
     }
@@ -415,44 +424,67 @@ void micro(const float* x, int64_t ldx, const float* b, int64_t kc, float* c, bo
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) storef(c + r * PANEL + W * h, acc[r][h]);
+    for (int h = 0; h < 2; ++h) storef(c + r * ldc + W * h, acc[r][h]);
 }
 
-void micro_rows(int64_t rows, const float* x, int64_t ldx, const float* b, int64_t kc, float* c, bool first) {
+// rows of packed x (blocks of R_MM rows, [K][R_MM] each; k from k0) times b [kc][PANEL] into c [rows][PANEL].
+void micro_rows(int64_t rows, const float* xp, int64_t K, int64_t k0, const float* b, int64_t kc, float* c,
+                bool first) {
   for (int64_t r = 0; r < rows; r += R_MM) {
-    const float* xr = x + r * ldx;
+    const float* xr = xp + r * K + k0 * R_MM;
     float* cr = c + r * PANEL;
     switch (lesser(R_MM, rows - r)) {
-      case 1: micro<1>(xr, ldx, b, kc, cr, first); break;
-      case 2: micro<2>(xr, ldx, b, kc, cr, first); break;
-      case 3: micro<3>(xr, ldx, b, kc, cr, first); break;
-      case 4: micro<4>(xr, ldx, b, kc, cr, first); break;
-      case 5: micro<5>(xr, ldx, b, kc, cr, first); break;
-      case 6: micro<6>(xr, ldx, b, kc, cr, first); break;
-      case 7: micro<std::min(7, R_MM)>(xr, ldx, b, kc, cr, first); break;
-      default: micro<R_MM>(xr, ldx, b, kc, cr, first); break;
+      case 1: micro<1>(xr, b, kc, cr, PANEL, first); break;
+      case 2: micro<2>(xr, b, kc, cr, PANEL, first); break;
+      case 3: micro<3>(xr, b, kc, cr, PANEL, first); break;
+      case 4: micro<4>(xr, b, kc, cr, PANEL, first); break;
+      case 5: micro<5>(xr, b, kc, cr, PANEL, first); break;
+      case 6: micro<6>(xr, b, kc, cr, PANEL, first); break;
+      case 7: micro<std::min(7, R_MM)>(xr, b, kc, cr, PANEL, first); break;
+      default: micro<R_MM>(xr, b, kc, cr, PANEL, first); break;
     }
   }
 }
 
-// Tiles [t0, t1), all rows: per block of MB rows and panel of PANEL channels, KC k at a time
-// are dequantized into L1 and multiplied into the block's y buffer, then y is written.
-template <void (*Dequant)(const Problem&, int64_t, int, int64_t, int64_t, float*)>
+// x[m0 .. m0+rows, :] -> xp, blocks of R_MM rows, each [K][R_MM] (rows past the end 0).
+void pack_x(const Problem& p, int64_t m0, int64_t rows, float* xp) {
+  for (int64_t r0 = 0; r0 < rows; r0 += R_MM) {
+    float* dst = xp + r0 * p.K;
+    for (int r = 0; r < R_MM; ++r) {
+      const float* src = p.x + (m0 + r0 + r) * p.K;
+      if (r0 + r < rows) {
+        for (int64_t k = 0; k < p.K; ++k) dst[k * R_MM + r] = src[k];
+      } else {
+        for (int64_t k = 0; k < p.K; ++k) dst[k * R_MM + r] = 0.f;
+      }
+    }
+  }
+}
+
+// Tiles [t0, t1), all rows: per block of MBR rows, x is packed once (contiguous streams for the
+// broadcasts, L2); per panel of PANEL channels, KC k of the weight at a time are dequantized into
+// L1 and multiplied into the panel's y block [MBR][PANEL] (contiguous: y's rows, N apart, would
+// fall into a few cache sets), which is then written to y.
+template <void (*Dequant)(const Problem&, int64_t, int64_t, int64_t, int64_t, float*, int64_t)>
 void many_rows(const Problem& p, int64_t t0, int64_t t1) {
+  constexpr int per = PANEL / 16;  // tiles per panel
+  constexpr int64_t MBR = MB / R_MM * R_MM;
+  const int64_t total = KC * PANEL + MBR * PANEL + MBR * p.K + 16;
   static thread_local std::vector<float> bufs;
-  if (bufs.size() < size_t(KC * PANEL + MB * PANEL + 32)) bufs.resize(KC * PANEL + MB * PANEL + 32);
+  if (bufs.size() < size_t(total)) bufs.resize(total);
   float* buf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(bufs.data()) + 63) & ~uintptr_t(63));
   float* c = buf + KC * PANEL;
-  constexpr int per = PANEL / 16;  // tiles per panel
-  for (int64_t m0 = 0; m0 < p.M; m0 += MB) {
-    const int64_t rows = lesser(MB, p.M - m0);
+  float* xp = c + MBR * PANEL;
+  for (int64_t m0 = 0; m0 < p.M; m0 += MBR) {
+    const int64_t rows = lesser(MBR, p.M - m0);
+    pack_x(p, m0, rows, xp);
     for (int64_t t = t0; t < t1; t += per) {
-      const int P = int(lesser(per, t1 - t));
+      const int64_t P = lesser(per, t1 - t);
       if (P < per) std::memset(buf, 0, KC * PANEL * sizeof(float));  // the missing tile's lanes stay 0
       for (int64_t k0 = 0; k0 < p.K; k0 += KC) {
-        const int64_t k1 = lesser(p.K, k0 + KC);
-        Dequant(p, t, P, k0, k1, buf);
-        micro_rows(rows, p.x + m0 * p.K + k0, p.K, buf, k1 - k0, c, k0 == 0);
+        const int64_t kc = lesser(KC, p.K - k0);
+        Dequant(p, t, P, k0, k0 + kc, buf, PANEL);
+        micro_rows(rows, xp, p.K, k0, buf, kc, c, k0 == 0);
       }
       store_rows(p, c, PANEL, rows, m0, 16 * t, 16 * P);
     }
