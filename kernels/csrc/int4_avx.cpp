@@ -111,7 +111,10 @@ typedef float vf_m __attribute__((vector_size(64), aligned(4), may_alias));
 typedef uint32_t vu_m __attribute__((vector_size(64), aligned(4), may_alias));
 constexpr int W = 16;
 constexpr int RMAX = 8;   // 8 accumulators and 8 y vectors of 32 zmm
-constexpr int R_MM = 8;   // micro-kernel rows: 8 x 2 zmm accumulators
+#ifndef QK_R512
+#define QK_R512 8
+#endif
+constexpr int R_MM = QK_R512;   // micro-kernel rows: 8 x 2 zmm accumulators
 inline vf splat(float s) { return vf{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
 inline void load_i8x16(const int8_t* p, vi (&out)[1]) {
   out[0] = (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -219,7 +222,7 @@ constexpr int PANEL = 2 * W;        // channels per micro-kernel panel (two vect
 #ifndef QK_KC  // -D overrides for tuning builds
 #define QK_KC 256
 #define QK_MB 128
-#define QK_AHEAD 1024
+#define QK_AHEAD 4096
 #endif
 constexpr int64_t KC = QK_KC;         // k per dequantized block: KC x PANEL fp32 (16 / 32 KB), in L1
 constexpr int64_t MB = QK_MB;         // rows per y block [MB][PANEL] (16 / 32 KB)
@@ -427,22 +430,22 @@ void micro(const float* x, const float* b, int64_t kc, float* c, int64_t ldc, bo
     for (int h = 0; h < 2; ++h) storef(c + r * ldc + W * h, acc[r][h]);
 }
 
+// micro<r> for r = 1 .. R.
+template <int R>
+QK_INLINE void micro_any(int64_t r, const float* x, const float* b, int64_t kc, float* c, bool first) {
+  if constexpr (R > 1) {
+    if (r < R) return micro_any<R - 1>(r, x, b, kc, c, first);
+  }
+  micro<R>(x, b, kc, c, PANEL, first);
+}
+
 // rows of packed x (blocks of R_MM rows, [K][R_MM] each; k from k0) times b [kc][PANEL] into c [rows][PANEL].
 void micro_rows(int64_t rows, const float* xp, int64_t K, int64_t k0, const float* b, int64_t kc, float* c,
                 bool first) {
   for (int64_t r = 0; r < rows; r += R_MM) {
     const float* xr = xp + r * K + k0 * R_MM;
     float* cr = c + r * PANEL;
-    switch (lesser(R_MM, rows - r)) {
-      case 1: micro<1>(xr, b, kc, cr, PANEL, first); break;
-      case 2: micro<2>(xr, b, kc, cr, PANEL, first); break;
-      case 3: micro<3>(xr, b, kc, cr, PANEL, first); break;
-      case 4: micro<4>(xr, b, kc, cr, PANEL, first); break;
-      case 5: micro<5>(xr, b, kc, cr, PANEL, first); break;
-      case 6: micro<6>(xr, b, kc, cr, PANEL, first); break;
-      case 7: micro<std::min(7, R_MM)>(xr, b, kc, cr, PANEL, first); break;
-      default: micro<R_MM>(xr, b, kc, cr, PANEL, first); break;
-    }
+    micro_any<R_MM>(lesser(R_MM, rows - r), xr, b, kc, cr, first);
   }
 }
 
