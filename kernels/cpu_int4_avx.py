@@ -9,20 +9,23 @@ of `kernels/csrc/int4_avx.cpp` (for CPUs without native bf16, where the engine r
 x is any float dtype, converted to fp32 on entry (fp32 products and sums); y comes back in x's
 dtype. The weight is dequantized in registers, never as a whole:
 
-- up to `FEW_ROWS[isa]` rows (decode), lanes along 16 output channels: each nibble is converted in
-  place and every row's x[k] broadcast against it into a per-group accumulator, folded into y with
-  the group's scale at the group's end (the weight streams once per 4 rows on AVX2, 8 on AVX-512);
-- more rows: 256 k of a panel of 16 (AVX2) or 32 (AVX-512) channels at a time are dequantized into
-  an L1 buffer and multiplied by a register-blocked fp32 micro-kernel (6 x 16 / 8 x 32).
+- up to `FEW_ROWS[isa]` rows (decode and small batches), lanes along 16 output channels: each
+  nibble is converted in place and every row's x[k] broadcast against it into a per-group
+  accumulator, folded into y with the group's scale at the group's end; the weight streams once
+  per call (4 rows at a time on AVX2, 8 on AVX-512, a tile staying in L1 between them);
+- more rows: x is packed once per 128 rows, and 256 k of a panel of 16 (AVX2) or 32 (AVX-512)
+  channels at a time are dequantized into an L1 buffer and multiplied by a register-blocked fp32
+  micro-kernel (6 x 16 / 8 x 32). Dequantized blocks through torch's fp32 GEMM (at::mm) measured
+  slower at every M and are not used.
 
 Layout of the int4 weight `Int4AvxWeight.words` (built here, never saved): int32
 [T, K/G, G/8 + 2, 16] with T = ceil(N / 16). For tile t and group g, rows 0 .. G/8-1 hold word
 (kb, i) = the 8 nibbles u = q + 8 of channel 16t + i for k = gG + 8kb .. +7, the first in bits
 0..3 (the on-disk words of `quantkit.packing`, transposed); row G/8 holds the 16 channels' scales
 s and row G/8+1 zs = -(8 + z) s, both as fp32 bits, so w = (q - z) s = u s + zs. Channels past N
-are zero. It takes any K, a group size that is a multiple of 8 dividing K (or per channel), and
-act-order where sorting the columns makes the groups contiguous (`perm`: x's columns are permuted
-once per call).
+are zero. It takes any K (a multiple of 8, as the on-disk words hold), a group size that is a
+multiple of 8 dividing K (or per channel), and act-order where sorting the columns makes the
+groups contiguous (`perm`: x's columns are permuted once per call).
 
 Layout of the int8 weight `Int8AvxWeight.q`: int8 [T, K, 16] (q of channel 16t + i at k) and
 `scales` fp32 [16 T]; w = q s.
@@ -101,6 +104,15 @@ EXTENSION = cpu_ext.Extension("int4_avx.cpp", "quantkit_int4_avx", "int4_gemm", 
 EXTENSION.prefix = "int4avx"
 
 
+_OPS = []  # the loaded ops, once a weight exists (repack succeeded)
+
+
+def _ops():
+    if not _OPS:
+        _OPS.append(EXTENSION.load())
+    return _OPS[0]
+
+
 def isa_level() -> int:
     """0: the kernels cannot run here, 1: AVX2 + FMA, 2: AVX-512 too."""
     ops = EXTENSION.load()
@@ -172,24 +184,29 @@ def repack(
     return weight, f"the {chosen} int4 kernel (registers up to {FEW_ROWS[chosen]} rows, L1 blocks above)"
 
 
+def _x2(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x [..., K] -> contiguous fp32 [M, K] (x itself when it is one: a few µs a call count at batch 1)."""
+    if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():
+        return x
+    return x.reshape(-1, k).float().contiguous()
+
+
+def _y(y: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
+    return y if x.dim() == 2 and x.dtype == torch.float32 else y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
 def gemm(x: torch.Tensor, weight: Int4AvxWeight) -> torch.Tensor:
     """y = x · dequant(W)ᵀ. x [..., K] any float dtype (computed in fp32); returns [..., N] in
     x's dtype."""
-    if x.shape[-1] != weight.in_features:
-        raise QuantkitError(f"int4 gemm: x has {x.shape[-1]} features, the weight takes {weight.in_features}.")
-    x2 = x.reshape(-1, weight.in_features).float()
+    k, n = weight.in_features, weight.out_features
+    if x.shape[-1] != k:
+        raise QuantkitError(f"int4 gemm: x has {x.shape[-1]} features, the weight takes {k}.")
+    x2 = _x2(x, k)
     if weight.perm is not None:
         x2 = x2.index_select(1, weight.perm)
     isa = 2 if weight.isa == "avx512" else 1
-    y = EXTENSION.load().int4_gemm(
-        x2.contiguous(),
-        weight.words,
-        weight.out_features,
-        weight.group_size,
-        isa,
-        FEW_ROWS[weight.isa],
-    )
-    return y.to(x.dtype).reshape(*x.shape[:-1], weight.out_features)
+    y = _ops().int4_gemm(x2, weight.words, n, weight.group_size, isa, FEW_ROWS[weight.isa])
+    return _y(y, x, n)
 
 
 def repack_int8(w_int8: torch.Tensor, scales: torch.Tensor, isa: str | None = None) -> tuple[Int8AvxWeight | None, str]:
@@ -210,9 +227,9 @@ def repack_int8(w_int8: torch.Tensor, scales: torch.Tensor, isa: str | None = No
 
 def gemm_int8(x: torch.Tensor, weight: Int8AvxWeight) -> torch.Tensor:
     """y = x · (W s)ᵀ. x [..., K] any float dtype (computed in fp32); returns [..., N] in x's dtype."""
-    if x.shape[-1] != weight.in_features:
-        raise QuantkitError(f"int8 gemm: x has {x.shape[-1]} features, the weight takes {weight.in_features}.")
-    x2 = x.reshape(-1, weight.in_features).float().contiguous()
+    k, n = weight.in_features, weight.out_features
+    if x.shape[-1] != k:
+        raise QuantkitError(f"int8 gemm: x has {x.shape[-1]} features, the weight takes {k}.")
     isa = 2 if weight.isa == "avx512" else 1
-    y = EXTENSION.load().int8_gemm(x2, weight.q, weight.scales, weight.out_features, isa, FEW_ROWS[weight.isa])
-    return y.to(x.dtype).reshape(*x.shape[:-1], weight.out_features)
+    y = _ops().int8_gemm(_x2(x, k), weight.q, weight.scales, n, isa, FEW_ROWS[weight.isa])
+    return _y(y, x, n)

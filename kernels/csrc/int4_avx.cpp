@@ -11,18 +11,23 @@
 //   channels is one contiguous stream of words and scales.
 // int8 weight layout: int8 [T][K][16] (q of channel 16t + i at k), scales fp32 [N_pad]; w = q s.
 //
-// Schedules (lanes along output channels, 16 channels a tile):
-//   few rows (M <= few_rows, in chunks of RMAX): per word row, nibble j is taken in place
-//     (v & 15 << 4j, exact as fp32: u 2^4j; the top one v >> 28) and converted, and every row's
-//     x[k] 2^-4j (pre-scaled per call, exact) is fma'd into a per-group accumulator; at the
-//     group's end y += s acc + zs sum(x over the group). The weight streams once per RMAX rows.
-//   more rows: a panel of PANEL channels (16 on AVX2, 32 on AVX-512) is dequantized KC k at a
-//     time into an L1 buffer [KC][PANEL] fp32 and multiplied by an R x PANEL register-blocked
-//     fp32 micro-kernel (x read in place, broadcast), y accumulated in a [MB][PANEL] buffer.
+// Schedules (lanes along output channels, 16 channels a tile; the caller passes the crossover):
+//   few rows (M <= few_rows, in chunks of RMAX = 4 on AVX2, 8 on AVX-512): per word row, nibble j
+//     is taken in place (v & 15 << 4j, exact as fp32: u 2^4j; the top one v >> 28) and converted,
+//     and every row's x[k] 2^-4j (pre-scaled per call, exact) is fma'd into a per-group
+//     accumulator; at the group's end y += s acc + zs sum(x over the group). The weight streams
+//     once per call (a tile stays in L1 between its chunks of rows), software-prefetched 4 KB ahead.
+//   more rows: per block of 128 rows, x is packed once ([K][R] per R rows: one contiguous stream
+//     for the broadcasts); per panel of PANEL channels (16 on AVX2, 32 on AVX-512), KC = 256 k of
+//     the weight at a time are dequantized into an L1 buffer [KC][PANEL] fp32 and multiplied by an
+//     R x PANEL register-blocked fp32 micro-kernel (6 x 16 on AVX2, 8 x 32 on AVX-512) into the
+//     panel's contiguous y block [128][PANEL], then copied into y.
+//   Measured alternative, not taken: the dequantized blocks multiplied by at::mm (slower at every M).
 //
 // ISAs: the kernel body (the #else branch at the end) is compiled twice, into namespace avx2
-// (target avx2,fma,no-avx512f: VEX only, ymm registers) and avx512 (zmm), and the caller
-// passes which to run (`isa`: 1 AVX2, 2 AVX-512); isa_level() says what the CPU and OS allow.
+// (target avx2,fma,no-avx512f: VEX encodings and ymm registers only, plain vector extensions, no
+// intrinsics, whose headers carry -march=native's AVX-512) and avx512 (zmm), and the caller passes
+// which to run (`isa`: 1 AVX2, 2 AVX-512); isa_level() says what the CPU and OS allow.
 
 #ifndef QK_AVX_BODY
 
@@ -248,17 +253,26 @@ QK_INLINE void store_rows(const Problem& p, const float* c, int64_t ldc, int64_t
 
 // ---------------------------------------------------------------- few rows
 
+// Independent accumulator chains per (row, vector) for R rows, so that at least 8 fma chains
+// are in flight (at one row a single chain was bound by the fma latency: 4 weights a cycle).
+template <int R>
+constexpr int chains() {
+  return R * V >= 8 ? 1 : 8 / (R * V);
+}
+
 // R rows (m0 ..) of y for int4 tile t: the weight's 16 channels in V vectors, every row's x
-// broadcast against them, per-group accumulators folded into y with the group's s and zs.
+// broadcast against them, per-group accumulators (nibble j into chain j % A) folded into y with
+// the group's s and zs.
 template <int R>
 void few4(const Problem& p, int64_t t, int64_t m0) {
+  constexpr int A = chains<R>();
   const int32_t* src = p.w4 + t * p.tstride;
   const float* xs = p.xs + m0 * p.K;
   const float* sums = p.sums + m0 * p.groups;
   const int64_t rows8 = p.G / 8;
   vf out[R][V] = {};
   for (int64_t g = 0; g < p.groups; ++g, src += p.gstride) {
-    vf acc[R][V] = {};
+    vf acc[A][R][V] = {};
     const float* xg = xs + g * p.G;
     for (int64_t kb = 0; kb < rows8; ++kb) {
       __builtin_prefetch(reinterpret_cast<const char*>(src + 16 * kb) + AHEAD);
@@ -275,16 +289,22 @@ void few4(const Problem& p, int64_t t, int64_t m0) {
           const vi b = j == 7 ? (vi)(v[h] >> 28) : (vi)(v[h] & (15u << (4 * j)));
           const vf wv = __builtin_convertvector(b, vf);
 #pragma GCC unroll 8
-          for (int r = 0; r < R; ++r) acc[r][h] += wv * xb[r];
+          for (int r = 0; r < R; ++r) acc[j % A][r][h] += wv * xb[r];
         }
       }
     }
+#pragma GCC unroll 8
+    for (int a = 1; a < A; ++a)
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int h = 0; h < V; ++h) acc[0][r][h] += acc[a][r][h];
     const float* sc = reinterpret_cast<const float*>(src + 16 * rows8);
 #pragma GCC unroll 4
     for (int h = 0; h < V; ++h) {
       const vf s = loadf(sc + W * h), zs = loadf(sc + 16 + W * h);
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) out[r][h] += s * acc[r][h] + zs * splat(sums[r * p.groups + g]);
+      for (int r = 0; r < R; ++r) out[r][h] += s * acc[0][r][h] + zs * splat(sums[r * p.groups + g]);
     }
   }
   alignas(64) float c[R][16];
@@ -295,32 +315,43 @@ void few4(const Problem& p, int64_t t, int64_t m0) {
   store_rows(p, c[0], 16, R, m0, 16 * t, 16);
 }
 
-// R rows of y for int8 tile t (per-channel scales applied on the way out).
+// One k of int8 tile `src` for R rows of x into acc.
+template <int R>
+QK_INLINE void step8(const Problem& p, const int8_t* src, const float* x, int64_t k, vf (&acc)[R][V]) {
+  if ((k & 3) == 0) __builtin_prefetch(src + 16 * k + AHEAD);
+  vi qv[V];
+  load_i8x16(src + 16 * k, qv);
+#pragma GCC unroll 4
+  for (int h = 0; h < V; ++h) {
+    const vf wv = __builtin_convertvector(qv[h], vf);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r][h] += wv * splat(x[r * p.K + k]);
+  }
+}
+
+// R rows of y for int8 tile t (k into chain k % A; per-channel scales applied on the way out).
 template <int R>
 void few8(const Problem& p, int64_t t, int64_t m0) {
+  constexpr int A = chains<R>();
   const int8_t* src = p.w8 + t * p.K * 16;
   const float* x = p.x + m0 * p.K;
-  vf acc[R][V] = {};
-  for (int64_t k = 0; k < p.K; ++k) {
-    if ((k & 3) == 0) __builtin_prefetch(src + 16 * k + AHEAD);
-    vf xb[R];
+  vf acc[A][R][V] = {};
+  int64_t k = 0;
+  for (; k + A <= p.K; k += A)
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) xb[r] = splat(x[r * p.K + k]);
-    vi qv[V];
-    load_i8x16(src + 16 * k, qv);
-#pragma GCC unroll 4
-    for (int h = 0; h < V; ++h) {
-      const vf wv = __builtin_convertvector(qv[h], vf);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[r][h] += wv * xb[r];
-    }
-  }
+    for (int a = 0; a < A; ++a) step8<R>(p, src, x, k + a, acc[a]);
+  for (; k < p.K; ++k) step8<R>(p, src, x, k, acc[0]);
   alignas(64) float c[R][16];
 #pragma GCC unroll 4
   for (int h = 0; h < V; ++h) {
     const vf s = loadf(p.s8 + 16 * t + W * h);
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) storef(c[r] + W * h, acc[r][h] * s);
+    for (int r = 0; r < R; ++r) {
+      vf sum = acc[0][r][h];
+#pragma GCC unroll 8
+      for (int a = 1; a < A; ++a) sum += acc[a][r][h];
+      storef(c[r] + W * h, sum * s);
+    }
   }
   store_rows(p, c[0], 16, R, m0, 16 * t, 16);
 }
