@@ -509,14 +509,15 @@ void many_rows(const Problem& p, int64_t t0, int64_t t1) {
   float* buf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(bufs.data()) + 63) & ~uintptr_t(63));
   float* c = buf + KC * PANEL;
   float* xp = c + MBR * PANEL;
+  const int64_t kblocks = (p.K + KC - 1) / KC, kstep = ((p.K + kblocks - 1) / kblocks + 7) / 8 * 8;  // even blocks
   for (int64_t m0 = 0; m0 < p.M; m0 += MBR) {
     const int64_t rows = lesser(MBR, p.M - m0);
     pack_x(p, m0, rows, xp);
     for (int64_t t = t0; t < t1; t += per) {
       const int64_t P = lesser(per, t1 - t);
       if (P < per) std::memset(buf, 0, KC * PANEL * sizeof(float));  // the missing tile's lanes stay 0
-      for (int64_t k0 = 0; k0 < p.K; k0 += KC) {
-        const int64_t kc = lesser(KC, p.K - k0);
+      for (int64_t k0 = 0; k0 < p.K; k0 += kstep) {
+        const int64_t kc = lesser(kstep, p.K - k0);
         Dequant(p, t, P, k0, k0 + kc, buf, PANEL);
         micro_rows(rows, xp, p.K, k0, buf, kc, c, k0 == 0);
       }
