@@ -133,26 +133,12 @@ namespace {
 using Runner = void (*)(const Problem&, int64_t, int64_t);
 struct Kernels {
   Runner few, many;
+  void (*prescale)(const Problem&, float*, float*);
 };
 
 void check_isa(int64_t isa) {
   TORCH_CHECK(isa == 1 || isa == 2, "isa must be 1 (AVX2) or 2 (AVX-512), not ", isa);
   TORCH_CHECK(isa <= kIsa, isa == 2 ? "this CPU (or its OS) has no AVX-512" : "this CPU has no AVX2 + FMA");
-}
-
-// x -> (x 2^-4(k % 8), sums over groups) for the few-rows int4 schedule.
-void prescale(const Problem& p, std::vector<float>& xs, std::vector<float>& sums) {
-  xs.resize(p.M * p.K), sums.resize(p.M * p.groups);
-  static const float f[8] = {1.f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.f};
-  for (int64_t m = 0; m < p.M; ++m) {
-    const float* x = p.x + m * p.K;
-    for (int64_t k = 0; k < p.K; ++k) xs[m * p.K + k] = x[k] * f[k & 7];
-    for (int64_t g = 0; g < p.groups; ++g) {
-      float s = 0.f;
-      for (int64_t k = g * p.G; k < (g + 1) * p.G; ++k) s += x[k];
-      sums[m * p.groups + g] = s;
-    }
-  }
 }
 
 // Up to few_rows rows: registers, tiles of 16 channels (grain 4); more: L1 blocks, panels of 16
@@ -181,11 +167,16 @@ torch::Tensor int4_gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t 
   if (x.size(0) == 0) return y;
   Problem p{x.data_ptr<float>(), nullptr, nullptr, w.data_ptr<int32_t>(), nullptr, nullptr, y.data_ptr<float>(),
             x.size(0), n, k, group_size, groups, (group_size / 8 + 2) * 16, groups * (group_size / 8 + 2) * 16};
+  static const Kernels k2{avx2::few_rows4, avx2::many_rows4, avx2::prescale};
+  static const Kernels k512{avx512::few_rows4, avx512::many_rows4, avx512::prescale};
+  const Kernels& kern = isa == 2 ? k512 : k2;
   std::vector<float> xs, sums;
-  if (p.M <= few_rows) prescale(p, xs, sums), p.xs = xs.data(), p.sums = sums.data();
-  static const Kernels k2{avx2::few_rows4, avx2::many_rows4};
-  static const Kernels k512{avx512::few_rows4, avx512::many_rows4};
-  run(p, isa, few_rows, isa == 2 ? k512 : k2);
+  if (p.M <= few_rows) {
+    xs.resize(p.M * k), sums.resize(p.M * groups);
+    kern.prescale(p, xs.data(), sums.data());
+    p.xs = xs.data(), p.sums = sums.data();
+  }
+  run(p, isa, few_rows, kern);
   return y;
 }
 
@@ -204,8 +195,8 @@ torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& q, const to
   if (x.size(0) == 0) return y;
   Problem p{x.data_ptr<float>(), nullptr, nullptr, nullptr, q.data_ptr<int8_t>(), scales.data_ptr<float>(),
             y.data_ptr<float>(), x.size(0), n, k, k, 1, 0, 0};
-  static const Kernels k2{avx2::few_rows8, avx2::many_rows8};
-  static const Kernels k512{avx512::few_rows8, avx512::many_rows8};
+  static const Kernels k2{avx2::few_rows8, avx2::many_rows8, nullptr};
+  static const Kernels k512{avx512::few_rows8, avx512::many_rows8, nullptr};
   run(p, isa, few_rows, isa == 2 ? k512 : k2);
   return y;
 }
@@ -258,6 +249,20 @@ QK_INLINE void store_rows(const Problem& p, const float* c, int64_t ldc, int64_t
 template <int R>
 constexpr int chains() {
   return R * V >= 8 ? 1 : 8 / (R * V);
+}
+
+// x -> xs = x 2^-4(k % 8) ([M, K]) and sums over groups ([M, groups]) for few4.
+void prescale(const Problem& p, float* xs, float* sums) {
+  static constexpr float f[8] = {1.f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.f};
+  for (int64_t m = 0; m < p.M; ++m) {
+    const float* x = p.x + m * p.K;
+    for (int64_t k = 0; k < p.K; ++k) xs[m * p.K + k] = x[k] * f[k & 7];
+    for (int64_t g = 0; g < p.groups; ++g) {
+      float s = 0.f;
+      for (int64_t k = g * p.G; k < (g + 1) * p.G; ++k) s += x[k];
+      sums[m * p.groups + g] = s;
+    }
+  }
 }
 
 // R rows (m0 ..) of y for int4 tile t: the weight's 16 channels in V vectors, every row's x
