@@ -108,9 +108,9 @@ class Extension:
     `needs(flags)`, given /proc/cpuinfo's flags, may name a CPU feature the source requires (then
     nothing is built)."""
 
-    def __init__(self, source: str, namespace: str, probe: str, what: str, needs=None):
+    def __init__(self, source: str, namespace: str, probe: str, what: str, needs=None, prefix: str | None = None):
         self.source, self.namespace, self.probe, self.what = ROOT / source, namespace, probe, what
-        self.prefix, self.needs = Path(source).stem.split("_")[0], needs
+        self.prefix, self.needs = prefix or Path(source).stem.split("_")[0], needs
         self._lock = threading.Lock()
         self._result: tuple[object | None, str] | None = None  # (ops, reason), once per process
 
@@ -161,8 +161,8 @@ class Extension:
             path = cpp_extension.load(
                 name,
                 [str(self.source)],
-                extra_cflags=CFLAGS,
-                extra_ldflags=LDFLAGS,
+                extra_cflags=list(CFLAGS),  # copies: torch appends to the lists it is given
+                extra_ldflags=list(LDFLAGS),
                 build_directory=str(directory),
                 is_python_module=False,
                 verbose=False,
