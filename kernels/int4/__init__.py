@@ -11,6 +11,7 @@ import os
 import torch
 
 from quantkit.kernels.choice import Candidate, Problem, always, triton_module
+from quantkit.kernels.int4 import avx as cpu_int4_avx
 from quantkit.kernels.int4 import cpp as cpu_int4
 from quantkit.kernels.int4 import int4pack
 from quantkit.kernels.int4 import twin as int4_twin
@@ -35,8 +36,27 @@ def _bf16(p: Problem) -> str:
 def _amx_ok(p: Problem) -> tuple[bool, str]:
     if os.environ.get("QUANTKIT_INT4_KERNEL") == "int4pack":
         return False, "QUANTKIT_INT4_KERNEL=int4pack"
+    isa = os.environ.get("QUANTKIT_ISA", "").strip().lower()
+    if isa in cpu_int4_avx.ISAS:  # a forced AVX path (e.g. the AVX2 one, timed on an AMX machine)
+        return False, f"QUANTKIT_ISA={isa}"
     why = _bf16(p) or cpu_int4.amx_unsupported(*_shape(p))
     return not why, why
+
+
+def _fp32(p: Problem) -> str:
+    return "" if p.dtype == torch.float32 else f"its activations are {str(p.dtype)[6:]}; it takes float32"
+
+
+def _avx_ok(p: Problem) -> tuple[bool, str]:
+    n, k, group_size, g_idx = _shape(p)
+    why = _fp32(p) or cpu_int4_avx.choose_isa()[1] or cpu_int4_avx.shape_reason(n, k, group_size)
+    if not why and g_idx is not None and group_size and int4pack._act_order_perm(g_idx, group_size) is None:
+        why = "its act-order groups are not contiguous once sorted"
+    return not why, why
+
+
+def _avx(p: Problem):
+    return bind(cpu_int4_avx.gemm, cpu_int4_avx.repack(*p.weight)[0])
 
 
 def _int4pack_ok(p: Problem) -> tuple[bool, str]:
@@ -69,6 +89,7 @@ def _twin(p: Problem):
 CANDIDATES = [
     Candidate("int4_gemm (Triton)", _triton_ok, _triton, device="cuda", backend="triton"),
     Candidate("int4 AMX (quantkit C++)", _amx_ok, _amx, device="cpu"),
+    Candidate("int4 AVX2/AVX-512 (quantkit C++)", _avx_ok, _avx, device="cpu"),
     Candidate("int4pack (torch CPU)", _int4pack_ok, _int4pack, device="cpu"),
     Candidate("int4 twin (dequantizes on every call)", always, _twin, backend="torch"),
 ]

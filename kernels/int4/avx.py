@@ -1,5 +1,5 @@
 """W4A16 and W8A16 for fp32 activations on x86 CPUs with AVX2+FMA or AVX-512, the C++ kernels
-of `kernels/csrc/int4_avx.cpp` (for CPUs without native bf16, where the engine runs fp32).
+of `kernels/int4/int4_avx.cpp` (for CPUs without native bf16, where the engine runs fp32).
 
     weight, why = repack(w_packed, scales, zeros, group_size, g_idx)   # once, at load
     y = gemm(x, weight)                                                 # x [..., K] -> y [..., N]

@@ -13,9 +13,11 @@
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 
 from quantkit.kernels.choice import Candidate, Problem, always
+from quantkit.kernels.int4 import avx as cpu_int4_avx
 from quantkit.kernels.int4 import bind
 from quantkit.kernels.int8 import cpp as cpu_w8a8
 from quantkit.kernels.int8 import int8pack, onednn
@@ -23,9 +25,19 @@ from quantkit.kernels.int8 import twin as int8_twin
 from quantkit.primitives import dequantize
 
 
+def _per_channel(p: Problem) -> str:
+    return "" if p.args.symmetric and p.args.strategy == "channel" else "its weights are not symmetric per-channel"
+
+
+def _avx_ok(p: Problem) -> tuple[bool, str]:
+    fp32 = "" if p.dtype == torch.float32 else f"its activations are {str(p.dtype)[6:]}; it takes float32"
+    why = fp32 or _per_channel(p) or cpu_int4_avx.choose_isa()[1]
+    return not why, why
+
+
 def _int8pack_ok(p: Problem) -> tuple[bool, str]:
-    if not (p.args.symmetric and p.args.strategy == "channel"):
-        return False, "its weights are not symmetric per-channel"
+    if _per_channel(p):
+        return False, _per_channel(p)
     why = int8pack.int8_unsupported(*p.ints.shape)
     return not why, why or ""
 
@@ -36,6 +48,12 @@ def _dense(p: Problem):
 
 
 W8A16 = [
+    Candidate(
+        "int8 AVX2/AVX-512 (quantkit C++)",
+        _avx_ok,
+        lambda p: bind(cpu_int4_avx.gemm_int8, cpu_int4_avx.repack_int8(p.ints, p.scales)[0]),
+        device="cpu",
+    ),
     Candidate(
         "int8pack (torch CPU)",
         _int8pack_ok,

@@ -66,6 +66,26 @@ def test_other_formats_are_refused_by_name(checkpoint, tmp_path):
         quantkit.load(other)
 
 
+def test_fp32_on_cpu_takes_the_avx_int4_kernel(checkpoint):
+    """fp32 activations (what the engine runs on CPUs without native bf16) take the AVX2/AVX-512
+    kernel where it runs; its logits equal the twin's within fp32 summation order."""
+    from quantkit.kernels.int4 import avx
+    from quantkit.runtime.qlinear import PackedInt4Linear
+
+    if avx.choose_isa()[0] is None:
+        pytest.skip(f"the AVX int4 kernel does not run here: {avx.choose_isa()[1]}")
+    model = quantkit.load(checkpoint)
+    ids = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        fast = model(ids).logits
+        linears = [m for m in model.modules() if isinstance(m, PackedInt4Linear)]
+        assert linears and all(m.kernel.name == "int4 AVX2/AVX-512 (quantkit C++)" for m in linears)
+        assert "it takes bfloat16" in linears[0].kernel.why  # the AMX kernel, passed over
+        for m in linears:
+            m.prepare(torch.float32, "cpu", backend="torch")
+        torch.testing.assert_close(fast, model(ids).logits, rtol=1e-4, atol=1e-4)
+
+
 def test_bf16_on_cpu_takes_a_cpu_int4_kernel(checkpoint):
     from quantkit.kernels.int4.cpp import Int4Weight
 
@@ -87,6 +107,7 @@ def test_int8_per_channel_weights_load_as_transformers_reads_them(tiny_llama, ti
     from transformers import AutoModelForCausalLM
 
     from quantkit.calibration.method import Calibration
+    from quantkit.kernels.int4 import avx
     from quantkit.runtime.qlinear import PackedInt8Linear
 
     quantize(str(tiny_llama), preset("w8a16"), tmp_path / "q", method, Calibration(str(tiny_corpus), 4, 32))
@@ -96,14 +117,18 @@ def test_int8_per_channel_weights_load_as_transformers_reads_them(tiny_llama, ti
         theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "q").eval()(ids).logits  # compressed-tensors
         torch.testing.assert_close(ours(ids).logits, theirs, rtol=1e-5, atol=1e-5)
         down = ours.model.layers[0].mlp.down_proj
-        assert isinstance(down, PackedInt8Linear) and down.kernel.name == "int8pack (torch CPU)"
+        # fp32 activations: the AVX kernel where it runs, else torch's int8-weight GEMM
+        fast = "int8 AVX2/AVX-512 (quantkit C++)" if avx.choose_isa()[0] else "int8pack (torch CPU)"
+        assert isinstance(down, PackedInt8Linear) and down.kernel.name == fast
         # the dequantize-once path (other devices, other layouts) computes the same
         x = torch.randn(3, down.in_features)
         fast = down(x)
         with pytest.MonkeyPatch.context() as m:
             m.setattr("quantkit.kernels.int8.int8pack.int8_unsupported", lambda *_: "not here")
+            m.setattr("quantkit.kernels.int4.avx.choose_isa", lambda isa=None: (None, "no AVX"))
             kernel = down.prepare(x.dtype, "cpu")
-            assert (kernel.name, kernel.why) == ("dequantized once (F.linear)", "int8pack (torch CPU): not here")
+            why = "int8 AVX2/AVX-512 (quantkit C++): no AVX; int8pack (torch CPU): not here"
+            assert (kernel.name, kernel.why) == ("dequantized once (F.linear)", why)
         torch.testing.assert_close(down(x), fast, rtol=1e-5, atol=1e-5)
 
 
