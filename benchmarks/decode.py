@@ -2,22 +2,32 @@
 run, each against the memory-bandwidth ceiling.
 
     python benchmarks/decode.py [--model smollm2-135m] [--int4 /tmp/rtn64] [--tokens 64] [--repeats 5] [--threads 1]
+                                [--dtype bfloat16|float32] [--isa native|avx2]
 
 --int4 names an int4 checkpoint; a missing folder is made first with RTN (w4a16, group 64,
 as `quantkit rtn -m MODEL --scheme w4a16 --group-size 64 -o DIR`). Both run through the
-engine in bf16 (`LLM(..., max_num_seqs=1)`: one request, a 32-token prompt, --tokens
+engine in --dtype (bf16; float32 is what the engine runs on CPUs without native bf16, such as
+AVX2-only EPYCs) (`LLM(..., max_num_seqs=1)`: one request, a 32-token prompt, --tokens
 greedy tokens); decode tokens/s is 1 / TPOT, the median of --repeats runs interleaved
 between the two models. Weight bytes per token: every linear as the runner reads it
 (bf16 weights, or torch's int4pack nibbles with their bf16 scales) plus lm_head. Ceiling
 tokens/s = copy bandwidth / weight bytes per token, with the copy bandwidth measured in the
 same run (`Tensor.copy_` of 256 MB, bytes read + written, as STREAM counts; a pure read
 stream is no faster on the machines we use, so the ceiling is generous).
+
+--isa avx2 re-runs the script with the int4 kernel forced to its AVX2 code (QUANTKIT_ISA=avx2) and
+torch's own kernels to AVX2 (ATEN_CPU_CAPABILITY, MKL_ENABLE_INSTRUCTIONS, ONEDNN_MAX_CPU_ISA): a
+proxy for an AVX2-only CPU on an AVX-512 one. The attention and element-wise C++ kernels keep the
+build machine's vectors, so it is not a whole AVX2 machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -29,6 +39,12 @@ from quantkit.runtime.qlinear import Fp8Linear, PackedInt4Linear, PrepackedLinea
 from quantkit.runtime.sequence import SamplingParams
 
 PROMPT = list(range(1000, 1032))
+AVX2_ENV = {
+    "QUANTKIT_ISA": "avx2",
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+}
 
 
 def linear_bytes(module: nn.Module) -> int:
@@ -63,7 +79,13 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--isa", choices=("native", "avx2"), default="native")
     a = p.parse_args()
+    if a.isa == "avx2" and os.environ.get("QUANTKIT_ISA") != "avx2":
+        argv = [sys.executable, __file__, *sys.argv[1:]]
+        sys.exit(subprocess.run(argv, env={**os.environ, **AVX2_ENV}).returncode)
+    dtype = getattr(torch, a.dtype)
     if a.threads:
         torch.set_num_threads(a.threads)
     if not a.int4.exists():
@@ -72,8 +94,8 @@ def main() -> None:
 
         quantize(a.model, preset("w4a16").with_group_size(64), a.int4)
     models = {
-        "bf16": LLM(a.model, dtype=torch.bfloat16, max_num_seqs=1),
-        "int4 (RTN w4a16 g64)": LLM(str(a.int4), dtype=torch.bfloat16, max_num_seqs=1),
+        a.dtype: LLM(a.model, dtype=dtype, max_num_seqs=1),
+        "int4 (RTN w4a16 g64)": LLM(str(a.int4), dtype=dtype, max_num_seqs=1),
     }
     for llm in models.values():
         decode_tps(llm, 4)  # warm up: builds the int4pack weights and fills caches
@@ -90,15 +112,18 @@ def main() -> None:
             f"| {name} | {nbytes / 1e6:.1f} | {tps[name]:.1f} | {1e3 / tps[name]:.1f} | {ceiling:.0f} "
             f"| {100 * tps[name] / ceiling:.0f}% |"
         )
-    bf16, int4 = tps.values()
+    dense, int4 = tps.values()
+    isa = "forced AVX2 (a proxy)" if a.isa == "avx2" else "native ISA"
     print(
-        f"{a.model}, batch 1, {a.tokens} tokens after a {len(PROMPT)}-token prompt, {torch.get_num_threads()} "
-        f"thread(s), median of {a.repeats}; copy bandwidth {copy:.1f} GB/s (read + write)\n"
+        f"{a.model}, batch 1, {a.tokens} tokens after a {len(PROMPT)}-token prompt, {a.dtype}, {isa}, "
+        f"{torch.get_num_threads()} thread(s), median of {a.repeats}; copy bandwidth {copy:.1f} GB/s (read + write)\n"
     )
+    for name, llm in models.items():
+        print(f"{name}: " + ("; ".join(llm.notes) or "every kernel the fastest candidate"))
     print("| checkpoint | weight MB / token | decode tok/s | ms / token | ceiling tok/s | of ceiling |")
     print("|---|---|---|---|---|---|")
     print("\n".join(rows))
-    print(f"\nint4 / bf16 decode speed: {int4 / bf16:.2f}x")
+    print(f"\nint4 / {a.dtype} decode speed: {int4 / dense:.2f}x")
 
 
 if __name__ == "__main__":
