@@ -29,7 +29,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 AVX2_ENV = {
     "QUANTKIT_ISA": "avx2",
@@ -40,34 +39,6 @@ AVX2_ENV = {
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (2048, 2048)]  # (in, out)
 
 
-def _timer(fn, budget_s: float = 0.02):
-    """A function that times a fixed number of calls of fn: ms per call, in this thread's CPU time."""
-    fn()
-    start, calls = time.thread_time(), 0
-    while time.thread_time() - start < budget_s:
-        fn()
-        calls += 1
-    calls = max(calls, 1)
-
-    def once() -> float:
-        t = time.thread_time()
-        for _ in range(calls):
-            fn()
-        return (time.thread_time() - t) / calls * 1e3
-
-    return once
-
-
-def _cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
-
-
 def _cycle(make, nbytes: int, cold_mb: float):
     """An endless cycle over enough results of make() to hold cold_mb megabytes (one if 0)."""
     return itertools.cycle([make() for _ in range(max(1, -(-int(cold_mb * 2**20) // nbytes)))])
@@ -76,6 +47,7 @@ def _cycle(make, nbytes: int, cold_mb: float):
 def bench_shape(k: int, n: int, a) -> list[dict]:
     import torch
     import torch.nn.functional as F
+    from int4_cpu import timer  # benchmarks/int4_cpu.py, imported once QUANTKIT_ISA is set
 
     from quantkit.kernels.int4 import avx as cpu_int4_avx
     from quantkit.packing import pack
@@ -100,13 +72,13 @@ def bench_shape(k: int, n: int, a) -> list[dict]:
         for m in a.rows:
             x = torch.randn(m, k)
             impls = {
-                "fp32": _timer(lambda: F.linear(x, next(denses))),
-                "int4": _timer(lambda: cpu_int4_avx.gemm(x, next(w4s))),
+                "fp32": timer(lambda: F.linear(x, next(denses))),
+                "int4": timer(lambda: cpu_int4_avx.gemm(x, next(w4s))),
             }
             if a.int8:
-                impls["int8"] = _timer(lambda: cpu_int4_avx.gemm_int8(x, next(w8s)))
+                impls["int8"] = timer(lambda: cpu_int4_avx.gemm_int8(x, next(w8s)))
                 if m <= 8:
-                    impls["int8pack"] = _timer(lambda: torch._weight_int8pack_mm(x, *next(q8s)))
+                    impls["int8pack"] = timer(lambda: torch._weight_int8pack_mm(x, *next(q8s)))
             times = {name: [] for name in impls}
             for _ in range(a.rounds):
                 for name, once in impls.items():
@@ -141,6 +113,7 @@ def main() -> None:
     if a.isa == "avx512":
         os.environ["QUANTKIT_ISA"] = "avx512"  # before cpu_int4_avx reads it
     import torch
+    from int4_cpu import cpu_name
 
     from quantkit.kernels.int4 import avx as cpu_int4_avx
 
@@ -153,7 +126,7 @@ def main() -> None:
     )
     print(
         f"fp32-activation int4 GEMM, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, "
-        f"torch {torch.__version__} (ATen {torch.backends.cpu.get_cpu_capability()}), {_cpu_name()}, 1 thread, "
+        f"torch {torch.__version__} (ATen {torch.backends.cpu.get_cpu_capability()}), {cpu_name()}, 1 thread, "
         f"ours: {isa}{forced}, "
         f"group {a.group} {'symmetric' if a.sym else 'asymmetric'}, cold = {a.cold:g} MB of weight copies\n"
     )

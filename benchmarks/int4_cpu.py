@@ -37,7 +37,7 @@ from quantkit.packing import pack
 SHAPES = [(576, 960), (576, 3072), (1536, 576), (576, 576), (2048, 2048)]  # (in, out)
 
 
-def _timer(fn, budget_s: float = 0.02):
+def timer(fn, budget_s: float = 0.02):
     """A function that times `calls` calls of fn (calls fixed after a warm-up): ms per call, in
     CPU time of this thread, so that other jobs on the machine do not count."""
     fn()
@@ -45,6 +45,7 @@ def _timer(fn, budget_s: float = 0.02):
     while time.thread_time() - start < budget_s:
         fn()
         calls += 1
+    calls = max(calls, 1)
 
     def once() -> float:
         t = time.thread_time()
@@ -55,7 +56,7 @@ def _timer(fn, budget_s: float = 0.02):
     return once
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     try:
         for line in open("/proc/cpuinfo"):
             if line.startswith("model name"):
@@ -99,13 +100,13 @@ def bench_shape(
     for m in rows:
         x = torch.randn(m, k, dtype=torch.bfloat16)
         impls = {
-            "bf16": _timer(
+            "bf16": timer(
                 (lambda: cpu.bf16_linear(x, next(bf16s))) if prepacked is not None else (lambda: x @ dense.t())
             ),
-            "ours": _timer(lambda: cpu_int4.gemm(x, next(ourss))),
+            "ours": timer(lambda: cpu_int4.gemm(x, next(ourss))),
         }
         if packed4 is not None:
-            impls["int4pack"] = _timer(lambda: int4pack.int4_gemm_cpu(x, packed4))
+            impls["int4pack"] = timer(lambda: int4pack.int4_gemm_cpu(x, packed4))
         times = {name: [] for name in impls}
         for _ in range(rounds):
             for name, once in impls.items():
@@ -145,7 +146,7 @@ def main() -> None:
         shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes]
     kernel = "AMX" if cpu_int4.available() else f"torch's int4pack ({cpu_int4.reason()})"
     print(
-        f"W4A16 CPU GEMM, {datetime.date.today()}, torch {torch.__version__}, {_cpu_name()}, 1 thread, "
+        f"W4A16 CPU GEMM, {datetime.date.today()}, torch {torch.__version__}, {cpu_name()}, 1 thread, "
         f"{'asymmetric' if a.asym else 'symmetric'} weights, "
         f"{f'weights from memory ({a.cold:g} MB per kernel)' if a.cold else 'weights in cache'}; ours: {kernel}\n"
     )
