@@ -48,10 +48,7 @@ def _fp32(p: Problem) -> str:
 
 
 def _avx_ok(p: Problem) -> tuple[bool, str]:
-    n, k, group_size, g_idx = _shape(p)
-    why = _fp32(p) or cpu_int4_avx.choose_isa()[1] or cpu_int4_avx.shape_reason(n, k, group_size)
-    if not why and g_idx is not None and group_size and int4pack._act_order_perm(g_idx, group_size) is None:
-        why = "its act-order groups are not contiguous once sorted"
+    why = _fp32(p) or cpu_int4_avx.unsupported(*_shape(p))
     return not why, why
 
 

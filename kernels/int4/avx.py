@@ -143,6 +143,17 @@ def shape_reason(out_features: int, in_features: int, group_size: int | None) ->
     return ""
 
 
+def unsupported(
+    out_features: int, in_features: int, group_size: int | None, g_idx: torch.Tensor | None = None, isa=None
+) -> str:
+    """Why the kernel cannot take this weight here ("" when it can): the CPU (or the ISA asked
+    for), the shape, or act-order groups that are not contiguous once sorted."""
+    why = choose_isa(isa)[1] or shape_reason(out_features, in_features, group_size)
+    if not why and g_idx is not None and group_size and _act_order_perm(g_idx, group_size) is None:
+        why = "its act-order groups are not contiguous once sorted"
+    return why
+
+
 def repack(
     w_packed: torch.Tensor,
     scales: torch.Tensor,
@@ -160,13 +171,11 @@ def repack(
     """
     n, k = scales.shape[0], w_packed.shape[1] * 8
     g = group_size or k
-    chosen, why = choose_isa(isa)
-    why = why or shape_reason(n, k, group_size)
-    perm = None if g_idx is None or not group_size else _act_order_perm(g_idx, g)
-    if not why and g_idx is not None and group_size and perm is None:
-        why = "its act-order groups are not contiguous once sorted"
+    why = unsupported(n, k, group_size, g_idx, isa)
     if why:
         return None, why
+    chosen = choose_isa(isa)[0]
+    perm = None if g_idx is None or not group_size else _act_order_perm(g_idx, g)
     t, groups = -(-n // 16), k // g
     pad = (0, 0, 0, 16 * t - n)  # zero channels up to a multiple of 16
     words = w_packed.cpu().to(torch.int32)
