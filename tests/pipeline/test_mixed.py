@@ -276,6 +276,9 @@ def test_the_sensitivity_command_and_refusals(tmp_path, tiny_corpus, monkeypatch
     assert r.exit_code == 0, r.output
     rows = json.loads((tmp_path / "s.json").read_text())["units"]
     assert len(rows) == 2 * 4 and (tmp_path / "s.png").stat().st_size > 0
+    assert "rtn, fisher" in r.output
+    e = CliRunner().invoke(app, ["sensitivity", str(path), *calib, "--exact", "--json", str(tmp_path / "e.json")])
+    assert e.exit_code == 0 and json.loads((tmp_path / "e.json").read_text())["estimator"] == "exact", e.output
     worst = max(rows, key=lambda x: max(v for k, v in x["kld"].items() if k.startswith("int4")))["label"]
     assert r.output.index(worst) < min(r.output.index(x["label"]) for x in rows if x["label"] != worst)
     r = CliRunner().invoke(app, ["sensitivity", str(path), "--method", "fp8", *calib], env={"COLUMNS": "250"})
