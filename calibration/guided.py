@@ -14,6 +14,11 @@ block like the calibration runner: a forward pass keeps each block's inputs on d
 the blocks run backward from the last, each loaded, run again with its input requiring a
 gradient, and released. `hessians` is the runner's reducer that folds a linear's inputs
 into its groups' H_k (see `calibration.hooks.reduce_inputs`).
+
+`fisher_gradients` runs the same pass from another head: for labels drawn from the float
+model's own next-token distribution (not the data's), it keeps ∇_h log p(y|h) at every
+block's output h, whose outer products estimate the Fisher that mixed precision's
+sensitivity weighs a block's output change by (`pipeline.mixed`).
 """
 
 from __future__ import annotations

@@ -12,9 +12,17 @@ nearest, or by the method that will quantize the model (AWQ, GPTQ), which runs o
 of the unit's block with every other linear left float, calibrated on the same windows.
 The method matters: AWQ removes much of each unit's rounding error, and unevenly, so the
 costs it leaves rank the units differently from round-to-nearest's (with guided Hessians,
-GPTQ's loss gradients come from one backward pass over the same windows). Each measurement
-reruns the blocks from the unit's one onward from the float model's cached inputs. The
-result is cached on disk by model and settings.
+GPTQ's loss gradients come from one backward pass over the same windows). The result is
+cached on disk by model, settings and estimator.
+
+Two estimators. "exact" reruns the blocks from the unit's one onward from the float model's
+cached inputs and takes the KL of the logits: a run of the model's tail per unit and format.
+"fisher" (the default) runs only the unit's block: at the float model, where the KL is
+least, KL(p ‖ p with the block's output h + δ) ≈ ½·δᵀFδ per token, F = E_y~p[g gᵀ] the
+Fisher of the output distribution with respect to h, g = ∇_h log p(y|h); F is estimated
+from `FISHER_DRAWS` labels drawn per token from the float model, the gradients at every
+block's output coming from one backward pass (`calibration.guided.fisher_gradients`), and
+the cost is ½·mean over tokens and draws of (g·δ)².
 
 `choose` picks one candidate per unit minimising the summed costs (additive, the usual
 assumption) with the average bits per weight of all units' linears (packed values, scales,
