@@ -258,8 +258,9 @@ def _measure(path: Path, scheme: QuantScheme, calibration, track: Track, method,
         kld = {FLOAT: 0.0}
         for name, args in cands.items():
             if args is not None and unit.fits(args):
-                outs = BlockInputs(inputs[unit.block], kwargs[unit.block]).run(alone(unit, args))
-                kld[name] = cost(unit.block, outs)
+                with torch.no_grad():  # the method's step as the runner calls it
+                    outs = BlockInputs(inputs[unit.block], kwargs[unit.block]).run(alone(unit, args))
+                    kld[name] = cost(unit.block, outs)
         rows.append(_row(unit, kld, {n: unit.bits(a, float_bytes) for n, a in cands.items() if n in kld}))
     return {
         "scheme": scheme.name,
