@@ -14,6 +14,11 @@ block like the calibration runner: a forward pass keeps each block's inputs on d
 the blocks run backward from the last, each loaded, run again with its input requiring a
 gradient, and released. `hessians` is the runner's reducer that folds a linear's inputs
 into its groups' H_k (see `calibration.hooks.reduce_inputs`).
+
+`fisher_gradients` runs the same pass from another head: for labels drawn from the float
+model's own next-token distribution (not the data's), it keeps ∇_h log p(y|h) at every
+block's output h, whose outer products estimate the Fisher that mixed precision's
+sensitivity weighs a block's output change by (`pipeline.mixed`).
 """
 
 from __future__ import annotations
@@ -77,11 +82,71 @@ def loss_gradients(
     projection [vocab, hidden] (default: the model's lm_head). Each block's inputs are kept
     in `spill` (a folder; default: a temporary one) between the forward and the backward pass.
     Blocks run on `device`; the weights returned are on the CPU."""
+    found: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+
+    def head(x, ids, norm, weight, softcap):
+        return _head_gradient(x, ids, norm, weight, softcap)[None]
+
+    def watch(i: int, block: nn.Module, prefix: str) -> list:
+        inside = {f"{prefix}.{k}": m for k, m in block.named_modules() if f"{prefix}.{k}" in found}
+        return [m.register_forward_hook(_keep_gradient(found[k], groups)) for k, m in inside.items()]
+
+    _stream_backward(model, spec, samples, head, batch_size, load, release, head_weight, track, spill, device, watch)
+    return _normalised({k: [c.cpu() for c in v] for k, v in found.items()})
+
+
+def fisher_gradients(
+    model: nn.Module,
+    spec: ArchSpec,
+    samples: torch.Tensor,
+    draws: int = 4,
+    seed: int = 0,
+    batch_size: int = 8,
+    track: Track = no_progress,
+    spill: Path | None = None,
+    device: str | torch.device = "cpu",
+) -> list[list[torch.Tensor]]:
+    """g[i][b] [draws, batch, seq, hidden] (fp32, on the CPU): for every block i and batch b of
+    `samples` [rows, seq], the gradients ∇_h log p(y_t | h) of the float model's next-token
+    log-probability with respect to block i's output h, for `draws` labels y_t per token
+    drawn from the float model's own distribution at that token (a generator seeded with
+    `seed`, row by row). E_y[g gᵀ] is the Fisher of the output distribution with respect to
+    h, so KL(p ‖ p with h + δ) ≈ ½·E_y[(g·δ)²] for a small change δ (`pipeline.mixed`).
+    One backward pass, block by block, as `loss_gradients` (the model loaded whole)."""
+    out: list[list[torch.Tensor]] = [[] for _ in get_module(model, spec.blocks)]
+    generator = torch.Generator().manual_seed(seed)
+
+    def head(x, ids, norm, weight, softcap):
+        return _sampled_gradient(x, norm, weight, softcap, draws, generator)
+
+    def keep(i: int, block: nn.Module, prefix: str, grads: list[torch.Tensor]) -> None:
+        out[i] = [g.cpu() for g in grads]
+
+    _stream_backward(model, spec, samples, head, batch_size, track=track, spill=spill, device=device, at_output=keep)
+    return out
+
+
+def _stream_backward(
+    model,
+    spec,
+    samples,
+    head,
+    batch_size,
+    load=lambda module, prefix: None,
+    release=lambda module: None,
+    head_weight=None,
+    track=no_progress,
+    spill=None,
+    device="cpu",
+    watch=lambda i, block, prefix: [],
+    at_output=lambda i, block, prefix, grads: None,
+) -> None:
+    # the float model forward block by block (each block's inputs kept on disk), `head` for the
+    # gradients at the last block's output ([draws, b, seq, hidden] per batch), then back block
+    # by block: `at_output` sees each block's output gradients, `watch` hooks its modules
     blocks = get_module(model, spec.blocks)
     device = torch.device(device)
     hidden, kwargs = capture_block_inputs(model, spec, samples, batch_size, device)
-    wanted = set(names)
-    found: dict[str, list[torch.Tensor]] = {n: [] for n in names}
     n = len(blocks)
     with tempfile.TemporaryDirectory(dir=spill, prefix="quantkit-gradients-") as tmp:
         steps = iter(track(range(2 * n + 1), "loss gradients (blocks forward, then back)", 2 * n + 1))
@@ -94,53 +159,53 @@ def loss_gradients(
                 release(block.to("cpu"))
                 trim_freed_memory()
         next(steps)
-        grads = _output_gradients(model, spec, hidden, samples.split(batch_size), load, release, head_weight, device)
+        grads = _output_gradients(
+            model, spec, hidden, samples.split(batch_size), load, release, head_weight, device, head
+        )
         del hidden
         for i in reversed(range(n)):
             next(steps)
-            inputs, prefix = Path(tmp) / f"{i}.pt", f"{spec.blocks}.{i}"
-            kept = _block_backward(blocks[i], prefix, inputs, kwargs[i], grads, wanted, groups, load, release, device)
-            for k, chunks in kept.items():
-                found[k] = [c.cpu() for c in chunks]
-    return _normalised(found)
+            prefix = f"{spec.blocks}.{i}"
+            at_output(i, blocks[i], prefix, grads)
+            load(blocks[i], prefix)
+            hooks = watch(i, blocks[i], prefix)
+            try:
+                _block_backward(blocks[i].to(device), Path(tmp) / f"{i}.pt", kwargs[i], grads, device)
+            finally:
+                for hook in hooks:
+                    hook.remove()
+            release(blocks[i].to("cpu"))
+            trim_freed_memory()  # the backward pass's temporaries (see quantkit.malloc)
 
 
-def _output_gradients(model, spec, hidden, rows, load, release, head_weight, device) -> list[torch.Tensor]:
-    # ∂loss/∂(the last block's output), one tensor per batch of `hidden`
+def _output_gradients(model, spec, hidden, rows, load, release, head_weight, device, head) -> list[torch.Tensor]:
+    # the gradients at the last block's output, [draws, b, seq, hidden] per batch of `hidden`
     final_norm = get_module(model, spec.final_norm)
     softcap = getattr(model.config, "final_logit_softcapping", None)
     load(final_norm, spec.final_norm)
-    head = head_weight() if head_weight is not None else get_module(model, spec.lm_head).weight
+    weight = head_weight() if head_weight is not None else get_module(model, spec.lm_head).weight
     norm = final_norm.to(device)
-    grads = [_head_gradient(h, r, norm, head.to(device), softcap) for h, r in zip(hidden, rows)]
+    grads = [head(h, r, norm, weight.to(device), softcap) for h, r in zip(hidden, rows)]
     release(final_norm.to("cpu"))
     return grads
 
 
-def _block_backward(block, prefix, inputs, kwargs, grads, wanted, groups, load, release, device) -> dict:
-    # runs `block` again on its saved `inputs` and back from `grads` (replaced in place by the
-    # gradients of its inputs); returns {linear name: [w chunks]} for its linears in `wanted`
-    load(block, prefix)
-    block.to(device)
+def _block_backward(block, inputs, kwargs, grads, device) -> None:
+    # runs `block` again on its saved `inputs` and back from `grads` (each [draws, b, seq,
+    # hidden], replaced in place by the gradients at the block's inputs), once per draw
     for p in block.parameters():
         p.requires_grad_(False)
-    inside = {f"{prefix}.{k}": m for k, m in block.named_modules() if f"{prefix}.{k}" in wanted}
-    per_batch: dict[str, list[torch.Tensor]] = {k: [] for k in inside}
-    hooks = [m.register_forward_hook(_keep_gradient(per_batch[k], groups)) for k, m in inside.items()]
-    try:
-        for b, (h, kw) in enumerate(zip(torch.load(inputs, map_location=device), kwargs)):
-            h = h.detach().requires_grad_()
-            with torch.enable_grad():
-                out = block(h, **kw)
-                out = out[0] if isinstance(out, tuple) else out
-                out.backward(grads[b])
-            grads[b] = h.grad
-    finally:
-        for hook in hooks:
-            hook.remove()
-    release(block.to("cpu"))
-    trim_freed_memory()  # the backward pass's temporaries (see quantkit.malloc)
-    return per_batch
+    for b, (h, kw) in enumerate(zip(torch.load(inputs, map_location=device), kwargs)):
+        h = h.detach().requires_grad_()
+        back = []
+        with torch.enable_grad():
+            out = block(h, **kw)
+            out = out[0] if isinstance(out, tuple) else out
+            for d, g in enumerate(grads[b]):
+                out.backward(g, retain_graph=d < len(grads[b]) - 1)
+                back.append(h.grad)
+                h.grad = None
+        grads[b] = torch.stack(back)
 
 
 def _normalised(found: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -177,6 +242,24 @@ def _head_gradient(h, rows, final_norm, head, softcap):
             loss.backward()
         grads.append(x.grad[0])
     return torch.stack(grads)
+
+
+def _sampled_gradient(h, final_norm, head, softcap, draws, generator):
+    """∇_h log p(y_t | h) [draws, b, seq, hidden] for the last block's output h [b, seq, hidden],
+    `draws` labels y_t per token drawn from p (`generator`, on the CPU), one row at a time."""
+    from quantkit.kernels.attention import twin as reference
+
+    grads = []
+    for x in h:
+        x = x[None].detach().requires_grad_()
+        with torch.enable_grad():
+            logits = reference.cap(nn.functional.linear(final_norm(x), head).float(), softcap)[0]
+            logp = logits.log_softmax(-1)  # [seq, vocab]
+            y = torch.multinomial(logp.detach().exp().cpu(), draws, replacement=True, generator=generator)
+            picked = logp.gather(-1, y.to(logp.device))  # [seq, draws]
+            rows = [torch.autograd.grad(picked[:, d].sum(), x, retain_graph=d < draws - 1)[0][0] for d in range(draws)]
+        grads.append(torch.stack(rows))
+    return torch.stack(grads, 1)
 
 
 def hessians(weights: list[torch.Tensor]):

@@ -30,6 +30,7 @@ def quantize(
     max_shard_size: int | str = RunOptions.max_shard_size,
     target_bits: float | None = RunOptions.target_bits,
     target_formats: list[str] | None = RunOptions.target_formats,
+    target_estimate: str | None = RunOptions.target_estimate,
     device: str = RunOptions.device,
     track: Track = no_progress,
     log: Callable[[str], None] | None = None,
@@ -49,7 +50,8 @@ def quantize(
     safetensors shards of at most `max_shard_size` (e.g. "5GB", "500MB"). `target_bits` (rtn,
     awq, gptq) gives each layer group its own format (int4 per group of 128/64/32, int8 per
     channel, float) from its measured sensitivity, averaging at most that many bits per weight;
-    `target_formats` (e.g. ["int4", "float"]) limits the formats it chooses from.
+    `target_formats` (e.g. ["int4", "float"]) limits the formats it chooses from; `target_estimate`
+    ("fisher", the default, or "exact") is how the sensitivities are found.
 
         quantkit.quantize("smollm2-135m", "out/awq", "awq", "w4a16-asym", group_size=64)
     """

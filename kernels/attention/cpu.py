@@ -1,6 +1,6 @@
 """The paged KV cache on the CPU: what `quantkit.ops` runs for `kv_store`, `paged_attention`
 and `paged_prefill` when the tensors are not on a GPU. Same signatures, layout and results as
-the twins in `quantkit.kernels.reference` (the layout is spelled out in
+the twins (`twin.py` beside them) (the layout is spelled out in
 `quantkit.kernels.attention.triton`); tests hold them to the twins with a per-dtype tolerance.
 
 Attention takes the C++ kernels of `kernels/attention/attention.cpp` (`cpu_ext`), which read the

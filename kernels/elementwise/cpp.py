@@ -2,7 +2,7 @@
 residual add + RMSNorm, rotary embedding in place, SiLU(gate) * up, each one pass instead of the
 torch ops of the module it replaces, and the greedy sampler's argmax. Built on first use by
 `cpu_ext.Extension`; `load()` is `torch.ops.quantkit_fused` or None, and `reason()` says why.
-`quantkit.ops` falls back to the twins in `quantkit.kernels.reference` (the modules' own torch
+`quantkit.ops` falls back to the twins (`twin.py` beside them) (the modules' own torch
 code), and for the argmax on the CPU to `torch_argmax`."""
 
 from __future__ import annotations

@@ -55,6 +55,12 @@ def sensitivity(
     samples: int = typer.Option(8, help="Calibration windows the cost is measured on (and the method calibrates on)."),
     seq_len: int = typer.Option(256, help="Tokens per window."),
     seed: int = SEED,
+    exact: bool = typer.Option(
+        False,
+        "--exact",
+        help="Measure each cost by running the model to its logits (the reference, about 15× slower) "
+        "instead of the second-order estimate from the group's block alone.",
+    ),
     top: int = typer.Option(20, help="Rows shown, most sensitive first (the JSON has them all)."),
     plot: Optional[Path] = typer.Option(None, help="Also plot the costs, group by group (PNG)."),
     json_path: Optional[Path] = JSON,
@@ -62,14 +68,16 @@ def sensitivity(
     """The KL divergence from the float model (nats per token) of quantizing each fusion group
     alone (q/k/v, o, gate/up, down) to each format --target-bits chooses among (int4 per
     group of 128, 64, 32; int8 per channel), rounded to nearest or by --method, on a few
-    calibration windows; most sensitive first. Cached, so --target-bits reuses it."""
+    calibration windows, estimated to second order (--exact: measured); most sensitive
+    first. Cached, so --target-bits reuses it."""
     from quantkit.pipeline import mixed
     from quantkit.scheme import preset
 
     calibration = Calibration(dataset=calib, samples=samples, seq_len=seq_len, seed=seed)
+    estimator = "exact" if exact else "fisher"
     with progress() as track:
         result = mixed.sensitivity(
-            model, preset(scheme), calibration, track, log=lambda m: console.print(m), method=method
+            model, preset(scheme), calibration, track, console.print, method=method, estimator=estimator
         )
     write_json(json_path, result)
     if plot:
@@ -77,7 +85,7 @@ def sensitivity(
     names = [c for c in mixed.candidates(preset(scheme)) if c != mixed.FLOAT]
     rows = sorted(result["units"], key=lambda r: -max(r["kld"].get(c, 0.0) for c in names))
     table = new_table(
-        f"sensitivity of {model} ({scheme}, {method}): KL per token (nats) with one group quantized",
+        f"sensitivity of {model} ({scheme}, {method}, {estimator}): KL per token (nats) with one group quantized",
         ("group", "weights", *names),
     )
     for r in rows[:top]:

@@ -12,9 +12,17 @@ nearest, or by the method that will quantize the model (AWQ, GPTQ), which runs o
 of the unit's block with every other linear left float, calibrated on the same windows.
 The method matters: AWQ removes much of each unit's rounding error, and unevenly, so the
 costs it leaves rank the units differently from round-to-nearest's (with guided Hessians,
-GPTQ's loss gradients come from one backward pass over the same windows). Each measurement
-reruns the blocks from the unit's one onward from the float model's cached inputs. The
-result is cached on disk by model and settings.
+GPTQ's loss gradients come from one backward pass over the same windows). The result is
+cached on disk by model, settings and estimator.
+
+Two estimators. "exact" reruns the blocks from the unit's one onward from the float model's
+cached inputs and takes the KL of the logits: a run of the model's tail per unit and format.
+"fisher" (the default) runs only the unit's block: at the float model, where the KL is
+least, KL(p ‖ p with the block's output h + δ) ≈ ½·δᵀFδ per token, F = E_y~p[g gᵀ] the
+Fisher of the output distribution with respect to h, g = ∇_h log p(y|h); F is estimated
+from `FISHER_DRAWS` labels drawn per token from the float model, the gradients at every
+block's output coming from one backward pass (`calibration.guided.fisher_gradients`), and
+the cost is ½·mean over tokens and draws of (g·δ)².
 
 `choose` picks one candidate per unit minimising the summed costs (additive, the usual
 assumption) with the average bits per weight of all units' linears (packed values, scales,
@@ -42,6 +50,8 @@ from quantkit.scheme import QuantArgs, QuantScheme
 
 FLOAT = "float"
 FORMATS = ("int4-g128", "int4-g64", "int4-g32", "int8", FLOAT)  # what `candidates` offers, by name
+ESTIMATORS = ("fisher", "exact")  # how `sensitivity` measures a unit's cost; the first is the default
+FISHER_DRAWS = 4  # labels drawn per token from the float model for the Fisher estimate
 FORMATS_NEED_BITS = (  # the refusal of target_formats without target_bits (recipe and pipeline)
     "target_formats (--target-formats) goes with target_bits (--target-bits): "
     "it limits the formats mixed precision chooses from."
@@ -151,28 +161,33 @@ def sensitivity(
     cache: Path | None = None,
     method: str = "rtn",
     options=None,
+    estimator: str = ESTIMATORS[0],
 ) -> dict:
     """Per unit and candidate: the mean KL(float ‖ that unit alone quantized to the candidate
     by `method`, with its `options`, default the method's) per token, in nats, on
-    `calibration`'s windows (see the module's docstring). Returns {"model", "scheme",
-    "method", "calibration", "float_bytes", "units": [{"label", "block", "linears", "params",
-    "kld": {candidate: nats}, "bits": {candidate: bits per weight}}]}; a candidate a unit's
-    widths do not fit is left out. Cached in `cache` (default: quantkit's cache)."""
+    `calibration`'s windows (see the module's docstring): measured by running the model to
+    its logits (`estimator` "exact") or estimated to second order from the unit's block alone
+    ("fisher"). Returns {"model", "scheme", "method", "estimator", "calibration",
+    "float_bytes", "units": [{"label", "block", "linears", "params", "kld": {candidate: nats},
+    "bits": {candidate: bits per weight}}]}; a candidate a unit's widths do not fit is left
+    out. Cached in `cache` (default: quantkit's cache)."""
     from quantkit.calibration.registry import method as method_entry
     from quantkit.models.loading import resolve_model
 
+    if estimator not in ESTIMATORS:
+        raise QuantkitError(f"the sensitivity estimator is one of {', '.join(ESTIMATORS)}, not {estimator!r}.")
     m = method_entry(method)
     if m.format != "pack-quantized":
         raise QuantkitError(f"sensitivity measures int4/int8 weight formats by {_int_methods('or')}, not {method}.")
     options = _search_options(options if options is not None else m.options())
     path = resolve_model(model_name)
-    key = _cache_key(path, scheme, calibration, method, options)
+    key = _cache_key(path, scheme, calibration, method, options, estimator)
     file = (cache or _cache_dir()) / f"{key}.json"
     if file.is_file():
         if log:
             log(f"sensitivity of {model_name} from the cache ({file})")
         return json.loads(file.read_text())
-    result = _measure(path, scheme, calibration, track, m, options)
+    result = _measure(path, scheme, calibration, track, m, options, estimator)
     result["model"] = str(model_name)
     write_atomic(file, json.dumps(result))
     return result
@@ -191,7 +206,7 @@ def _search_options(options):
     return dataclasses.replace(options, **{n: None for n in ("save_search", "load_search") if n in names})
 
 
-def _cache_key(path: Path, scheme: QuantScheme, calibration, method: str, options) -> str:
+def _cache_key(path: Path, scheme: QuantScheme, calibration, method: str, options, estimator: str) -> str:
     files = {f.name: f.stat().st_size for f in sorted(Path(path).glob("*.safetensors"))}
     what = {
         "model": str(Path(path).resolve()),
@@ -201,21 +216,20 @@ def _cache_key(path: Path, scheme: QuantScheme, calibration, method: str, option
         "method": method,
         # guided 0 (off) is left out: costs measured before the option existed stay valid
         "options": {k: v for k, v in dataclasses.asdict(options).items() if (k, v) != ("guided", 0)},
-        "version": 4,  # 3: KL without the cancellation of Σ p log p - Σ p log q; 4: GPTQ refines its rounding
+        "estimator": estimator,
+        **({"draws": FISHER_DRAWS} if estimator == "fisher" else {}),
+        # 3: KL without the cancellation of Σ p log p - Σ p log q; 4: GPTQ refines its rounding;
+        # 5: the estimator is in the result (and the key)
+        "version": 5,
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _measure(path: Path, scheme: QuantScheme, calibration, track: Track, method, options) -> dict:
-    import copy
-
+def _measure(path: Path, scheme: QuantScheme, calibration, track: Track, method, options, estimator: str) -> dict:
     import torch
-    from torch import nn
 
     from quantkit.calibration.datasets import calibration_samples, load_documents
     from quantkit.calibration.runner import BlockInputs, capture_block_inputs
-    from quantkit.eval.kld import divergence
-    from quantkit.kernels.attention import twin as reference
     from quantkit.models.arch import arch_for, get_module
     from quantkit.models.loading import load_float_model
 
@@ -226,56 +240,110 @@ def _measure(path: Path, scheme: QuantScheme, calibration, track: Track, method,
     spec = arch_for(model.config)
     c = calibration
     samples = calibration_samples(tokenizer, load_documents(c.dataset, "calib"), c.samples, c.seq_len, c.seed)
-    blocks = get_module(model, spec.blocks)
     found = units(model, spec)
     guides = _guides(model, spec, path, samples, options, found, c.batch_size)
-    final_norm, lm_head = get_module(model, spec.final_norm), get_module(model, spec.lm_head)
-    softcap = getattr(model.config, "final_logit_softcapping", None)
     with torch.no_grad():
         hidden, kwargs = capture_block_inputs(model, spec, samples, c.batch_size, torch.device("cpu"))
         inputs = [hidden]  # inputs[i]: block i's inputs per batch, from the float model
-        for i, block in enumerate(blocks):
+        for i, block in enumerate(get_module(model, spec.blocks)):
             inputs.append(BlockInputs(inputs[i], kwargs[i]).run(block))
-
-        def logits(hs):
-            return [reference.cap(lm_head(final_norm(h)).float(), softcap) for h in hs]
-
-        base = [x.log_softmax(-1) for x in logits(inputs[-1])]  # the float model's, once
-
-        def kl(hs) -> float:  # Σ p (log p - log q): Σ p log p - Σ p log q lost ~3e-4 nats to cancellation
-            return torch.cat([divergence(b, q).flatten() for b, q in zip(base, logits(hs))]).mean().item()
-
-        def quantized_alone(unit: Unit, args: QuantArgs) -> nn.Module:
-            """A copy of the unit's block with the unit's linears quantized to `args` by the
-            method, every other linear float."""
-            block = copy.deepcopy(blocks[unit.block])
-            prefix = f"{spec.blocks}.{unit.block}"
-            names = (f"{prefix}.{n}" for n in spec.for_block(block).linears)
-            others = tuple(n for n in names if n not in unit.linears)
-            alone = scheme.replace(weights=args, overrides=(), ignore=scheme.ignore + others)
-            step = method.make_step(spec, alone, options, {}, dtype, None)
-            step(unit.block, prefix, block, BlockInputs(inputs[unit.block], kwargs[unit.block], guides))
-            return block
-
-        cands = candidates(scheme)
-        rows = []
-        for unit in track(found, "sensitivity (fusion groups)", len(found)):
-            kld = {FLOAT: 0.0}
-            for name, args in cands.items():
-                if args is None or not unit.fits(args):
-                    continue
-                h = BlockInputs(inputs[unit.block], kwargs[unit.block]).run(quantized_alone(unit, args))
-                for j in range(unit.block + 1, len(blocks)):
-                    h = BlockInputs(h, kwargs[j]).run(blocks[j])
-                kld[name] = kl(h)
-            rows.append(_row(unit, kld, {n: unit.bits(a, float_bytes) for n, a in cands.items() if n in kld}))
+    if estimator == "exact":
+        cost = _exact_cost(model, spec, inputs, kwargs)
+    else:
+        cost = _fisher_cost(model, spec, samples, calibration, inputs, track)
+    alone = _quantized_alone(model, spec, scheme, method, options, dtype, inputs, kwargs, guides)
+    cands = candidates(scheme)
+    rows = []
+    for unit in track(found, "sensitivity (fusion groups)", len(found)):
+        kld = {FLOAT: 0.0}
+        for name, args in cands.items():
+            if args is not None and unit.fits(args):
+                with torch.no_grad():  # the method's step as the runner calls it
+                    outs = BlockInputs(inputs[unit.block], kwargs[unit.block]).run(alone(unit, args))
+                    kld[name] = cost(unit.block, outs)
+        rows.append(_row(unit, kld, {n: unit.bits(a, float_bytes) for n, a in cands.items() if n in kld}))
     return {
         "scheme": scheme.name,
         "method": method.name,
+        "estimator": estimator,
         "calibration": dataclasses.asdict(calibration),
         "float_bytes": float_bytes,
         "units": rows,
     }
+
+
+def _quantized_alone(model, spec, scheme: QuantScheme, method, options, dtype, inputs, kwargs, guides):
+    """unit, args -> a copy of the unit's block with the unit's linears quantized to `args` by
+    the method (calibrated on the block's float inputs), every other linear float."""
+    import copy
+
+    from quantkit.calibration.runner import BlockInputs
+    from quantkit.models.arch import get_module
+
+    blocks = get_module(model, spec.blocks)
+
+    def alone(unit: Unit, args: QuantArgs):
+        block = copy.deepcopy(blocks[unit.block])
+        prefix = f"{spec.blocks}.{unit.block}"
+        names = (f"{prefix}.{n}" for n in spec.for_block(block).linears)
+        others = tuple(n for n in names if n not in unit.linears)
+        only = scheme.replace(weights=args, overrides=(), ignore=scheme.ignore + others)
+        step = method.make_step(spec, only, options, {}, dtype, None)
+        step(unit.block, prefix, block, BlockInputs(inputs[unit.block], kwargs[unit.block], guides))
+        return block
+
+    return alone
+
+
+def _exact_cost(model, spec, inputs, kwargs):
+    """block index, its outputs per batch with one unit quantized -> the mean KL(float ‖ that
+    model) per token, running the later blocks (float) to the logits."""
+    import torch
+
+    from quantkit.calibration.runner import BlockInputs
+    from quantkit.eval.kld import divergence
+    from quantkit.kernels.attention import twin as reference
+    from quantkit.models.arch import get_module
+
+    blocks = get_module(model, spec.blocks)
+    final_norm, lm_head = get_module(model, spec.final_norm), get_module(model, spec.lm_head)
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+
+    @torch.no_grad()
+    def logits(hs):
+        return [reference.cap(lm_head(final_norm(h)).float(), softcap) for h in hs]
+
+    base = [x.log_softmax(-1) for x in logits(inputs[-1])]  # the float model's, once
+
+    @torch.no_grad()
+    def cost(i: int, h) -> float:  # Σ p (log p - log q): Σ p log p - Σ p log q lost ~3e-4 nats to cancellation
+        for j in range(i + 1, len(blocks)):
+            h = BlockInputs(h, kwargs[j]).run(blocks[j])
+        return torch.cat([divergence(b, q).flatten() for b, q in zip(base, logits(h))]).mean().item()
+
+    return cost
+
+
+def _fisher_cost(model, spec, samples, calibration, inputs, track):
+    """block index, its outputs per batch with one unit quantized -> ½·mean over tokens and
+    draws of (g·δ)², δ the change of the block's output, g = ∇ log p(y|h) at the block's
+    output for labels drawn from the float model (`guided.fisher_gradients`): the
+    second-order estimate of the KL, ½·δᵀFδ with F the Fisher. Only the unit's block runs."""
+    import torch
+
+    from quantkit.calibration import guided
+
+    c = calibration
+    grads = guided.fisher_gradients(model, spec, samples, FISHER_DRAWS, c.seed, c.batch_size, track)
+
+    def cost(i: int, outs) -> float:
+        total, count = 0.0, 0
+        for g, q, f in zip(grads[i], outs, inputs[i + 1]):  # g [draws, b, seq, hidden]; q, f [b, seq, hidden]
+            total += torch.einsum("dbth,bth->dbt", g, q - f).square().sum().item()
+            count += g[..., 0].numel()
+        return 0.5 * total / count
+
+    return cost
 
 
 def _guides(model, spec, path, samples, options, found: list[Unit], batch_size: int):
@@ -430,9 +498,12 @@ def achieved_bits(rows: list[dict], choice: dict[str, str]) -> float:
 SENSITIVITY_WINDOWS = (8, 256)  # calibration rows × tokens that --target-bits measures sensitivity on
 
 
-def for_target_bits(model_name, method, options, scheme: QuantScheme, calibration, target_bits, formats, track, log):
+def for_target_bits(
+    model_name, method, options, scheme: QuantScheme, calibration, target_bits, formats, track, log, estimator="fisher"
+):
     """(the mixed scheme, what the provenance records of it) for `--target-bits`: the costs are
-    measured with the method that quantizes the model (its registry entry, with `options`)."""
+    measured with the method that quantizes the model (its registry entry, with `options`),
+    by `estimator` (see `sensitivity`)."""
     if method.format != "pack-quantized":
         raise QuantkitError(f"--target-bits chooses int4/int8 formats for {_int_methods('and')}, not {method.name}.")
     if scheme.format != "pack-quantized":
@@ -445,7 +516,9 @@ def for_target_bits(model_name, method, options, scheme: QuantScheme, calibratio
     check_budget(shape_rows(model_name, scheme), target_bits, formats)  # an impossible budget, before measuring
     rows_n, seq_len = SENSITIVITY_WINDOWS
     windows = dataclasses.replace(calibration, samples=rows_n, seq_len=seq_len)
-    sens = sensitivity(model_name, scheme, windows, track, log, method=method.name, options=options)
+    sens = sensitivity(
+        model_name, scheme, windows, track, log, method=method.name, options=options, estimator=estimator
+    )
     choice = choose(sens["units"], target_bits, formats)
     achieved = achieved_bits(sens["units"], choice)
     if log:
@@ -458,7 +531,7 @@ def for_target_bits(model_name, method, options, scheme: QuantScheme, calibratio
         "target_bits": target_bits,
         **({"formats": list(formats)} if formats is not None else {}),
         "bits_per_weight": achieved,
-        "sensitivity": {"calibration": sens["calibration"], "scheme": sens["scheme"], "method": sens["method"]},
+        "sensitivity": {k: sens[k] for k in ("calibration", "scheme", "method", "estimator")},
         "choice": choice,
         "kld_sum": sum(r["kld"][choice[r["label"]]] for r in sens["units"]),
     }

@@ -23,6 +23,12 @@ TARGET_FORMATS_HELP = (
     "(int4: all three), int8, float. E.g. int4,float for vLLM's CPU build, which has no int8 weight kernel."
 )
 
+TARGET_ESTIMATE_HELP = (
+    "With --target-bits: how each layer group's sensitivity is found: fisher (the default; a second-order "
+    "estimate from one backward pass, ~1 min on smollm2) or exact (its KL measured through the rest of the "
+    "model, ~20x longer)."
+)
+
 
 @dataclass(frozen=True)
 class RunOptions:
@@ -33,6 +39,7 @@ class RunOptions:
     max_shard_size: str = option("5GB", "Largest safetensors shard of the checkpoint, e.g. 5GB or 500MB.")
     target_bits: float | None = option(None, TARGET_BITS_HELP, kind="float", min=0)
     target_formats: str | None = option(None, TARGET_FORMATS_HELP, kind="text")
+    target_estimate: str | None = option(None, TARGET_ESTIMATE_HELP, kind="text")
     kv_cache: str | None = option(None, f"Also calibrate KV-cache scales: {' or '.join(KV_DTYPES)}.", kind="text")
     kv_per_head: bool = option(False, "One scale per KV head instead of per layer.")
     overwrite: bool = option(False, "Replace an existing output folder.")

@@ -30,7 +30,7 @@ from quantkit.formats.stored import entry_bytes, pack_entry
 from quantkit.models import kv_cache
 from quantkit.models.arch import ArchSpec, arch_for, get_module
 from quantkit.models.loading import load_weights, open_float_model, release_weights
-from quantkit.pipeline.mixed import FORMATS_NEED_BITS, allowed_formats, for_target_bits, listing
+from quantkit.pipeline.mixed import ESTIMATORS, FORMATS_NEED_BITS, allowed_formats, for_target_bits, listing
 from quantkit.pipeline.stream import BlockStream, PartialRun
 from quantkit.primitives import check_group_size
 from quantkit.progress import Track, no_progress
@@ -258,6 +258,7 @@ def quantize(
     max_shard_size: int | str = SHARD_BYTES,
     target_bits: float | None = None,
     target_formats: tuple[str, ...] | None = None,
+    target_estimate: str | None = None,
 ) -> dict:
     """Quantize `model_name` with `method` (a weight method of the registry: rtn, awq, gptq,
     fp8) and write the checkpoint to `out`. `options` are the method's (a dict or its
@@ -275,7 +276,7 @@ def quantize(
     per weight stay at most `target_bits` (`pipeline.mixed`), among `target_formats` when given
     (`mixed.allowed_formats`); the provenance records the choice."""
     run = _Run(model_name, method, options, transforms, calibration, out, overwrite, device, track, log)
-    scheme = run.validate(scheme, max_shard_size, target_bits, target_formats)
+    scheme = run.validate(scheme, max_shard_size, target_bits, target_formats, target_estimate)
     run.resolve(scheme)
     run.open_output(resume, target_bits, target_formats)
     try:
@@ -312,7 +313,7 @@ class _Run:
         self.options, self.out, self.overwrite = options, Path(out), overwrite
         self.calibration = calibration or Calibration()
 
-    def validate(self, scheme: QuantScheme, max_shard_size, target_bits, target_formats) -> QuantScheme:
+    def validate(self, scheme: QuantScheme, max_shard_size, target_bits, target_formats, estimate=None) -> QuantScheme:
         """The scheme to quantize with (with `target_bits`, the mixed one chosen), once the
         arguments are checked against the method and the output folder."""
         m, log = self.method, self.log
@@ -327,7 +328,16 @@ class _Run:
         if target_bits is not None:
             self.formats = allowed_formats(target_formats)
             scheme, self.mixed = for_target_bits(
-                self.model_name, m, self.options, scheme, self.calibration, target_bits, self.formats, self.track, log
+                self.model_name,
+                m,
+                self.options,
+                scheme,
+                self.calibration,
+                target_bits,
+                self.formats,
+                self.track,
+                log,
+                estimate or ESTIMATORS[0],
             )
         return scheme
 

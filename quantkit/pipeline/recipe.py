@@ -405,6 +405,7 @@ def _run(d: dict, steps: tuple[Step, ...]) -> run_options.RunOptions:
         "max_shard_size": _shard_size,
         "target_bits": lambda v: _target_bits(v, steps),
         "target_formats": lambda v: _target_formats(v, d.get("target_bits")),
+        "target_estimate": lambda v: _target_estimate(v, d.get("target_bits")),
     }
     table = _table(run_options.RunOptions)
     values = {}
@@ -440,6 +441,18 @@ def _target_formats(value, target_bits) -> tuple[str, ...] | None:
         return allowed_formats(value)
     except QuantkitError as e:
         raise QuantkitError(f"target_formats: {e}") from None
+
+
+def _target_estimate(value, target_bits) -> str | None:
+    from quantkit.pipeline.mixed import ESTIMATORS
+
+    if value is None:
+        return None
+    if value not in ESTIMATORS:
+        raise _bad("target_estimate", value, " or ".join(ESTIMATORS))
+    if target_bits is None:
+        raise QuantkitError("target_estimate (--target-estimate) goes with target_bits (--target-bits); give both.")
+    return value
 
 
 def _shard_size(value) -> str:
@@ -565,6 +578,7 @@ def run_recipe(
             max_shard_size=recipe.run.max_shard_size,
             target_bits=recipe.run.target_bits,
             target_formats=recipe.run.target_formats,
+            target_estimate=recipe.run.target_estimate,
         )
     if recipe.eval is not None:
         from quantkit.eval.gates import evaluate_gates

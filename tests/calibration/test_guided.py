@@ -68,6 +68,38 @@ def test_block_by_block_gradients_equal_autograd_on_the_whole_model(tmp_path, ti
     assert not list(tmp_path.glob("quantkit-gradients-*"))  # the block inputs kept on disk are gone
 
 
+@pytest.mark.parametrize("tie", [False, True])
+def test_fisher_gradients_equal_autograd_on_the_whole_model(tmp_path, tie):
+    """∇ log p(y|h) at every block's output, labels drawn from the model row by row with the
+    same generator: the streaming pass against one autograd pass through the whole model."""
+    from conftest import make_tiny_model
+
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "m", tie=tie)).eval()
+    spec = arch_for(model.config)
+    samples, draws = ids(), 3
+    got = guided.fisher_gradients(model, spec, samples, draws, seed=5, batch_size=4, spill=tmp_path)
+    outs = []
+
+    def keep(module, args, out):
+        outs.append(out[0] if isinstance(out, tuple) else out)
+
+    hooks = [b.register_forward_hook(keep) for b in model.model.layers]
+    logp = model(samples).logits.float().log_softmax(-1)  # [rows, seq, vocab]
+    for h in hooks:
+        h.remove()
+    generator = torch.Generator().manual_seed(5)
+    y = torch.stack([torch.multinomial(r.detach().exp(), draws, replacement=True, generator=generator) for r in logp])
+    picked = logp.gather(-1, y)  # [rows, seq, draws]
+    want = [torch.autograd.grad(picked[..., d].sum(), outs, retain_graph=True) for d in range(draws)]
+    assert len(got) == len(outs)
+    for i, per_batch in enumerate(got):
+        g = torch.cat(per_batch, 1)  # [draws, rows, seq, hidden]
+        assert g.shape == (draws, *outs[i].shape)
+        # fp32 sums in another order; 1e-4 of the largest gradient
+        torch.testing.assert_close(g, torch.stack([w[i] for w in want]), rtol=1e-4, atol=1e-4 * g.abs().max().item())
+    assert not list(tmp_path.glob("quantkit-gradients-*"))
+
+
 def test_weighted_hessian_is_the_formula_over_batches():
     torch.manual_seed(0)
     x = [torch.randn(2, 5, 8), torch.randn(3, 5, 8)]

@@ -1,5 +1,5 @@
 """The C++ element-wise kernels (`quantkit.kernels.elementwise.cpp`, kernels/elementwise/fused.cpp) against
-their twins in `quantkit.kernels.reference` (transformers' own torch code): RMSNorm Llama's way
+their twins (`kernels/elementwise/twin.py`) (transformers' own torch code): RMSNorm Llama's way
 and Gemma's, the residual add + norm, rotary embedding in place (whole and partial), SiLU * up;
 every float dtype, sizes with and without a vector tail, strided views as the runner passes.
 
