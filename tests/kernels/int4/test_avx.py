@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from int4_cases import quantized
 
 from quantkit.errors import QuantkitError
 from quantkit.kernels.int4 import avx as cpu_int4_avx
 from quantkit.kernels.int4 import twin as reference
-from quantkit.packing import pack
-from quantkit.primitives import compute_qparams, quantize
-from quantkit.scheme import QuantArgs
 
 LEVEL = cpu_int4_avx.isa_level()
 pytestmark = pytest.mark.skipif(LEVEL == 0, reason=f"no AVX int4 kernel: {cpu_int4_avx.EXTENSION.reason()}")
@@ -31,17 +29,6 @@ ISAS = [
     ),
 ]
 ROWS = [1, 2, 3, 4, 5, 8, 9, 17, 64, 300]
-
-
-def _quantized(n, k, group_size, symmetric, g_idx=None, seed=0):
-    """(w_packed, scale, zero) of a random [n, k] weight, as the packer writes them."""
-    torch.manual_seed(seed)
-    args = QuantArgs(
-        num_bits=4, symmetric=symmetric, strategy="group" if group_size else "channel", group_size=group_size
-    )
-    w = torch.randn(n, k)
-    scale, zero = compute_qparams(w, args, torch.bfloat16)
-    return pack(quantize(w, scale, zero, args, g_idx)), scale, zero
 
 
 def _close(y, twin):
@@ -59,7 +46,7 @@ SHAPES = [(576, 961, 64), (256, 37, 32), (1536, 77, 128), (320, 19, None), (576,
 @pytest.mark.parametrize("k, n, group_size", SHAPES)
 @pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
 def test_int4_matches_twin(isa, m, k, n, group_size, symmetric):
-    w_packed, scale, zero = _quantized(n, k, group_size, symmetric, seed=m)
+    w_packed, scale, zero, _ = quantized(n, k, group_size, symmetric, seed=m)
     weight, why = cpu_int4_avx.repack(w_packed, scale, zero, group_size, isa=isa)
     assert weight is not None and weight.isa == isa, why
     x = torch.randn(m, k)
@@ -75,7 +62,7 @@ def test_int4_act_order(isa, m):
     order = torch.randperm(k, generator=torch.Generator().manual_seed(2))
     g_idx = torch.empty(k, dtype=torch.int32)
     g_idx[order] = (torch.arange(k) // g).to(torch.int32)  # GPTQ act-order: groups permuted
-    w_packed, scale, zero = _quantized(45, k, g, False, g_idx)
+    w_packed, scale, zero, _ = quantized(45, k, g, False, g_idx)
     weight, why = cpu_int4_avx.repack(w_packed, scale, zero, g, g_idx, isa=isa)
     assert weight is not None and weight.perm is not None, why
     x = torch.randn(m, k)
@@ -84,7 +71,7 @@ def test_int4_act_order(isa, m):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_int4_other_activations_and_leading_dims(dtype):
-    w_packed, scale, zero = _quantized(40, 256, 64, False)
+    w_packed, scale, zero, _ = quantized(40, 256, 64, False)
     weight, _ = cpu_int4_avx.repack(w_packed, scale, zero, 64)
     x = torch.randn(2, 3, 256).to(dtype)
     y = cpu_int4_avx.gemm(x, weight)
@@ -94,11 +81,11 @@ def test_int4_other_activations_and_leading_dims(dtype):
 
 
 def test_repack_says_why_it_cannot():
-    w_packed, scale, zero = _quantized(16, 48, 12, False)  # groups of 12: not a multiple of 8
+    w_packed, scale, zero, _ = quantized(16, 48, 12, False)  # groups of 12: not a multiple of 8
     weight, why = cpu_int4_avx.repack(w_packed, scale, zero, 12)
     assert weight is None and "multiple of 8" in why and why.count(". ") == 0
     k, g = 256, 64
-    w_packed, scale, zero = _quantized(16, k, g, True)
+    w_packed, scale, zero, _ = quantized(16, k, g, True)
     g_idx = torch.zeros(k, dtype=torch.int32)  # one group of 256 where the group size says 64
     weight, why = cpu_int4_avx.repack(w_packed, scale, zero, g, g_idx)
     assert weight is None and why == "its act-order groups are not contiguous once sorted"
@@ -108,7 +95,7 @@ def test_repack_says_why_it_cannot():
 
 def test_layout():
     """Tile 0, group 0, word row 0 holds the on-disk words of channels 0..15; then s and zs."""
-    w_packed, scale, zero = _quantized(20, 128, 64, False)
+    w_packed, scale, zero, _ = quantized(20, 128, 64, False)
     weight, _ = cpu_int4_avx.repack(w_packed, scale, zero, 64)
     assert weight.words.shape == (2, 2, 10, 16) and weight.words.dtype == torch.int32
     assert torch.equal(weight.words[0, 1, :8].t(), w_packed[:16, 8:16])

@@ -15,26 +15,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from int4_cases import quantized
 
 from quantkit.errors import QuantkitError
 from quantkit.kernels.int4 import cpp as cpu_int4
 from quantkit.kernels.int4 import twin as int4_twin
-from quantkit.packing import pack, unpack
-from quantkit.primitives import compute_qparams, dequantize, quantize
-from quantkit.scheme import QuantArgs
+from quantkit.packing import unpack
+from quantkit.primitives import dequantize
 
 amx = pytest.mark.skipif(not cpu_int4.available(), reason=f"no AMX int4 kernel: {cpu_int4.reason()}")
-
-
-def _quantized(n, k, group_size, symmetric, g_idx=None, seed=0):
-    """(w_packed, scale, zero, args) of a random [n, k] weight, as the packer writes them."""
-    torch.manual_seed(seed)
-    args = QuantArgs(
-        num_bits=4, symmetric=symmetric, strategy="group" if group_size else "channel", group_size=group_size
-    )
-    w = torch.randn(n, k)
-    scale, zero = compute_qparams(w, args, torch.bfloat16)
-    return pack(quantize(w, scale, zero, args, g_idx)), scale, zero, args
 
 
 def _check(y, x, w_packed, scale, zero, args, group_size, g_idx=None, atol_rms=2**-10):
@@ -72,7 +61,7 @@ CASES = [
 @pytest.mark.parametrize("m, k, n, group_size", CASES)
 @pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
 def test_amx_matches_twin(m, k, n, group_size, symmetric):
-    w_packed, scale, zero, args = _quantized(n, k, group_size, symmetric)
+    w_packed, scale, zero, args = quantized(n, k, group_size, symmetric)
     weight, why = cpu_int4.repack(w_packed, scale, zero, group_size)
     assert weight.kernel == "amx", why
     x = torch.randn(m, k, dtype=torch.bfloat16)
@@ -86,7 +75,7 @@ def test_amx_matches_twin(m, k, n, group_size, symmetric):
 @pytest.mark.parametrize("k, n, group_size", [(576, 961, 64), (1536, 77, 128), (256, 33, 32), (320, 19, None)])
 @pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
 def test_few_rows_match_twin(m, k, n, group_size, symmetric):
-    w_packed, scale, zero, args = _quantized(n, k, group_size, symmetric, seed=m)
+    w_packed, scale, zero, args = quantized(n, k, group_size, symmetric, seed=m)
     weight, why = cpu_int4.repack(w_packed, scale, zero, group_size)
     assert weight.kernel == "amx", why
     x = torch.randn(m, k, dtype=torch.bfloat16)
@@ -100,7 +89,7 @@ def test_few_rows_act_order(m):
     order = torch.randperm(k, generator=torch.Generator().manual_seed(2))
     g_idx = torch.empty(k, dtype=torch.int32)
     g_idx[order] = (torch.arange(k) // g).to(torch.int32)
-    w_packed, scale, zero, args = _quantized(45, k, g, False, g_idx)
+    w_packed, scale, zero, args = quantized(45, k, g, False, g_idx)
     weight, _ = cpu_int4.repack(w_packed, scale, zero, g, g_idx)
     assert weight.kernel == "amx" and weight.perm is not None
     x = torch.randn(m, k, dtype=torch.bfloat16)
@@ -113,7 +102,7 @@ def test_amx_fp32_activations_leading_dims_and_act_order():
     order = torch.randperm(k, generator=torch.Generator().manual_seed(1))
     g_idx = torch.empty(k, dtype=torch.int32)
     g_idx[order] = (torch.arange(k) // g).to(torch.int32)  # GPTQ "group" act-order
-    w_packed, scale, zero, args = _quantized(64, k, g, False, g_idx)
+    w_packed, scale, zero, args = quantized(64, k, g, False, g_idx)
     weight, _ = cpu_int4.repack(w_packed, scale, zero, g, g_idx)
     assert weight.kernel == "amx" and weight.perm is not None
     x = torch.randn(2, 3, k)  # fp32, computed in bf16
@@ -123,7 +112,7 @@ def test_amx_fp32_activations_leading_dims_and_act_order():
 @amx
 @pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
 def test_amx_dequantize_equals_the_twin_bit_for_bit(symmetric):
-    w_packed, scale, zero, args = _quantized(40, 576, 64, symmetric)
+    w_packed, scale, zero, args = quantized(40, 576, 64, symmetric)
     w = cpu_int4.repack(w_packed, scale, zero, 64)[0]
     dense = cpu_int4._load().dequantize(w.nibbles, w.scales, w.zs, w.out_features, w.group_size)
     assert torch.equal(dense, dequantize(unpack(w_packed, 576), scale, zero, args).to(torch.bfloat16))
@@ -132,7 +121,7 @@ def test_amx_dequantize_equals_the_twin_bit_for_bit(symmetric):
 @pytest.mark.parametrize("m", [1, 7, cpu_int4.DENSE_MIN_M])  # int4pack, then dequantize + fp32 matmul
 @pytest.mark.parametrize("forced", ["argument", "env"])
 def test_fallback_when_amx_is_absent(m, forced, monkeypatch):
-    w_packed, scale, zero, args = _quantized(48, 576, 64, False)
+    w_packed, scale, zero, args = quantized(48, 576, 64, False)
     if forced == "env":
         monkeypatch.setenv("QUANTKIT_INT4_KERNEL", "int4pack")
         weight, why = cpu_int4.repack(w_packed, scale, zero, 64)
@@ -144,7 +133,7 @@ def test_fallback_when_amx_is_absent(m, forced, monkeypatch):
 
 
 def test_shapes_neither_kernel_takes_and_forcing_amx_on_them():
-    w_packed, scale, zero, _ = _quantized(40, 200, None, True)  # K % 32 != 0, N % 16 != 0
+    w_packed, scale, zero, _ = quantized(40, 200, None, True)  # K % 32 != 0, N % 16 != 0
     weight, why = cpu_int4.repack(w_packed, scale, zero, None)
     assert weight is None and "use the torch twin" in why
     with pytest.raises(QuantkitError, match="AMX int4 kernel"):

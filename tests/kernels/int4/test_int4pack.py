@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from int4_cases import quantized
 
 from quantkit.errors import QuantkitError
 from quantkit.kernels.int4 import twin as int4_twin
@@ -24,17 +25,6 @@ from quantkit.scheme import QuantArgs
 
 BF16_TIGHT = dict(rtol=2**-7, rms_atol=2**-7, sqnr=50.0)
 BF16_LOOSE = dict(rtol=1.6e-2, rms_atol=1.6e-2, sqnr=45.0)
-
-
-def _quantized(n, k, group_size, symmetric, scale_dtype=torch.bfloat16, g_idx=None, seed=0):
-    """Packed int4 tensors of a random [n, k] weight, as the packer writes them."""
-    torch.manual_seed(seed)
-    args = QuantArgs(
-        num_bits=4, symmetric=symmetric, strategy="group" if group_size else "channel", group_size=group_size
-    )
-    w = torch.randn(n, k)
-    scale, zero = compute_qparams(w, args, scale_dtype)
-    return pack(quantize(w, scale, zero, args, g_idx)), scale, zero
 
 
 def _check(y, ref, rtol, rms_atol, sqnr):
@@ -62,7 +52,7 @@ def test_torch_int4pack_convention():
 @pytest.mark.parametrize("k, group_size", [(256, 32), (256, 64), (256, 128), (576, 64), (576, 32)])
 @pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
 def test_int4_matches_twin(m, k, group_size, symmetric):
-    w_packed, scale, zero = _quantized(k, k, group_size, symmetric)
+    w_packed, scale, zero, _ = quantized(k, k, group_size, symmetric)
     x = torch.randn(m, k, dtype=torch.bfloat16)
     y = int4_gemm_cpu(x, repack_int4_cpu(w_packed, scale, zero, group_size))
     ref = int4_twin.int4_gemm(x.float(), w_packed, scale.float(), zero, group_size)
@@ -71,7 +61,7 @@ def test_int4_matches_twin(m, k, group_size, symmetric):
 
 @pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
 def test_int4_per_channel_runs_as_groups(symmetric):
-    w_packed, scale, zero = _quantized(64, 576, None, symmetric)  # scale [64, 1]
+    w_packed, scale, zero, _ = quantized(64, 576, None, symmetric)  # scale [64, 1]
     x = torch.randn(7, 576, dtype=torch.bfloat16)
     weight = repack_int4_cpu(w_packed, scale, zero, None)
     assert weight.group_size == 64 and weight.scales_and_zeros.shape == (9, 64, 2)
@@ -79,7 +69,7 @@ def test_int4_per_channel_runs_as_groups(symmetric):
 
 
 def test_int4_fp32_scales_and_fp32_activations():
-    w_packed, scale, zero = _quantized(128, 256, 64, False, scale_dtype=torch.float32)
+    w_packed, scale, zero, _ = quantized(128, 256, 64, False, scale_dtype=torch.float32)
     x = torch.randn(2, 3, 256)  # fp32, leading dims
     y = int4_gemm_cpu(x, repack_int4_cpu(w_packed, scale, zero, 64))
     assert y.dtype == torch.float32 and y.shape == (2, 3, 128)
@@ -133,10 +123,10 @@ def test_rejected_shapes_raise_and_uneven_act_order_is_rejected():
     uneven = interleaved.clone()
     uneven[0] = 1  # group 0 has 63 columns, group 1 65: fine for the twin, not for the kernel
     assert supports(64, k, g, interleaved) and not supports(64, k, g, uneven)
-    w_packed, scale, zero = _quantized(64, k, g, True)
+    w_packed, scale, zero, _ = quantized(64, k, g, True)
     with pytest.raises(QuantkitError, match="CPU int4 kernel"):
         repack_int4_cpu(w_packed, scale, zero, g, uneven)
-    w_packed, scale, zero = _quantized(40, k, g, True)
+    w_packed, scale, zero, _ = quantized(40, k, g, True)
     with pytest.raises(QuantkitError, match="out % 16"):
         repack_int4_cpu(w_packed, scale, zero, g)
 
