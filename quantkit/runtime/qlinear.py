@@ -77,8 +77,8 @@ class PackedInt4Linear(_Prepared):
     def prepare(self, dtype: torch.dtype, device: torch.device | str, backend: str = "auto") -> Choice:
         """Choose the kernel once, for activations of `dtype` on `device` (what the engine does at
         load; a first call does it otherwise), from `quantkit.kernels.int4.CANDIDATES`: the
-        Triton kernel on a GPU, for bf16 on the CPU the AMX kernel, else torch's int4pack, else
-        the torch twin, which dequantizes the weight on every call. `self.kernel` says which, and
+        Triton kernel on a GPU; on the CPU the AMX kernel for bf16, the AVX2/AVX-512 kernel for
+        fp32, else torch's int4pack (bf16); else the torch twin, which dequantizes the weight on every call. `self.kernel` says which, and
         why."""
         group = self.args.group_size if self.args.strategy == "group" else None
         weight = (self.weight_packed, self.weight_scale, self.zeros(), group, self.weight_g_idx)
@@ -93,9 +93,10 @@ class PackedInt4Linear(_Prepared):
 
 class PackedInt8Linear(_Prepared):
     """A linear with compressed-tensors `pack-quantized` int8 weights (w8a16; buffers named as
-    in the checkpoint). Symmetric per-channel weights on the CPU compute through torch's
-    int8-weight GEMM (`kernels/int8/int8pack.py`, chosen at load); any other layout or
-    device dequantizes its weight once, into the activations' dtype."""
+    in the checkpoint). Symmetric per-channel weights on the CPU compute through the AVX2/AVX-512
+    kernel for fp32 activations (`kernels/int4/avx.py`) or torch's int8-weight GEMM
+    (`kernels/int8/int8pack.py`), chosen at load; any other layout or device dequantizes its
+    weight once, into the activations' dtype."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, args: QuantArgs, dtype: torch.dtype):
         super().__init__()
@@ -110,8 +111,8 @@ class PackedInt8Linear(_Prepared):
 
     def prepare(self, dtype: torch.dtype, device: torch.device | str, backend: str = "auto") -> Choice:
         """Choose the kernel once (see `PackedInt4Linear.prepare`) from
-        `quantkit.kernels.int8.W8A16`: torch's int8-weight GEMM for symmetric per-channel weights
-        on the CPU, else the weight dequantized once into `dtype`."""
+        `quantkit.kernels.int8.W8A16`: for symmetric per-channel weights on the CPU the AVX kernel
+        (fp32 activations) or torch's int8-weight GEMM, else the weight dequantized once into `dtype`."""
         zeros = self.weight_zero_point
         zeros = None if zeros is None else packing.unpack(zeros, self.out_features, 8, dim=0)
         problem = Problem(
