@@ -78,8 +78,8 @@ class PackedInt4Linear(_Prepared):
         """Choose the kernel once, for activations of `dtype` on `device` (what the engine does at
         load; a first call does it otherwise), from `quantkit.kernels.int4.CANDIDATES`: the
         Triton kernel on a GPU; on the CPU the AMX kernel for bf16, the AVX2/AVX-512 kernel for
-        fp32, else torch's int4pack (bf16); else the torch twin, which dequantizes the weight on every call. `self.kernel` says which, and
-        why."""
+        fp32, else torch's int4pack (bf16); else the torch twin, which dequantizes the weight on
+        every call. `self.kernel` says which, and why."""
         group = self.args.group_size if self.args.strategy == "group" else None
         weight = (self.weight_packed, self.weight_scale, self.zeros(), group, self.weight_g_idx)
         return self._choose("int4 GEMM", int4.CANDIDATES, Problem(device, dtype, backend, weight=weight))
