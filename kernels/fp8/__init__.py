@@ -1,8 +1,17 @@
-"""W8A8 fp8 GEMM (e4m3 weights, activations quantized per token or with a static scale): its
-candidates, fastest first, the twin last (`quantkit.kernels.choice`). A problem gives `dtype`
-(the activations'), `weight` fp8 [N, K], `scales` and `input_scale` (None: dynamic)."""
+"""The W8A8 fp8 GEMMs, each a list of candidates, fastest first, the twin last
+(`quantkit.kernels.choice`):
+
+- `CANDIDATES`: e4m3 weights with per-channel or per-tensor scales, activations quantized per
+  token or with a static scale. A problem gives `dtype` (the activations'), `weight` fp8 [N, K],
+  `scales` and `input_scale` (None: dynamic).
+- `BLOCK`: compressed-tensors' FP8_BLOCK (DeepSeek-V3's layout), activations quantized per token
+  and per 128 columns dynamically. A problem gives `dtype`, `weight` float8_e4m3fn [N, K] and
+  `scales` float [ceil(N/128), ceil(K/128)] (`weight_scale`, one per 128 x 128 block).
+"""
 
 from __future__ import annotations
+
+import torch
 
 from quantkit.kernels.choice import Candidate, Problem, always, triton_module
 from quantkit.kernels.fp8 import twin as fp8_twin
@@ -25,4 +34,31 @@ def _twin(p: Problem):
 CANDIDATES = [
     Candidate("fp8_gemm (Triton)", _triton_ok, _triton, device="cuda", backend="triton"),
     Candidate("fp8 twin (dequantizes on every call)", always, _twin, backend="torch"),
+]
+
+
+def _block_triton_ok(p: Problem) -> tuple[bool, str]:
+    if triton_module("fp8.block_triton", p) is None:
+        return False, "triton is not installed"
+    if p.device.type == "cuda" and torch.cuda.get_device_capability(p.device) < (8, 9):
+        return False, "its GPU has no fp8 tensor cores (compute capability below 8.9)"
+    return True, ""
+
+
+def _block_triton(p: Problem):
+    kernel, weight = triton_module("fp8.block_triton", p).fp8_block_gemm, (p.weight, p.scales)
+    return lambda x: kernel(x, *weight)
+
+
+def _block_twin(p: Problem):
+    dense = fp8_twin.dequantize_fp8_block(p.weight, p.scales)  # fp32, once at build
+
+    run = lambda x: (fp8_twin.fake_quantize_per_group(x) @ dense.t()).to(x.dtype)  # noqa: E731
+    run.weight = dense
+    return run
+
+
+BLOCK = [
+    Candidate("fp8_block_gemm (Triton)", _block_triton_ok, _block_triton, device="cuda", backend="triton"),
+    Candidate("fp8 block twin (weight dequantized once, fp32 matmul)", always, _block_twin, backend="torch"),
 ]

@@ -25,3 +25,45 @@ def fp8_gemm(
     x_fp8 = (xf / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     y = (x_fp8.float() @ w_fp8.float().t()) * x_scale * w_scale.float().reshape(1, -1)
     return y.to(x.dtype)
+
+
+# FP8 block-scaled (compressed-tensors' FP8_BLOCK preset, DeepSeek-V3's layout)
+
+BLOCK = 128  # weight blocks [128, 128]; activation groups of 128 columns per token
+
+
+def quantize_fp8_per_group(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic fp8 quantization per token and per `group` columns (the last group may be
+    shorter): x [..., K] -> (float8_e4m3fn [..., K], fp32 scales [..., ceil(K / group)]) with
+    scale = max(amax(|x_group|), 1e-12) / 448, q = clamp(x / scale, ±448) rounded to nearest even."""
+    xf = x.float()
+    k = xf.shape[-1]
+    n_groups = -(-k // group)
+    padded = torch.nn.functional.pad(xf, (0, n_groups * group - k)).reshape(*xf.shape[:-1], n_groups, group)
+    scale = padded.abs().amax(dim=-1).clamp_min(1e-12) / FP8_MAX  # [..., G]
+    wide = scale.repeat_interleave(group, dim=-1)[..., :k]
+    return (xf / wide).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def fake_quantize_per_group(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] -> fp32 x_fp8 · scale, quantized per token and per 128 columns."""
+    x_fp8, x_scale = quantize_fp8_per_group(x)
+    return x_fp8.float() * x_scale.repeat_interleave(BLOCK, dim=-1)[..., : x.shape[-1]]
+
+
+def dequantize_fp8_block(w_fp8: torch.Tensor, w_scale: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """w_fp8 float8_e4m3fn [N, K], w_scale [ceil(N / block), ceil(K / block)] -> fp32 W [N, K],
+    w[n, k] = w_fp8[n, k] · w_scale[n // block, k // block] (partial edge blocks included)."""
+    n, k = w_fp8.shape
+    s = w_scale.float().repeat_interleave(block, dim=0)[:n].repeat_interleave(block, dim=1)[:, :k]
+    return w_fp8.float() * s
+
+
+def fp8_block_gemm(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """y = dequant(x_fp8) · dequant(W_fp8)ᵀ for FP8_BLOCK (W8A8, block-scaled).
+
+    x [..., K] (float); w_fp8 float8_e4m3fn [N, K]; w_scale float [ceil(N/128), ceil(K/128)].
+    x is quantized per token and per 128 columns (`quantize_fp8_per_group`), both operands are
+    dequantized and multiplied in fp32; returns [..., N] in x's dtype.
+    """
+    return (fake_quantize_per_group(x) @ dequantize_fp8_block(w_fp8, w_scale).t()).to(x.dtype)

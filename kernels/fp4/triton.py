@@ -1,0 +1,231 @@
+"""FP4-weight GEMM in Triton (W4A16): y = x · dequant(W)ᵀ, NVFP4 or MXFP4 weights decoded in
+registers tile by tile from compressed-tensors' on-disk layout (no repack at load).
+
+    packed   uint8 [N, K/2]      `weight_packed`: code of column 2j in the low nibble of byte j,
+                                 2j + 1 in the high one; a code is E2M1 (sign in bit 3)
+    scales   [N, K/G]            NVFP4 (G = 16): float8_e4m3fn; MXFP4 (G = 32): uint8 E8M0
+    gscale   fp32 [1]            NVFP4's `weight_global_scale` (w = e2m1 · s / gscale); MXFP4: none
+
+Each program computes one [BLOCK_M, BLOCK_N] tile of y and walks K in BLOCK_K steps:
+
+    x tile   [BLOCK_M, BLOCK_K]  in x's dtype (masked rows / columns read 0)
+    bytes    [BLOCK_K, BLOCK_N]  packed[n, k // 2] (each byte read by its two k rows)
+    code     (bytes >> 4 * (k % 2)) & 0xF -> fp32 by building its bits (`_e2m1`)
+    s        scales[n, k // G] decoded from its bits (`_e4m3` / `_e8m0`), / gscale for NVFP4
+    w        code · s in fp32 (exact for MXFP4; one rounding as the twin's for NVFP4), to x's dtype
+    acc     += tl.dot(x, w)       fp32 accumulator
+
+E4M3 is decoded from its byte rather than with `.to(tl.float32)`, so the kernel needs no fp8
+support from the GPU (it runs from sm_80). The twin is `quantkit.kernels.fp4.twin.fp4_gemm`.
+On a GPU the tile sizes are autotuned over `_configs()`; under TRITON_INTERPRET=1 (CPU tests)
+autotune needs a driver, so the first config is used as is.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+KINDS = {"nvfp4": (16, torch.float8_e4m3fn), "mxfp4": (32, torch.uint8)}
+
+
+def _configs() -> list[triton.Config]:
+    if INTERPRET:  # one fixed config; small enough that test shapes still exercise masks
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64})]
+    return [
+        triton.Config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}, num_warps=4, num_stages=4),
+        triton.Config({"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128}, num_warps=4, num_stages=4),
+        triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128}, num_warps=4, num_stages=4),
+        triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4, num_stages=3),
+        triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
+    ]
+
+
+@triton.jit
+def _e2m1(code):
+    """int32 E2M1 codes (0..15) -> fp32: magnitude i = code & 7 is 0, 0.5 (i = 1) or
+    2^((i >> 1) - 1) · (1 + (i & 1) / 2), built as fp32 bits; the sign is bit 3."""
+    i = code & 7
+    bits = tl.where(i >= 2, (((i >> 1) + 126) << 23) | ((i & 1) << 22), tl.where(i == 1, 126 << 23, 0))
+    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3(b):
+    """int32 float8_e4m3fn bytes -> fp32: exponent 4 bits (bias 7), mantissa 3, subnormals
+    m · 2^-9, 0x7F / 0xFF NaN."""
+    e = (b >> 3) & 0xF
+    m = b & 7
+    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, ((e + 120) << 23 | (m << 20)).to(tl.float32, bitcast=True))
+    mag = tl.where((b & 0x7F) == 0x7F, float("nan"), mag)
+    return tl.where((b & 0x80) != 0, -mag, mag)
+
+
+@triton.jit
+def _e8m0(e):
+    """int32 E8M0 exponents -> fp32 2^(e - 127) (e = 0: the subnormal 2^-127; 255: NaN)."""
+    bits = tl.where(e == 0, 1 << 22, e << 23)
+    return tl.where(e == 255, float("nan"), bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _fp4_gemm_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    gs_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    M_BUCKET,  # M_BUCKET: autotune key only (M rounded up to a power of two)
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_ym,
+    GROUP_SIZE: tl.constexpr,
+    MX: tl.constexpr,  # True: E8M0 scales (MXFP4); False: E4M3 scales / global scale (NVFP4)
+    X_IS_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    rk = tl.arange(0, BLOCK_K)
+    shifts = ((rk % 2) * 4)[:, None]  # [BK, 1] nibble of element k in its byte
+    x_dtype = x_ptr.dtype.element_ty
+    if not MX:
+        gscale = tl.load(gs_ptr)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + rk
+        k_mask = offs_k < K
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0
+        )  # [BM, BK]
+        kn_mask = k_mask[:, None] & n_mask[None, :]
+        b = tl.load(w_ptr + offs_n[None, :] * stride_wn + (offs_k // 2)[:, None], mask=kn_mask, other=0)
+        q = _e2m1((b.to(tl.int32) >> shifts) & 0xF)  # [BK, BN] fp32
+        sb = tl.load(s_ptr + offs_n[None, :] * stride_sn + (offs_k // GROUP_SIZE)[:, None], mask=kn_mask, other=0)
+        if MX:
+            s = _e8m0(sb.to(tl.int32))
+        else:
+            s = tl.math.div_rn(_e4m3(sb.to(tl.int32)), tl.zeros_like(q) + gscale)
+        w = tl.where(kn_mask, q * s, 0.0).to(x_dtype)  # masked scales may decode to NaN: zero them
+        if X_IS_FP32:  # no tf32: the twin multiplies in full fp32
+            acc = tl.dot(x, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
+
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+if not INTERPRET:
+    _fp4_gemm_kernel = triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "GROUP_SIZE", "MX"])(
+        _fp4_gemm_kernel
+    )
+_FIXED_META = _configs()[0].kwargs if INTERPRET else {}
+
+
+def _fail(msg: str):
+    raise ValueError(f"fp4_gemm: {msg}")
+
+
+def _check(x, packed, scales, global_scale, group_size, kind) -> None:
+    if kind not in KINDS:
+        _fail(f"kind must be one of {', '.join(KINDS)}, got {kind!r}.")
+    want_group, scale_dtype = KINDS[kind]
+    if x.dtype not in FLOAT_DTYPES:
+        _fail(f"x must be float16, bfloat16 or float32, got {x.dtype}.")
+    if INTERPRET and x.dtype == torch.bfloat16:
+        _fail(
+            "bfloat16 x is not supported under TRITON_INTERPRET=1 (the interpreter's tl.dot on bf16 "
+            "is wrong); use float16/float32 or the torch backend."
+        )
+    if packed.dtype != torch.uint8 or packed.dim() != 2:
+        _fail(f"packed must be uint8 [out, in / 2], got {packed.dtype} {list(packed.shape)}.")
+    out_f, in_f = packed.shape[0], packed.shape[1] * 2
+    if x.dim() == 0 or x.shape[-1] != in_f:
+        _fail(f"x must be [..., {in_f}] to match packed {list(packed.shape)} (in = 2 x its columns).")
+    if group_size != want_group or in_f % group_size:
+        _fail(f"{kind} takes group_size {want_group} dividing the input width {in_f}, got {group_size}.")
+    if scales.dtype != scale_dtype or tuple(scales.shape) != (out_f, in_f // group_size):
+        _fail(
+            f"scales must be {str(scale_dtype)[6:]} [{out_f}, {in_f // group_size}] for {kind}, "
+            f"got {scales.dtype} {list(scales.shape)}."
+        )
+    if (kind == "nvfp4") != (global_scale is not None) or (
+        global_scale is not None and (not global_scale.is_floating_point() or global_scale.numel() != 1)
+    ):
+        _fail("global_scale must be a float [1] for nvfp4 and None for mxfp4.")
+    for name, t in (("packed", packed), ("scales", scales), ("global_scale", global_scale)):
+        if t is not None and t.device != x.device:
+            _fail(f"{name} is on {t.device} but x is on {x.device}; put all operands on one device.")
+    if not INTERPRET and x.device.type != "cuda":
+        _fail(
+            f"the Triton kernel needs CUDA tensors, got {x.device}; use the torch backend on CPU "
+            "(or set TRITON_INTERPRET=1 before importing triton, for tests)."
+        )
+
+
+def fp4_gemm(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    global_scale: torch.Tensor | None,
+    group_size: int,
+    kind: str,
+) -> torch.Tensor:
+    """y = x · dequant(W)ᵀ for NVFP4 / MXFP4 weights, in Triton; same contract as
+    `twin.fp4_gemm`. x [..., K] float16/bfloat16/float32; packed uint8 [N, K/2]; scales
+    float8_e4m3fn [N, K/16] ("nvfp4") or uint8 E8M0 [N, K/32] ("mxfp4"); global_scale fp32 [1]
+    for nvfp4, None for mxfp4. All on one CUDA device (CPU only under TRITON_INTERPRET=1).
+    Accumulates in fp32; returns [..., N] in x's dtype. Raises ValueError naming the argument
+    when a shape, dtype or device is wrong."""
+    _check(x, packed, scales, global_scale, group_size, kind)
+    n_out, k = packed.shape[0], x.shape[-1]
+    x2 = x.reshape(-1, k).contiguous()
+    m = x2.shape[0]
+    y = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
+    if m == 0 or n_out == 0:
+        return y.reshape(*x.shape[:-1], n_out)
+    packed = packed.contiguous()
+    s = scales.contiguous().view(torch.uint8)
+    gs = global_scale.float().reshape(1).contiguous() if global_scale is not None else s
+
+    def grid(meta):
+        return triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n_out, meta["BLOCK_N"])
+
+    _fp4_gemm_kernel[grid](
+        x2,
+        packed,
+        s,
+        gs,
+        y,
+        m,
+        n_out,
+        k,
+        triton.next_power_of_2(m),
+        x2.stride(0),
+        packed.stride(0),
+        s.stride(0),
+        y.stride(0),
+        GROUP_SIZE=group_size,
+        MX=kind == "mxfp4",
+        X_IS_FP32=x.dtype == torch.float32,
+        **_FIXED_META,
+    )
+    return y.reshape(*x.shape[:-1], n_out)
