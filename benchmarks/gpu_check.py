@@ -1,0 +1,262 @@
+"""One prepared check for a lent GPU: every Triton kernel of kernels/ (int4, fp8, fp8 block,
+NVFP4 / MXFP4, paged attention and the KV store) against its torch twin at real shapes, then
+timed against bf16 `F.linear` (the GEMMs) or the twin (attention), with torch.cuda events; one
+table. Exits 1 when any kernel disagrees with its twin or fails, 0 otherwise.
+
+    python benchmarks/gpu_check.py                     # on the GPU (an H200: well under 5 minutes)
+    python benchmarks/gpu_check.py --interpret         # on the CPU, TRITON_INTERPRET=1, tiny shapes
+    python benchmarks/gpu_check.py --only fp4 fp8_block
+
+GEMM shapes: Llama-3-8B's 4096 -> 4096, 4096 -> 14336 and 14336 -> 4096 at 1, 16 and 256 rows,
+bf16 activations (fp16 under the interpreter, whose bf16 `tl.dot` is wrong). Tolerance: the
+kernels and twins round differently (fp32 sums in another order, per-block scaling), so each
+output is held to rtol 1.6e-2 with atol 1.6e-2 · rms(twin) (two bf16 ulps), the SQNR printed
+beside it. The timings are medians over `--reps` calls after a warm-up (autotuning included in
+the warm-up); "vs bf16" is F.linear's time over the kernel's (above 1: the kernel is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+GPU_SHAPES = {"m": (1, 16, 256), "nk": ((4096, 4096), (14336, 4096), (4096, 14336))}
+TINY_SHAPES = {"m": (1, 5), "nk": ((72, 256), (40, 384))}
+PARTS = ("int4", "fp8", "fp8_block", "fp4", "attention")
+
+
+class Check:
+    """Runs the cases: device, dtype, timer, rows of the table, failures."""
+
+    def __init__(self, interpret: bool, reps: int, budget_s: float):
+        self.interpret, self.reps, self.budget_s = interpret, reps, budget_s
+        self.device = "cpu" if interpret else "cuda"
+        self.dtype = torch.float16 if interpret else torch.bfloat16
+        self.shapes = TINY_SHAPES if interpret else GPU_SHAPES
+        self.rows, self.failed, self.t0 = [], 0, time.perf_counter()
+        self.gen = torch.Generator().manual_seed(0)
+
+    def randn(self, *shape, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(shape, generator=self.gen) * scale).to(self.device)
+
+    def ms(self, fn) -> float:
+        """Median milliseconds of one call (CUDA events on the GPU, a wall clock when interpreting)."""
+        fn()  # warm-up: compile and autotune
+        times = []
+        for _ in range(self.reps if not self.interpret else 1):
+            if self.interpret:
+                t = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t) * 1e3)
+                continue
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    def row(self, kernel: str, shape: str, fn, ref_fn, base_fn=None, base: str = "", timed=None) -> None:
+        """Check fn() against ref_fn() (the twin), then time fn against base_fn (default: the twin);
+        `timed` (kernel, base) replaces the two timed callables (e.g. without a copy)."""
+        try:
+            out, ref = fn().float(), ref_fn().float()
+            rms = ref.pow(2).mean().sqrt().item()
+            err = (out - ref).abs().max().item()
+            sqnr = 10 * torch.log10(ref.pow(2).sum() / (out - ref).pow(2).sum().clamp_min(1e-30)).item()
+            ok = bool(torch.isclose(out, ref, rtol=1.6e-2, atol=1.6e-2 * max(rms, 1e-30)).all())
+        except Exception as e:  # noqa: BLE001 - a kernel that fails is a result of the check
+            print(f"{kernel} {shape}: ERROR {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+            self.failed += 1
+            self.rows.append((kernel, shape, "ERROR", "", "", "", "", ""))
+            return
+        self.failed += not ok
+        late = time.perf_counter() - self.t0 > self.budget_s
+        timed_fn, timed_base = timed or (fn, base_fn or ref_fn)
+        base = base or f"{str(self.dtype)[6:]} F.linear"
+        k_ms = float("nan") if late else self.ms(timed_fn)
+        b_ms = float("nan") if late else self.ms(timed_base)
+        self.rows.append(
+            (kernel, shape, "ok" if ok else "MISMATCH", f"{err:.3g}", f"{sqnr:.1f}", f"{k_ms:.4f}", f"{b_ms:.4f}", base)
+        )
+        print(f"{kernel} {shape}: {'ok' if ok else 'MISMATCH'} (max err {err:.3g}, SQNR {sqnr:.1f} dB)", flush=True)
+
+    def table(self) -> str:
+        head = ("kernel", "shape", "check", "max err", "SQNR dB", "kernel ms", "base ms", "vs base", "base")
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for kernel, shape, status, err, sqnr, k_ms, b_ms, base in self.rows:
+            ratio = f"{float(b_ms) / float(k_ms):.2f}x" if k_ms and float(k_ms) > 0 else ""
+            lines.append(f"| {kernel} | {shape} | {status} | {err} | {sqnr} | {k_ms} | {b_ms} | {ratio} | {base} |")
+        return "\n".join(lines)
+
+
+def gemm_cases(check: Check):
+    """(m, n, k, x [m, k] in the activations' dtype) for each GEMM shape."""
+    for n, k in check.shapes["nk"]:
+        for m in check.shapes["m"]:
+            yield m, n, k, check.randn(m, k).to(check.dtype)
+
+
+def _linear(check: Check, n: int, k: int) -> torch.Tensor:
+    """A dense [n, k] weight in the activations' dtype: F.linear's, the baseline."""
+    return check.randn(n, k, scale=0.02).to(check.dtype)
+
+
+def check_int4(check: Check) -> None:
+    from quantkit.kernels.int4 import triton as kmod
+    from quantkit.kernels.int4 import twin
+
+    for m, n, k, x in gemm_cases(check):
+        words = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, generator=check.gen)
+        w_packed = words.to(check.device)
+        scales = (torch.rand(n, k // 128, generator=check.gen) * 0.01 + 0.001).to(check.dtype).to(check.device)
+        weight = (w_packed, scales, None, 128)
+        dense = _linear(check, n, k)
+        check.row(
+            "int4_gemm g128",
+            f"{m}x{k}->{n}",
+            lambda: kmod.int4_gemm(x, *weight),
+            lambda: twin.int4_gemm(x, *weight),
+            lambda: F.linear(x, dense),
+        )
+
+
+def check_fp8(check: Check) -> None:
+    from quantkit.kernels.fp8 import triton as kmod
+    from quantkit.kernels.fp8 import twin
+
+    for m, n, k, x in gemm_cases(check):
+        w_fp8 = check.randn(n, k, scale=100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        w_scale = (torch.rand(n, 1, generator=check.gen) * 1e-3 + 1e-4).to(check.device)
+        dense = _linear(check, n, k)
+        check.row(
+            "fp8_gemm per-token",
+            f"{m}x{k}->{n}",
+            lambda: kmod.fp8_gemm(x, w_fp8, w_scale),
+            lambda: twin.fp8_gemm(x, w_fp8, w_scale),
+            lambda: F.linear(x, dense),
+        )
+
+
+def check_fp8_block(check: Check) -> None:
+    from quantkit.kernels.fp8 import block_triton as kmod
+    from quantkit.kernels.fp8 import twin
+
+    for m, n, k, x in gemm_cases(check):
+        w_fp8 = check.randn(n, k, scale=100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        blocks = (-(-n // 128), -(-k // 128))
+        w_scale = (torch.rand(blocks, generator=check.gen) * 1e-3 + 1e-4).to(check.device)
+        dense = _linear(check, n, k)
+        check.row(
+            "fp8_block_gemm 128x128",
+            f"{m}x{k}->{n}",
+            lambda: kmod.fp8_block_gemm(x, w_fp8, w_scale),
+            lambda: twin.fp8_block_gemm(x, w_fp8, w_scale),
+            lambda: F.linear(x, dense),
+        )
+
+
+def check_fp4(check: Check) -> None:
+    from quantkit.kernels.fp4 import triton as kmod
+    from quantkit.kernels.fp4 import twin
+
+    for m, n, k, x in gemm_cases(check):
+        packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=check.gen).to(check.device)
+        nv_scales = (torch.rand(n, k // 16, generator=check.gen) * 400 + 1).to(torch.float8_e4m3fn)
+        mx_scales = torch.randint(118, 124, (n, k // 32), dtype=torch.uint8, generator=check.gen)
+        dense = _linear(check, n, k)
+        for kind, weight in (
+            ("nvfp4", (packed, nv_scales.to(check.device), torch.tensor([2e4], device=check.device), 16)),
+            ("mxfp4", (packed, mx_scales.to(check.device), None, 32)),
+        ):
+            check.row(
+                f"fp4_gemm {kind}",
+                f"{m}x{k}->{n}",
+                lambda weight=weight, kind=kind: kmod.fp4_gemm(x, *weight, kind),
+                lambda weight=weight, kind=kind: twin.fp4_gemm(x, *weight, kind),
+                lambda: F.linear(x, dense),
+            )
+
+
+def _paged(check: Check, seqs: int, kv_heads: int, dim: int, max_len: int, dtype: torch.dtype):
+    """(block_tables, seq_lens, k_cache, v_cache) with seqs sequences of up to max_len tokens
+    in shuffled blocks of 16, every slot written with random values."""
+    block = 16
+    lens = torch.randint(max_len // 4, max_len + 1, (seqs,), generator=check.gen)
+    width = -(-max_len // block)
+    num_blocks = seqs * width
+    tables = torch.randperm(num_blocks, generator=check.gen).reshape(seqs, width).to(torch.int32)
+    caches = [(torch.randn(num_blocks, block, kv_heads, dim, generator=check.gen) * 2).to(dtype) for _ in range(2)]
+    return tables.to(check.device), lens.to(torch.int32).to(check.device), *(c.to(check.device) for c in caches)
+
+
+def check_attention(check: Check) -> None:
+    from quantkit.kernels.attention import triton as kmod
+    from quantkit.kernels.attention import triton_kv_store as store
+    from quantkit.kernels.attention import twin
+
+    seqs, heads, kv_heads, dim, max_len = (4, 8, 2, 64, 80) if check.interpret else (32, 32, 8, 128, 4096)
+    for cache in (check.dtype, torch.float8_e4m3fn):
+        tables, lens, k_cache, v_cache = _paged(check, seqs, kv_heads, dim, max_len, cache)
+        scales = (torch.tensor([0.02], device=check.device),) * 2 if cache.itemsize == 1 else (None, None)
+        q = check.randn(seqs, heads, dim).to(check.dtype)
+        args = (q, k_cache, v_cache, tables, lens, dim**-0.5, *scales)
+        name = "fp8" if cache.itemsize == 1 else str(cache)[6:]
+        check.row(
+            f"paged_attention {name} cache",
+            f"{seqs} seqs <= {max_len} tok, {heads}/{kv_heads} heads, d{dim}",
+            lambda args=args: kmod.paged_attention(*args),
+            lambda args=args: twin.paged_attention(*args),
+            base="twin",
+        )
+        tokens = seqs * (1 if not check.interpret else 3)
+        kv = [check.randn(tokens, kv_heads, dim).to(check.dtype) for _ in range(2)]
+        slots = torch.randperm(k_cache.shape[0] * 16, generator=check.gen)[:tokens].to(check.device)
+
+        def stored(fn, kv=kv, slots=slots, k_cache=k_cache, v_cache=v_cache, scales=scales):
+            k2, v2 = k_cache.clone(), v_cache.clone()
+            fn(*kv, k2, v2, slots, *scales)
+            return torch.cat([k2.float(), v2.float()])
+
+        in_place = (*kv, k_cache, v_cache, slots, *scales)
+        check.row(
+            f"kv_store {name} cache",
+            f"{tokens} tokens",
+            lambda stored=stored: stored(store.kv_store),
+            lambda stored=stored: stored(twin.kv_store),
+            base="twin",
+            timed=(lambda a=in_place: store.kv_store(*a), lambda a=in_place: twin.kv_store(*a)),
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--interpret", action="store_true", help="run on the CPU under TRITON_INTERPRET=1, tiny shapes")
+    p.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS))
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--budget", type=float, default=240.0, help="seconds; later rows are checked but not timed")
+    a = p.parse_args(argv)
+    if a.interpret:
+        os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
+    elif not torch.cuda.is_available():
+        print("no CUDA device: run with --interpret to check the kernels on the CPU", file=sys.stderr)
+        return 2
+    check = Check(a.interpret, a.reps, a.budget)
+    device = "CPU, TRITON_INTERPRET=1" if a.interpret else torch.cuda.get_device_name()
+    print(f"gpu_check on {device}, activations {str(check.dtype)[6:]}", flush=True)
+    for part in a.only:
+        globals()[f"check_{part}"](check)
+    print(check.table())
+    print(f"{len(check.rows) - check.failed} of {len(check.rows)} ok; {time.perf_counter() - check.t0:.0f} s")
+    return 1 if check.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""benchmarks/gpu_check.py, the prepared GPU check, smoke-tested on the CPU (TRITON_INTERPRET=1,
+tiny shapes): it passes with the kernels as they are, and exits 1 with a MISMATCH row when a
+kernel disagrees with its twin."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+
+
+@pytest.fixture
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(autouse=True)
+def _interpreting():
+    from quantkit.kernels.fp4 import triton as kmod
+
+    if not kmod.INTERPRET:
+        pytest.skip("a GPU is here: run benchmarks/gpu_check.py itself")
+
+
+def test_the_check_passes_on_the_kernels(gpu_check, capsys):
+    assert gpu_check.main(["--interpret", "--only", "fp4", "fp8_block", "--reps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| fp4_gemm nvfp4 | 5x256->72 | ok |" in out and "| fp8_block_gemm 128x128 | 1x384->40 | ok |" in out
+    assert "12 of 12 ok" in out  # 4 shapes: nvfp4, mxfp4 and fp8 block each
+
+
+def test_a_mismatch_exits_1(gpu_check, capsys, monkeypatch):
+    from quantkit.kernels.fp4 import triton as kmod
+    from quantkit.kernels.fp4 import twin
+
+    wrong = lambda x, *weight: twin.fp4_gemm(x, *weight) * 1.05  # noqa: E731
+    monkeypatch.setattr(kmod, "fp4_gemm", wrong)
+    assert gpu_check.main(["--interpret", "--only", "fp4", "--reps", "1"]) == 1
+    assert "| fp4_gemm mxfp4 | 1x256->72 | MISMATCH |" in capsys.readouterr().out
+
+
+def test_a_failing_kernel_exits_1(gpu_check, capsys, monkeypatch):
+    from quantkit.kernels.fp8 import block_triton as kmod
+
+    def broken(*args):
+        raise ValueError("fp8_block_gemm: broken on purpose.")
+
+    monkeypatch.setattr(kmod, "fp8_block_gemm", broken)
+    assert gpu_check.main(["--interpret", "--only", "fp8_block", "--reps", "1"]) == 1
+    assert "ERROR ValueError: fp8_block_gemm: broken on purpose." in capsys.readouterr().out
