@@ -6,14 +6,18 @@ registers tile by tile from compressed-tensors' on-disk layout (no repack at loa
     scales   [N, K/G]            NVFP4 (G = 16): float8_e4m3fn; MXFP4 (G = 32): uint8 E8M0
     gscale   fp32 [1]            NVFP4's `weight_global_scale` (w = e2m1 · s / gscale); MXFP4: none
 
-Each program computes one [BLOCK_M, BLOCK_N] tile of y and walks K in BLOCK_K steps:
+Each program computes one [BLOCK_M, BLOCK_N] tile of y and walks K in BLOCK_K steps (BLOCK_K a
+multiple of the group, so a step holds whole groups):
 
-    x tile   [BLOCK_M, BLOCK_K]  in x's dtype (masked rows / columns read 0)
-    bytes    [BLOCK_K, BLOCK_N]  packed[n, k // 2] (each byte read by its two k rows)
-    code     (bytes >> 4 * (k % 2)) & 0xF -> fp32 by building its bits (`_e2m1`)
-    s        scales[n, k // G] decoded from its bits (`_e4m3` / `_e8m0`), / gscale for NVFP4
-    w        code · s in fp32 (exact for MXFP4; one rounding as the twin's for NVFP4), to x's dtype
-    acc     += tl.dot(x, w)       fp32 accumulator
+    x tile   [BLOCK_M, BLOCK_K]      in x's dtype (masked rows / columns read 0)
+    bytes    [BLOCK_N, BLOCK_K/2]    packed[n, k0/2 ..], contiguous along K as stored
+    codes    low and high nibbles -> fp32 by building their bits (`_e2m1`), interleaved
+             into [BLOCK_N, BLOCK_K] (column 2j the low nibble, 2j + 1 the high one)
+    scales   [BLOCK_N, BLOCK_K/G]    decoded from their bits (`_e4m3` / `_e8m0`), NVFP4's
+             divided by the global scale once per group (div_rn, as compressed-tensors divides)
+    w        codes · scale per group in fp32 (exact for MXFP4; for NVFP4 the one rounding the
+             twin makes), then x's dtype, transposed to [BLOCK_K, BLOCK_N]
+    acc     += tl.dot(x, w)           fp32 accumulator
 
 E4M3 is decoded from its byte rather than with `.to(tl.float32)`, so the kernel needs no fp8
 support from the GPU (it runs from sm_80). The twin is `quantkit.kernels.fp4.twin.fp4_gemm`.
@@ -94,7 +98,7 @@ def _fp4_gemm_kernel(
     X_IS_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # a multiple of GROUP_SIZE
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -103,7 +107,8 @@ def _fp4_gemm_kernel(
     m_mask = offs_m < M
     n_mask = offs_n < N
     rk = tl.arange(0, BLOCK_K)
-    shifts = ((rk % 2) * 4)[:, None]  # [BK, 1] nibble of element k in its byte
+    rb = tl.arange(0, BLOCK_K // 2)  # bytes of a K tile
+    rg = tl.arange(0, BLOCK_K // GROUP_SIZE)  # groups of a K tile
     x_dtype = x_ptr.dtype.element_ty
     if not MX:
         gscale = tl.load(gs_ptr)
@@ -111,19 +116,23 @@ def _fp4_gemm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + rk
-        k_mask = offs_k < K
-        x = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0
-        )  # [BM, BK]
-        kn_mask = k_mask[:, None] & n_mask[None, :]
-        b = tl.load(w_ptr + offs_n[None, :] * stride_wn + (offs_k // 2)[:, None], mask=kn_mask, other=0)
-        q = _e2m1((b.to(tl.int32) >> shifts) & 0xF)  # [BK, BN] fp32
-        sb = tl.load(s_ptr + offs_n[None, :] * stride_sn + (offs_k // GROUP_SIZE)[:, None], mask=kn_mask, other=0)
+        x_mask = m_mask[:, None] & (offs_k < K)[None, :]
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0)  # [BM, BK]
+        offs_b = k0 // 2 + rb
+        b_mask = n_mask[:, None] & (offs_b < K // 2)[None, :]
+        b = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_b[None, :], mask=b_mask, other=0).to(tl.int32)
+        q = tl.interleave(_e2m1(b & 0xF), _e2m1(b >> 4))  # [BN, BK] fp32: column 2j low nibble, 2j + 1 high
+        offs_g = k0 // GROUP_SIZE + rg
+        g_mask = n_mask[:, None] & (offs_g < K // GROUP_SIZE)[None, :]
+        sb = tl.load(s_ptr + offs_n[:, None] * stride_sn + offs_g[None, :], mask=g_mask, other=0).to(tl.int32)
         if MX:
-            s = _e8m0(sb.to(tl.int32))
+            s = _e8m0(sb)
         else:
-            s = tl.math.div_rn(_e4m3(sb.to(tl.int32)), tl.zeros_like(q) + gscale)
-        w = tl.where(kn_mask, q * s, 0.0).to(x_dtype)  # masked scales may decode to NaN: zero them
+            s8 = _e4m3(sb)
+            s = tl.math.div_rn(s8, tl.zeros_like(s8) + gscale)  # per group, as compressed-tensors divides
+        w = tl.reshape(q, [BLOCK_N, BLOCK_K // GROUP_SIZE, GROUP_SIZE]) * s[:, :, None]
+        w = tl.reshape(tl.where(g_mask[:, :, None], w, 0.0), [BLOCK_N, BLOCK_K])  # masked scales may be NaN
+        w = tl.trans(w.to(x_dtype))  # [BK, BN]
         if X_IS_FP32:  # no tf32: the twin multiplies in full fp32
             acc = tl.dot(x, w, acc, input_precision="ieee")
         else:
