@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from quantkit.kernels.int4.triton import _split_k
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 KINDS = {"nvfp4": (16, torch.float8_e4m3fn), "mxfp4": (32, torch.uint8)}
@@ -92,16 +94,19 @@ def _fp4_gemm_kernel(
     stride_xm,
     stride_wn,
     stride_sn,
+    stride_ys,
     stride_ym,
     GROUP_SIZE: tl.constexpr,
     MX: tl.constexpr,  # True: E8M0 scales (MXFP4); False: E4M3 scales / global scale (NVFP4)
     X_IS_FP32: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # a multiple of GROUP_SIZE
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
@@ -114,7 +119,7 @@ def _fp4_gemm_kernel(
         gscale = tl.load(gs_ptr)
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(pid_k * BLOCK_K, K, SPLIT_K * BLOCK_K):
         offs_k = k0 + rk
         x_mask = m_mask[:, None] & (offs_k < K)[None, :]
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0)  # [BM, BK]
@@ -138,12 +143,12 @@ def _fp4_gemm_kernel(
         else:
             acc = tl.dot(x, w, acc)
 
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    y_ptrs = y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 if not INTERPRET:
-    _fp4_gemm_kernel = triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "GROUP_SIZE", "MX"])(
+    _fp4_gemm_kernel = triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "GROUP_SIZE", "MX", "SPLIT_K"])(
         _fp4_gemm_kernel
     )
 _FIXED_META = _configs()[0].kwargs if INTERPRET else {}
@@ -190,6 +195,49 @@ def _check(x, packed, scales, global_scale, group_size, kind) -> None:
         )
 
 
+def _launch(x, packed, scales, global_scale, group_size, kind, split_k: int) -> torch.Tensor:
+    """Run the kernel on checked arguments with an explicit split-K factor (fp32 partial sums
+    [split_k, M, N] added at the end when split_k > 1)."""
+    n_out, k = packed.shape[0], x.shape[-1]
+    x2 = x.reshape(-1, k).contiguous()
+    m = x2.shape[0]
+    y = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
+    if m == 0 or n_out == 0:
+        return y.reshape(*x.shape[:-1], n_out)
+    packed = packed.contiguous()
+    s = scales.contiguous().view(torch.uint8)
+    gs = global_scale.float().reshape(1).contiguous() if global_scale is not None else s
+    out = y if split_k == 1 else torch.empty((split_k, m, n_out), dtype=torch.float32, device=x.device)
+
+    def grid(meta):
+        return triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n_out, meta["BLOCK_N"]), split_k
+
+    _fp4_gemm_kernel[grid](
+        x2,
+        packed,
+        s,
+        gs,
+        out,
+        m,
+        n_out,
+        k,
+        triton.next_power_of_2(m),
+        x2.stride(0),
+        packed.stride(0),
+        s.stride(0),
+        out.stride(0) if split_k > 1 else 0,
+        out.stride(-2),
+        GROUP_SIZE=group_size,
+        MX=kind == "mxfp4",
+        X_IS_FP32=x.dtype == torch.float32,
+        SPLIT_K=split_k,
+        **_FIXED_META,
+    )
+    if split_k > 1:
+        y = out.sum(dim=0).to(x.dtype)
+    return y.reshape(*x.shape[:-1], n_out)
+
+
 def fp4_gemm(
     x: torch.Tensor,
     packed: torch.Tensor,
@@ -202,39 +250,10 @@ def fp4_gemm(
     `twin.fp4_gemm`. x [..., K] float16/bfloat16/float32; packed uint8 [N, K/2]; scales
     float8_e4m3fn [N, K/16] ("nvfp4") or uint8 E8M0 [N, K/32] ("mxfp4"); global_scale fp32 [1]
     for nvfp4, None for mxfp4. All on one CUDA device (CPU only under TRITON_INTERPRET=1).
-    Accumulates in fp32; returns [..., N] in x's dtype. Raises ValueError naming the argument
-    when a shape, dtype or device is wrong."""
+    Accumulates in fp32 (split over K for few rows on a GPU, `int4.triton._split_k`); returns
+    [..., N] in x's dtype. Raises ValueError naming the argument when a shape, dtype or device
+    is wrong."""
     _check(x, packed, scales, global_scale, group_size, kind)
-    n_out, k = packed.shape[0], x.shape[-1]
-    x2 = x.reshape(-1, k).contiguous()
-    m = x2.shape[0]
-    y = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
-    if m == 0 or n_out == 0:
-        return y.reshape(*x.shape[:-1], n_out)
-    packed = packed.contiguous()
-    s = scales.contiguous().view(torch.uint8)
-    gs = global_scale.float().reshape(1).contiguous() if global_scale is not None else s
-
-    def grid(meta):
-        return triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n_out, meta["BLOCK_N"])
-
-    _fp4_gemm_kernel[grid](
-        x2,
-        packed,
-        s,
-        gs,
-        y,
-        m,
-        n_out,
-        k,
-        triton.next_power_of_2(m),
-        x2.stride(0),
-        packed.stride(0),
-        s.stride(0),
-        y.stride(0),
-        GROUP_SIZE=group_size,
-        MX=kind == "mxfp4",
-        X_IS_FP32=x.dtype == torch.float32,
-        **_FIXED_META,
-    )
-    return y.reshape(*x.shape[:-1], n_out)
+    m = x.numel() // max(x.shape[-1], 1)
+    split = _split_k(m, packed.shape[0], x.shape[-1], x.device)
+    return _launch(x, packed, scales, global_scale, group_size, kind, split)

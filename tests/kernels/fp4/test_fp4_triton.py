@@ -190,3 +190,13 @@ def test_the_twin_decodes_compressed_tensors_checkpoints(kind):
     )
     assert theirs.dtype == torch.bfloat16
     assert torch.equal(mine.to(torch.bfloat16), theirs)
+
+
+@pytest.mark.parametrize("kind", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("split_k", [2, 3])
+def test_split_k(kind, split_k):
+    """Split-K (taken for few rows on a GPU): fp32 partial sums over interleaved K tiles, added."""
+    weight = make_weight(kind, 40, 320)  # 5 K tiles of 64
+    x = make_x((3, 320), torch.float32)
+    y = kmod._launch(x, *weight, GROUP[kind], kind, split_k)
+    torch.testing.assert_close(y, twin.fp4_gemm(x, *weight, GROUP[kind], kind), **TOL[torch.float32])
