@@ -1,5 +1,5 @@
 """One prepared check for a lent GPU: every Triton kernel of kernels/ (int4, fp8, fp8 block,
-NVFP4 / MXFP4, paged attention and the KV store) against its torch twin at real shapes, then
+NVFP4 / MXFP4, MXFP8, paged attention and the KV store) against its torch twin at real shapes, then
 timed against bf16 `F.linear` (the GEMMs) or the twin (attention), with torch.cuda events; one
 table. Exits 1 when any kernel disagrees with its twin or fails, 0 otherwise.
 
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 GPU_SHAPES = {"m": (1, 16, 256), "nk": ((4096, 4096), (14336, 4096), (4096, 14336))}
 TINY_SHAPES = {"m": (1, 5), "nk": ((72, 256), (40, 384))}
-PARTS = ("int4", "fp8", "fp8_block", "fp4", "attention")
+PARTS = ("int4", "fp8", "fp8_block", "fp4", "mxfp8", "attention")
 
 
 class Check:
@@ -183,6 +183,23 @@ def check_fp4(check: Check) -> None:
                 lambda weight=weight, kind=kind: twin.fp4_gemm(x, *weight, kind),
                 lambda: F.linear(x, dense),
             )
+
+
+def check_mxfp8(check: Check) -> None:
+    from quantkit.kernels.fp8 import mx_triton as kmod
+    from quantkit.kernels.fp8 import twin
+
+    for m, n, k, x in gemm_cases(check):
+        w_fp8 = check.randn(n, k, scale=100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        scales = torch.randint(115, 121, (n, k // 32), dtype=torch.uint8, generator=check.gen).to(check.device)
+        dense = _linear(check, n, k)
+        check.row(
+            "mxfp8_gemm (W8A16)",
+            f"{m}x{k}->{n}",
+            lambda: kmod.mxfp8_gemm(x, w_fp8, scales),
+            lambda: twin.mxfp8_gemm(x, w_fp8, scales),
+            lambda: F.linear(x, dense),
+        )
 
 
 def _paged(check: Check, seqs: int, kv_heads: int, dim: int, max_len: int, dtype: torch.dtype):

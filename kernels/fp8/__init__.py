@@ -7,11 +7,14 @@
 - `BLOCK`: compressed-tensors' FP8_BLOCK (DeepSeek-V3's layout), activations quantized per token
   and per 128 columns dynamically. A problem gives `dtype`, `weight` float8_e4m3fn [N, K] and
   `scales` float [ceil(N/128), ceil(K/128)] (`weight_scale`, one per 128 x 128 block).
+- `MX`: MXFP8 weights, activations in their own dtype (the MXFP8A16 preset). A problem gives
+  `dtype`, `weight` float8_e4m3fn [N, K] and `scales` uint8 E8M0 exponents [N, K/32].
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from quantkit.kernels.choice import Candidate, Problem, always, triton_module
 from quantkit.kernels.fp8 import twin as fp8_twin
@@ -61,4 +64,26 @@ def _block_twin(p: Problem):
 BLOCK = [
     Candidate("fp8_block_gemm (Triton)", _block_triton_ok, _block_triton, device="cuda", backend="triton"),
     Candidate("fp8 block twin (weight dequantized once, fp32 matmul)", always, _block_twin, backend="torch"),
+]
+
+
+def _mx_triton_ok(p: Problem) -> tuple[bool, str]:
+    return (True, "") if triton_module("fp8.mx_triton", p) is not None else (False, "triton is not installed")
+
+
+def _mx_triton(p: Problem):
+    kernel, weight = triton_module("fp8.mx_triton", p).mxfp8_gemm, (p.weight, p.scales)
+    return lambda x: kernel(x, *weight)
+
+
+def _mx_twin(p: Problem):
+    dense = fp8_twin.dequantize_mxfp8(p.weight, p.scales).to(p.dtype)  # once at build
+    run = lambda x: F.linear(x, dense)  # noqa: E731
+    run.weight = dense
+    return run
+
+
+MX = [
+    Candidate("mxfp8_gemm (Triton)", _mx_triton_ok, _mx_triton, device="cuda", backend="triton"),
+    Candidate("mxfp8 twin (dequantized once, F.linear)", always, _mx_twin, backend="torch"),
 ]

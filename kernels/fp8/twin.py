@@ -1,8 +1,11 @@
-"""The twin of the fp8 GEMM: an fp32 matmul of the dequantized operands."""
+"""The twins of the fp8 GEMMs: per-channel / per-tensor W8A8 and FP8_BLOCK (fp32 matmuls of the
+dequantized operands), and MXFP8 weights (decoded, then `x @ W.T`)."""
 
 from __future__ import annotations
 
 import torch
+
+from quantkit.kernels.fp4 import twin as fp4_twin
 
 FP8_MAX = 448.0
 
@@ -67,3 +70,17 @@ def fp8_block_gemm(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor) 
     dequantized and multiplied in fp32; returns [..., N] in x's dtype.
     """
     return (fake_quantize_per_group(x) @ dequantize_fp8_block(w_fp8, w_scale).t()).to(x.dtype)
+
+
+# MXFP8 weights (compressed-tensors' MXFP8A16 / MXFP8 presets): e4m3 with E8M0 scales per 32
+
+
+def dequantize_mxfp8(w_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """w_fp8 float8_e4m3fn [N, K], scales uint8 E8M0 [N, K/32] -> fp32 W, w = e4m3 · 2^(e - 127)."""
+    return w_fp8.float() * fp4_twin.e8m0(scales).repeat_interleave(32, dim=1)
+
+
+def mxfp8_gemm(x: torch.Tensor, w_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """y = x · dequant(W)ᵀ for MXFP8 weights (W8A16): the weight decoded in fp32, rounded once to
+    x's dtype, multiplied in x's dtype; x [..., K] -> [..., N]."""
+    return x @ dequantize_mxfp8(w_fp8, scales).to(x.dtype).t()
