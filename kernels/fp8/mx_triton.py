@@ -19,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from quantkit.kernels.fp4.triton import _e4m3, _e8m0
 from quantkit.kernels.fp4.triton import _FIXED_META as _FP4_META
 from quantkit.kernels.fp4.triton import _configs as _fp4_configs
+from quantkit.kernels.fp4.triton import _e4m3, _e8m0
 from quantkit.kernels.fp8.triton import FLOAT_DTYPES, INTERPRET, _fail
 from quantkit.kernels.int4.triton import _split_k
 
