@@ -6,6 +6,7 @@ table. Exits 1 when any kernel disagrees with its twin or fails, 0 otherwise.
     python benchmarks/gpu_check.py                     # on the GPU (an H200: well under 5 minutes)
     python benchmarks/gpu_check.py --interpret         # on the CPU, TRITON_INTERPRET=1, tiny shapes
     python benchmarks/gpu_check.py --only fp4 fp8_block
+    OMP_NUM_THREADS=1 python benchmarks/gpu_check.py --cpu-twins   # the new formats' twins on the CPU
 
 GEMM shapes: Llama-3-8B's 4096 -> 4096, 4096 -> 14336 and 14336 -> 4096 at 1, 16 and 256 rows,
 bf16 activations (fp16 under the interpreter, whose bf16 `tl.dot` is wrong). Tolerance: the
@@ -253,13 +254,58 @@ def check_attention(check: Check) -> None:
         )
 
 
+def cpu_twins(reps: int) -> None:
+    """The new formats' twin candidates on the CPU (what runs there: the FP4 weight decoded once
+    then bf16 F.linear; FP8_BLOCK's x quantized per call, then an fp32 matmul) against bf16
+    F.linear, smollm2-135m's and a 2048 x 2048 shape, medians of `reps` calls; and each build."""
+    from quantkit.kernels import fp4, fp8
+    from quantkit.kernels.choice import Problem, choose
+
+    def ms(fn) -> float:
+        fn()
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(times)
+
+    print("| shape | rows | bf16 F.linear ms | nvfp4 twin ms | fp8 block twin ms | builds ms (nvfp4 / fp8 block) |")
+    print("|---|---|---|---|---|---|")
+    for n, k in ((1536, 576), (576, 1536), (2048, 2048)):
+        packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+        nv = dict(scales=(torch.rand(n, k // 16) * 400 + 1).to(torch.float8_e4m3fn), global_scale=torch.tensor([2e4]))
+        block = dict(
+            weight=(torch.randn(n, k) * 100).clamp(-448, 448).to(torch.float8_e4m3fn),
+            scales=torch.rand(-(-n // 128), -(-k // 128)) * 1e-3,
+        )
+        t = time.perf_counter()
+        nv_fn = choose(
+            "fp4", fp4.CANDIDATES, Problem("cpu", torch.bfloat16, packed=packed, group_size=16, kind="nvfp4", **nv)
+        ).fn
+        build_nv, t = (time.perf_counter() - t) * 1e3, time.perf_counter()
+        block_fn = choose("fp8 block", fp8.BLOCK, Problem("cpu", torch.bfloat16, **block)).fn
+        build_block, dense = (time.perf_counter() - t) * 1e3, torch.randn(n, k).bfloat16()
+        for m in (1, 16, 256):
+            x = torch.randn(m, k).bfloat16()
+            base, a, b = ms(lambda: F.linear(x, dense)), ms(lambda: nv_fn(x)), ms(lambda: block_fn(x))
+            print(
+                f"| {k} -> {n} | {m} | {base:.3f} | {a:.3f} ({base / a:.2f}x) | {b:.3f} ({base / b:.2f}x) "
+                f"| {build_nv:.0f} / {build_block:.0f} |"
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--interpret", action="store_true", help="run on the CPU under TRITON_INTERPRET=1, tiny shapes")
     p.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS))
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--budget", type=float, default=240.0, help="seconds; later rows are checked but not timed")
+    p.add_argument("--cpu-twins", action="store_true", help="time the new formats' twins on the CPU instead")
     a = p.parse_args(argv)
+    if a.cpu_twins:
+        cpu_twins(a.reps)
+        return 0
     if a.interpret:
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
     elif not torch.cuda.is_available():
