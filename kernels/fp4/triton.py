@@ -33,11 +33,12 @@ import torch
 import triton
 import triton.language as tl
 
+from quantkit.kernels.fp8.triton import _e4m3_bits
 from quantkit.kernels.int4.triton import _split_k
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-KINDS = {"nvfp4": (16, torch.float8_e4m3fn), "mxfp4": (32, torch.uint8)}
+KINDS = {"nvfp4": (16, torch.float8_e4m3fn), "mxfp4": (32, torch.uint8), "nvfp4_w4a4": (16, torch.float8_e4m3fn)}
 
 
 def _configs() -> list[triton.Config]:
@@ -86,6 +87,7 @@ def _fp4_gemm_kernel(
     w_ptr,
     s_ptr,
     gs_ptr,
+    gx_ptr,
     y_ptr,
     M,
     N,
@@ -98,6 +100,7 @@ def _fp4_gemm_kernel(
     stride_ym,
     GROUP_SIZE: tl.constexpr,
     MX: tl.constexpr,  # True: E8M0 scales (MXFP4); False: E4M3 scales / global scale (NVFP4)
+    W4A4: tl.constexpr,  # x holds e2m1 · s8 (fp16): weights e2m1 · s8 too, both global scales at the end
     X_IS_FP32: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -132,6 +135,8 @@ def _fp4_gemm_kernel(
         sb = tl.load(s_ptr + offs_n[:, None] * stride_sn + offs_g[None, :], mask=g_mask, other=0).to(tl.int32)
         if MX:
             s = _e8m0(sb)
+        elif W4A4:
+            s = _e4m3(sb)  # e2m1 · s8 is exact in fp16
         else:
             s8 = _e4m3(sb)
             s = tl.math.div_rn(s8, tl.zeros_like(s8) + gscale)  # per group, as compressed-tensors divides
@@ -143,14 +148,50 @@ def _fp4_gemm_kernel(
         else:
             acc = tl.dot(x, w, acc)
 
+    if W4A4:
+        acc = acc / (gscale * tl.load(gx_ptr))
     y_ptrs = y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _round_e2m1(v):
+    """fp32 in [-6, 6] -> the nearest E2M1 value, ties to the even code (the twin's `round_e2m1`)."""
+    a = tl.abs(v)
+    mag = tl.where(a <= 5.0, 4.0, 6.0)
+    mag = tl.where(a < 3.5, 3.0, mag)
+    mag = tl.where(a <= 2.5, 2.0, mag)
+    mag = tl.where(a < 1.75, 1.5, mag)
+    mag = tl.where(a <= 1.25, 1.0, mag)
+    mag = tl.where(a < 0.75, 0.5, mag)
+    mag = tl.where(a <= 0.25, 0.0, mag)
+    return tl.where(v < 0, -mag, mag)
+
+
+@triton.jit
+def _quantize_nvfp4_kernel(x_ptr, q_ptr, gx_ptr, K, stride_xm, stride_qm, BLOCK: tl.constexpr):
+    """One program per (row, BLOCK columns): NVFP4 activation groups of 16, written as
+    e2m1 · s8 in fp16 (exact), the global scale left to the GEMM's epilogue."""
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < K
+    x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.reshape(x, [BLOCK // 16, 16])
+    gx = tl.load(gx_ptr)
+    amax = tl.max(tl.abs(g), axis=1)
+    s = tl.minimum(tl.math.div_rn(amax, tl.zeros_like(amax) + 6.0) * gx, 448.0)
+    s8 = _e4m3(_e4m3_bits(s).to(tl.int32))
+    s8 = tl.where(s8 == 0.0, 0.125, s8)  # compressed-tensors' stand-in for a zero scale
+    s_eff = tl.math.div_rn(s8, tl.zeros_like(s8) + gx)[:, None]
+    v = tl.minimum(tl.maximum(tl.math.div_rn(g, tl.zeros_like(g) + s_eff), -6.0), 6.0)
+    q = tl.reshape(_round_e2m1(v) * s8[:, None], [BLOCK])
+    tl.store(q_ptr + row * stride_qm + offs, q.to(tl.float16), mask=mask)
+
+
 if not INTERPRET:
-    _fp4_gemm_kernel = triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "GROUP_SIZE", "MX", "SPLIT_K"])(
-        _fp4_gemm_kernel
-    )
+    _fp4_gemm_kernel = triton.autotune(
+        configs=_configs(), key=["M_BUCKET", "N", "K", "GROUP_SIZE", "MX", "W4A4", "SPLIT_K"]
+    )(_fp4_gemm_kernel)
 _FIXED_META = _configs()[0].kwargs if INTERPRET else {}
 
 
@@ -158,7 +199,7 @@ def _fail(msg: str):
     raise ValueError(f"fp4_gemm: {msg}")
 
 
-def _check(x, packed, scales, global_scale, group_size, kind) -> None:
+def _check(x, packed, scales, global_scale, group_size, kind, input_global_scale=None) -> None:
     if kind not in KINDS:
         _fail(f"kind must be one of {', '.join(KINDS)}, got {kind!r}.")
     want_group, scale_dtype = KINDS[kind]
@@ -181,11 +222,16 @@ def _check(x, packed, scales, global_scale, group_size, kind) -> None:
             f"scales must be {str(scale_dtype)[6:]} [{out_f}, {in_f // group_size}] for {kind}, "
             f"got {scales.dtype} {list(scales.shape)}."
         )
-    if (kind == "nvfp4") != (global_scale is not None) or (
+    if (kind != "mxfp4") != (global_scale is not None) or (
         global_scale is not None and (not global_scale.is_floating_point() or global_scale.numel() != 1)
     ):
         _fail("global_scale must be a float [1] for nvfp4 and None for mxfp4.")
-    for name, t in (("packed", packed), ("scales", scales), ("global_scale", global_scale)):
+    gx = input_global_scale
+    if (kind == "nvfp4_w4a4") != (gx is not None) or (
+        gx is not None and (not gx.is_floating_point() or gx.numel() != 1)
+    ):
+        _fail("input_global_scale must be a float [1] for nvfp4_w4a4 and None for the W4A16 kinds.")
+    for name, t in (("packed", packed), ("scales", scales), ("global_scale", global_scale), ("input_global_scale", gx)):
         if t is not None and t.device != x.device:
             _fail(f"{name} is on {t.device} but x is on {x.device}; put all operands on one device.")
     if not INTERPRET and x.device.type != "cuda":
@@ -195,7 +241,16 @@ def _check(x, packed, scales, global_scale, group_size, kind) -> None:
         )
 
 
-def _launch(x, packed, scales, global_scale, group_size, kind, split_k: int) -> torch.Tensor:
+def _quantize_activations(x2: torch.Tensor, gx: torch.Tensor) -> torch.Tensor:
+    """x2 [M, K] -> fp16 [M, K] holding e2m1 · s8 per group of 16 (NVFP4 W4A4's activations)."""
+    m, k = x2.shape
+    q = torch.empty((m, k), dtype=torch.float16, device=x2.device)
+    block = min(128, triton.next_power_of_2(k))
+    _quantize_nvfp4_kernel[(m, triton.cdiv(k, block))](x2, q, gx, k, x2.stride(0), q.stride(0), BLOCK=block)
+    return q
+
+
+def _launch(x, packed, scales, global_scale, group_size, kind, split_k: int, input_global_scale=None) -> torch.Tensor:
     """Run the kernel on checked arguments with an explicit split-K factor (fp32 partial sums
     [split_k, M, N] added at the end when split_k > 1)."""
     n_out, k = packed.shape[0], x.shape[-1]
@@ -207,29 +262,34 @@ def _launch(x, packed, scales, global_scale, group_size, kind, split_k: int) -> 
     packed = packed.contiguous()
     s = scales.contiguous().view(torch.uint8)
     gs = global_scale.float().reshape(1).contiguous() if global_scale is not None else s
+    w4a4 = kind == "nvfp4_w4a4"
+    gx = input_global_scale.float().reshape(1).contiguous() if w4a4 else gs
+    a = _quantize_activations(x2, gx) if w4a4 else x2
     out = y if split_k == 1 else torch.empty((split_k, m, n_out), dtype=torch.float32, device=x.device)
 
     def grid(meta):
         return triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n_out, meta["BLOCK_N"]), split_k
 
     _fp4_gemm_kernel[grid](
-        x2,
+        a,
         packed,
         s,
         gs,
+        gx,
         out,
         m,
         n_out,
         k,
         triton.next_power_of_2(m),
-        x2.stride(0),
+        a.stride(0),
         packed.stride(0),
         s.stride(0),
         out.stride(0) if split_k > 1 else 0,
         out.stride(-2),
         GROUP_SIZE=group_size,
         MX=kind == "mxfp4",
-        X_IS_FP32=x.dtype == torch.float32,
+        W4A4=w4a4,
+        X_IS_FP32=a.dtype == torch.float32,
         SPLIT_K=split_k,
         **_FIXED_META,
     )
@@ -245,15 +305,17 @@ def fp4_gemm(
     global_scale: torch.Tensor | None,
     group_size: int,
     kind: str,
+    input_global_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y = x · dequant(W)ᵀ for NVFP4 / MXFP4 weights, in Triton; same contract as
     `twin.fp4_gemm`. x [..., K] float16/bfloat16/float32; packed uint8 [N, K/2]; scales
-    float8_e4m3fn [N, K/16] ("nvfp4") or uint8 E8M0 [N, K/32] ("mxfp4"); global_scale fp32 [1]
-    for nvfp4, None for mxfp4. All on one CUDA device (CPU only under TRITON_INTERPRET=1).
-    Accumulates in fp32 (split over K for few rows on a GPU, `int4.triton._split_k`); returns
-    [..., N] in x's dtype. Raises ValueError naming the argument when a shape, dtype or device
-    is wrong."""
-    _check(x, packed, scales, global_scale, group_size, kind)
+    float8_e4m3fn [N, K/16] ("nvfp4", "nvfp4_w4a4") or uint8 E8M0 [N, K/32] ("mxfp4");
+    global_scale fp32 [1] for the NVFP4 kinds, None for mxfp4; input_global_scale fp32 [1] for
+    "nvfp4_w4a4" (x quantized to NVFP4 first, `_quantize_nvfp4_kernel`), None otherwise. All on
+    one CUDA device (CPU only under TRITON_INTERPRET=1). Accumulates in fp32 (split over K for
+    few rows on a GPU, `int4.triton._split_k`); returns [..., N] in x's dtype. Raises ValueError
+    naming the argument when a shape, dtype or device is wrong."""
+    _check(x, packed, scales, global_scale, group_size, kind, input_global_scale)
     m = x.numel() // max(x.shape[-1], 1)
     split = _split_k(m, packed.shape[0], x.shape[-1], x.device)
-    return _launch(x, packed, scales, global_scale, group_size, kind, split)
+    return _launch(x, packed, scales, global_scale, group_size, kind, split, input_global_scale)

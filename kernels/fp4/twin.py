@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-KINDS = {"nvfp4": 16, "mxfp4": 32}  # kind -> group size
+KINDS = {"nvfp4": 16, "mxfp4": 32, "nvfp4_w4a4": 16}  # kind -> group size
+E4M3_EPS = 0.125  # compressed-tensors' stand-in for a zero FP8 scale (finfo(float8_e4m3fn).eps)
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
@@ -39,6 +40,37 @@ def group_scales(scales: torch.Tensor, global_scale: torch.Tensor | None, kind: 
     return scales.float() / global_scale.float().reshape(1, 1)
 
 
+def round_e2m1(v: torch.Tensor) -> torch.Tensor:
+    """fp32 values in [-6, 6] -> the nearest E2M1 value, ties to the even code (compressed-tensors'
+    `cast_to_fp4` thresholds: 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4)."""
+    a = v.abs()
+    mag = torch.full_like(a, 6.0)
+    for bound, value, closed in ((5.0, 4.0, True), (3.5, 3.0, False), (2.5, 2.0, True), (1.75, 1.5, False)):
+        mag = torch.where((a <= bound) if closed else (a < bound), value, mag)
+    for bound, value, closed in ((1.25, 1.0, True), (0.75, 0.5, False), (0.25, 0.0, True)):
+        mag = torch.where((a <= bound) if closed else (a < bound), value, mag)
+    return torch.where(v < 0, -mag, mag)
+
+
+def nvfp4_activation_parts(x: torch.Tensor, input_global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4's dynamic activation quantization (the preset's input_activations: groups of 16,
+    FP8 scales over a static global scale gs), in fp32 as compressed-tensors computes it for
+    fp32 x: s8 = fp8(min(amax / 6 · gs, 448)) (a zero scale becomes 0.125) and
+    q = e2m1(clamp(x / (s8 / gs), ±6)). Returns (q fp32 [..., K], s8 fp32 [..., K/16])."""
+    groups = x.float().unflatten(-1, (-1, 16))
+    gs = input_global_scale.float().reshape(())
+    s8 = (groups.abs().amax(dim=-1, keepdim=True) / 6.0 * gs).clamp(max=448.0).to(torch.float8_e4m3fn).float()
+    s8 = torch.where(s8 == 0, E4M3_EPS, s8)
+    return round_e2m1((groups / (s8 / gs)).clamp(-6.0, 6.0)).flatten(-2), s8.squeeze(-1)
+
+
+def quantize_nvfp4_activations(x: torch.Tensor, input_global_scale: torch.Tensor) -> torch.Tensor:
+    """x fake-quantized to NVFP4 (`nvfp4_activation_parts`): q · (s8 / gs), fp32."""
+    q, s8 = nvfp4_activation_parts(x, input_global_scale)
+    s = s8 / input_global_scale.float().reshape(())
+    return (q.unflatten(-1, (-1, 16)) * s[..., None]).flatten(-2)
+
+
 def dequantize_fp4(
     packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor | None, group_size: int, kind: str
 ) -> torch.Tensor:
@@ -55,13 +87,19 @@ def fp4_gemm(
     global_scale: torch.Tensor | None,
     group_size: int,
     kind: str,
+    input_global_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y = x · dequant(W)ᵀ for FP4 weights (W4A16).
+    """y = x · dequant(W)ᵀ for FP4 weights.
 
     x [..., K] (any float dtype); packed uint8 [N, K/2] (`weight_packed`); scales [N, K/group]
-    (float8_e4m3fn for "nvfp4", group 16; uint8 E8M0 exponents for "mxfp4", group 32);
-    global_scale fp32 [1] (NVFP4's `weight_global_scale`, None for MXFP4). The weight is
-    decoded in fp32, rounded once to x's dtype, multiplied in x's dtype; returns [..., N].
+    (float8_e4m3fn for "nvfp4" and "nvfp4_w4a4", group 16; uint8 E8M0 exponents for "mxfp4",
+    group 32); global_scale fp32 [1] (NVFP4's `weight_global_scale`, None for MXFP4).
+    "nvfp4" and "mxfp4" are W4A16: the weight decoded in fp32, rounded once to x's dtype,
+    multiplied in x's dtype. "nvfp4_w4a4" also quantizes x (`quantize_nvfp4_activations`, with
+    `input_global_scale` fp32 [1]) and multiplies both fake-quantized operands in fp32. Returns
+    [..., N] in x's dtype.
     """
     w = dequantize_fp4(packed, scales, global_scale, group_size, kind)
+    if kind == "nvfp4_w4a4":
+        return (quantize_nvfp4_activations(x, input_global_scale) @ w.t()).to(x.dtype)
     return x @ w.to(x.dtype).t()
