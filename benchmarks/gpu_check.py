@@ -1,5 +1,5 @@
 """One prepared check for a lent GPU: every Triton kernel of kernels/ (int4, fp8, fp8 block,
-NVFP4 / MXFP4, MXFP8, paged attention and the KV store) against its torch twin at real shapes, then
+NVFP4 / MXFP4 and NVFP4 W4A4, MXFP8, paged attention and the KV store) against its torch twin at real shapes, then
 timed against bf16 `F.linear` (the GEMMs) or the twin (attention), with torch.cuda events; one
 table. Exits 1 when any kernel disagrees with its twin or fails, 0 otherwise.
 
@@ -173,15 +173,18 @@ def check_fp4(check: Check) -> None:
         nv_scales = (torch.rand(n, k // 16, generator=check.gen) * 400 + 1).to(torch.float8_e4m3fn)
         mx_scales = torch.randint(118, 124, (n, k // 32), dtype=torch.uint8, generator=check.gen)
         dense = _linear(check, n, k)
-        for kind, weight in (
-            ("nvfp4", (packed, nv_scales.to(check.device), torch.tensor([2e4], device=check.device), 16)),
-            ("mxfp4", (packed, mx_scales.to(check.device), None, 32)),
+        nv = (packed, nv_scales.to(check.device), torch.tensor([2e4], device=check.device), 16)
+        gx = (448 * 6 / x.float().abs().amax()).reshape(1)
+        for kind, args in (
+            ("nvfp4", (*nv, "nvfp4")),
+            ("mxfp4", (packed, mx_scales.to(check.device), None, 32, "mxfp4")),
+            ("nvfp4_w4a4", (*nv, "nvfp4_w4a4", gx)),
         ):
             check.row(
                 f"fp4_gemm {kind}",
                 f"{m}x{k}->{n}",
-                lambda weight=weight, kind=kind: kmod.fp4_gemm(x, *weight, kind),
-                lambda weight=weight, kind=kind: twin.fp4_gemm(x, *weight, kind),
+                lambda args=args: kmod.fp4_gemm(x, *args),
+                lambda args=args: twin.fp4_gemm(x, *args),
                 lambda: F.linear(x, dense),
             )
 

@@ -34,7 +34,7 @@ def test_the_check_passes_on_the_kernels(gpu_check, capsys):
     assert gpu_check.main(["--interpret", "--only", "fp4", "fp8_block", "--reps", "1"]) == 0
     out = capsys.readouterr().out
     assert "| fp4_gemm nvfp4 | 5x256->72 | ok |" in out and "| fp8_block_gemm 128x128 | 1x384->40 | ok |" in out
-    assert "12 of 12 ok" in out  # 4 shapes: nvfp4, mxfp4 and fp8 block each
+    assert "16 of 16 ok" in out  # 4 shapes: nvfp4, mxfp4, nvfp4_w4a4 and fp8 block each
 
 
 def test_a_mismatch_exits_1(gpu_check, capsys, monkeypatch):
