@@ -16,7 +16,9 @@ Two kernels:
   from zero in fp32 and is scaled by s_x[m, kb] · s_w[n // 128, kb] into the fp32 accumulator
   (the per-block promotion also bounds Hopper's narrower fp8 accumulation to BLOCK_K products).
   N and K need not be multiples of 128: masked loads read 0 past the edges, and the last
-  partial block has its own scale. fp8 `tl.dot` needs compute capability 8.9+.
+  partial block has its own scale. For few rows on a GPU the K steps are split over programs
+  (int4's rule), their fp32 partial sums added at the end. fp8 `tl.dot` needs compute
+  capability 8.9+.
 
 The twin is `quantkit.kernels.fp8.twin.fp8_block_gemm`. On a GPU the tiles are autotuned over
 `_configs()`; under TRITON_INTERPRET=1 the first config is used as is.
@@ -29,6 +31,7 @@ import triton
 import triton.language as tl
 
 from quantkit.kernels.fp8.triton import _FP8_MAX, INTERPRET, _check_x, _e4m3_bits, _fail
+from quantkit.kernels.int4.triton import _split_k
 
 BLOCK = 128
 
@@ -74,14 +77,17 @@ def _fp8_block_gemm_kernel(
     stride_bn,
     stride_asm,
     stride_bsn,
+    stride_ys,
     stride_ym,
     SCALE_BLOCK: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
@@ -89,7 +95,7 @@ def _fp8_block_gemm_kernel(
     rk = tl.arange(0, BLOCK_K)
     bs_row = bs_ptr + (offs_n // SCALE_BLOCK) * stride_bsn  # [BN] this tile's weight block rows
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(pid_k * BLOCK_K, K, SPLIT_K * BLOCK_K):
         offs_k = k0 + rk
         k_mask = offs_k < K
         kb = k0 // SCALE_BLOCK
@@ -103,14 +109,16 @@ def _fp8_block_gemm_kernel(
         b_s = tl.load(bs_row + kb, mask=n_mask, other=0.0).to(tl.float32)
         acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
     tl.store(
-        y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+        y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :],
         acc.to(y_ptr.dtype.element_ty),
         mask=m_mask[:, None] & n_mask[None, :],
     )
 
 
 if not INTERPRET:
-    _fp8_block_gemm_kernel = triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K"])(_fp8_block_gemm_kernel)
+    _fp8_block_gemm_kernel = triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "SPLIT_K"])(
+        _fp8_block_gemm_kernel
+    )
 _FIXED_META = _configs()[0].kwargs if INTERPRET else {}
 
 
@@ -159,13 +167,9 @@ def _check(x, w_fp8, w_scale) -> None:
         )
 
 
-def fp8_block_gemm(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """y = x · dequant(W)ᵀ for FP8_BLOCK weights with x quantized per token and per 128 columns,
-    in Triton; same contract as `twin.fp8_block_gemm`. x [..., K] float16/bfloat16/float32;
-    w_fp8 float8_e4m3fn [N, K]; w_scale float [ceil(N/128), ceil(K/128)]. All on one CUDA device
-    (CPU only under TRITON_INTERPRET=1). Returns [..., N] in x's dtype. Raises ValueError naming
-    the argument when a shape, dtype or device is wrong."""
-    _check(x, w_fp8, w_scale)
+def _launch(x, w_fp8, w_scale, split_k: int) -> torch.Tensor:
+    """Run the kernels on checked arguments with an explicit split-K factor (fp32 partial sums
+    [split_k, M, N] added at the end when split_k > 1)."""
     out_f, k = w_fp8.shape
     lead = x.shape[:-1]
     x_fp8, s_x = quantize_fp8_per_group(x.reshape(-1, k))
@@ -175,16 +179,17 @@ def fp8_block_gemm(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor) 
         return y.reshape(*lead, out_f)
     w_fp8 = w_fp8.contiguous()
     s_w = w_scale.float().contiguous()
+    out = y if split_k == 1 else torch.empty((split_k, m, out_f), dtype=torch.float32, device=x.device)
 
     def grid(meta):
-        return triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(out_f, meta["BLOCK_N"])
+        return triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(out_f, meta["BLOCK_N"]), split_k
 
     _fp8_block_gemm_kernel[grid](
         x_fp8,
         w_fp8,
         s_x,
         s_w,
-        y,
+        out,
         m,
         out_f,
         k,
@@ -193,8 +198,24 @@ def fp8_block_gemm(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor) 
         w_fp8.stride(0),
         s_x.stride(0),
         s_w.stride(0),
-        y.stride(0),
+        out.stride(0) if split_k > 1 else 0,
+        out.stride(-2),
         SCALE_BLOCK=BLOCK,
+        SPLIT_K=split_k,
         **_FIXED_META,
     )
+    if split_k > 1:
+        y = out.sum(dim=0).to(x.dtype)
     return y.reshape(*lead, out_f)
+
+
+def fp8_block_gemm(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """y = x · dequant(W)ᵀ for FP8_BLOCK weights with x quantized per token and per 128 columns,
+    in Triton; same contract as `twin.fp8_block_gemm`. x [..., K] float16/bfloat16/float32;
+    w_fp8 float8_e4m3fn [N, K]; w_scale float [ceil(N/128), ceil(K/128)]. All on one CUDA device
+    (CPU only under TRITON_INTERPRET=1). Split over K for few rows on a GPU
+    (`int4.triton._split_k`). Returns [..., N] in x's dtype. Raises ValueError naming the
+    argument when a shape, dtype or device is wrong."""
+    _check(x, w_fp8, w_scale)
+    m = x.numel() // max(x.shape[-1], 1)
+    return _launch(x, w_fp8, w_scale, _split_k(m, w_fp8.shape[0], x.shape[-1], x.device))

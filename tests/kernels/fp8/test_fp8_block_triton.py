@@ -149,3 +149,12 @@ def test_the_twin_matches_compressed_tensors():
     scale, zero = compute_dynamic_scales_and_zp(x, scheme.input_activations, None)
     assert torch.equal(twin.quantize_fp8_per_group(x)[1], scale.reshape(7, 2))
     assert torch.equal(twin.fake_quantize_per_group(x), fake_quantize(x, scale, zero, scheme.input_activations))
+
+
+@pytest.mark.parametrize("split_k", [2, 3])
+def test_split_k(split_k):
+    """Split-K (taken for few rows on a GPU): per-block-scaled fp32 partial sums, added."""
+    w_fp8, w_scale = make_weight(72, 600)  # 10 K steps of 64 over 5 blocks, the last partial
+    x = make_x((3, 600), torch.float32)
+    y = kmod._launch(x, w_fp8, w_scale, split_k)
+    torch.testing.assert_close(y, twin.fp8_block_gemm(x, w_fp8, w_scale), **TOL[torch.float32])
