@@ -34,7 +34,7 @@ def test_the_check_passes_on_the_kernels(gpu_check, capsys):
     assert gpu_check.main(["--interpret", "--only", "fp4", "fp8_block", "--reps", "1"]) == 0
     out = capsys.readouterr().out
     assert "| fp4_gemm nvfp4 | 5x256->72 | ok |" in out and "| fp8_block_gemm 128x128 | 1x384->40 | ok |" in out
-    assert "16 of 16 ok" in out  # 4 shapes: nvfp4, mxfp4, nvfp4_w4a4 and fp8 block each
+    assert "16 of 16 ok, 0 skipped" in out  # 4 shapes: nvfp4, mxfp4, nvfp4_w4a4 and fp8 block each
 
 
 def test_a_mismatch_exits_1(gpu_check, capsys, monkeypatch):
@@ -56,3 +56,9 @@ def test_a_failing_kernel_exits_1(gpu_check, capsys, monkeypatch):
     monkeypatch.setattr(kmod, "fp8_block_gemm", broken)
     assert gpu_check.main(["--interpret", "--only", "fp8_block", "--reps", "1"]) == 1
     assert "ERROR ValueError: fp8_block_gemm: broken on purpose." in capsys.readouterr().out
+
+
+def test_rows_past_the_budget_are_skipped_and_counted(gpu_check, capsys):
+    assert gpu_check.main(["--interpret", "--only", "fp8_block", "--budget", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "| fp8_block_gemm 128x128 | 1x256->72 | skipped (budget) |" in out and "0 of 4 ok, 4 skipped" in out
