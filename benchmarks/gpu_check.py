@@ -7,6 +7,7 @@ torch.cuda events; one table. Exits 1 when any kernel disagrees with its twin or
     python benchmarks/gpu_check.py --interpret         # on the CPU, TRITON_INTERPRET=1, tiny shapes
     python benchmarks/gpu_check.py --only fp4 fp8_block
     OMP_NUM_THREADS=1 python benchmarks/gpu_check.py --cpu-twins   # the new formats' twins on the CPU
+    python benchmarks/gpu_check.py --compile 80 90 100  # no GPU needed: the new kernels to cubins
 
 GEMM shapes: Llama-3-8B's 4096 -> 4096, 4096 -> 14336 and 14336 -> 4096 at 1, 16 and 256 rows,
 bf16 activations (fp16 under the interpreter, whose bf16 `tl.dot` is wrong). Tolerance: the
@@ -304,6 +305,70 @@ def cpu_twins(reps: int) -> None:
             )
 
 
+def _compile_cases():
+    """(name, JIT kernel, signature, constexprs, configs or [None], lowest compute capability)
+    for every kernel this issue added, in each constexpr variant the launchers use."""
+    from quantkit.kernels.fp4 import triton as fp4
+    from quantkit.kernels.fp8 import block_triton as block
+    from quantkit.kernels.fp8 import mx_triton as mx
+
+    def ints(*names):
+        return dict.fromkeys(names, "i32")
+
+    gemm = ints("M", "N", "K", "M_BUCKET", "stride_xm", "stride_wn", "stride_sn", "stride_ys", "stride_ym")
+    ptrs = {"w_ptr": "*u8", "s_ptr": "*u8", "gs_ptr": "*fp32", "gx_ptr": "*fp32", "y_ptr": "*bf16"}
+    for kind, x, group, mx_, w4a4 in (
+        ("nvfp4", "*bf16", 16, False, False),
+        ("mxfp4", "*bf16", 32, True, False),
+        ("nvfp4 fp32 x", "*fp32", 16, False, False),
+        ("nvfp4_w4a4", "*fp16", 16, False, True),
+    ):
+        consts = dict(GROUP_SIZE=group, MX=mx_, W4A4=w4a4, X_IS_FP32=x == "*fp32", SPLIT_K=2)
+        yield f"fp4_gemm {kind}", fp4._fp4_gemm_kernel, {"x_ptr": x, **ptrs, **gemm}, consts, fp4._configs(), 80
+    sig = {"x_ptr": "*bf16", "q_ptr": "*fp16", "gx_ptr": "*fp32", **ints("K", "stride_xm", "stride_qm")}
+    yield "quantize nvfp4", fp4._quantize_nvfp4_kernel, sig, {"BLOCK": 128}, [None], 80
+    sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "y_ptr": "*bf16", **gemm}
+    yield "mxfp8_gemm", mx._mxfp8_gemm_kernel, sig, dict(X_IS_FP32=False, SPLIT_K=1), fp4._configs(), 80
+    sig = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "as_ptr": "*fp32", "bs_ptr": "*fp32", "y_ptr": "*bf16"}
+    sig |= ints(
+        "M", "N", "K", "M_BUCKET", "stride_am", "stride_bn", "stride_asm", "stride_bsn", "stride_ys", "stride_ym"
+    )
+    yield "fp8_block_gemm", block._fp8_block_gemm_kernel, sig, dict(SCALE_BLOCK=128, SPLIT_K=2), block._configs(), 89
+    sig = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32", **ints("K", "stride_xm", "stride_qm", "stride_sm")}
+    yield "quantize per group", block._quantize_group_kernel, sig, {"GROUP": 128}, [None], 89
+
+
+def compile_only(archs: list[int], first_config: bool) -> int:
+    """Compile the new kernels to cubins for each compute capability, every autotune config (or
+    the first), without a GPU (ptxas ships with triton): catches what the interpreter cannot."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    failed = 0
+    for name, kernel, sig, consts, configs, lowest in _compile_cases():
+        while not isinstance(kernel, JITFunction):  # the autotuner's wrapped kernel
+            kernel = kernel.fn
+        for arch in (a for a in archs if a >= lowest):
+            for cfg in configs[:1] if first_config else configs:
+                meta = consts | (cfg.kwargs if cfg else {})
+                opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages} if cfg else {"num_warps": 4}
+                src = ASTSource(
+                    fn=kernel,
+                    signature=sig | dict.fromkeys(meta, "constexpr"),
+                    constexprs=meta,
+                )
+                try:
+                    triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
+                    status = "ok"
+                except Exception as e:  # noqa: BLE001 - a kernel that does not compile is the result
+                    failed, status = failed + 1, f"FAILED {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                print(f"compile {name} sm_{arch} {cfg.kwargs if cfg else ''}: {status}", flush=True)
+    print(f"{failed} failed")
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--interpret", action="store_true", help="run on the CPU under TRITON_INTERPRET=1, tiny shapes")
@@ -311,10 +376,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--budget", type=float, default=210.0, help="seconds; later rows are skipped (and counted)")
     p.add_argument("--cpu-twins", action="store_true", help="time the new formats' twins on the CPU instead")
+    p.add_argument("--compile", nargs="+", type=int, metavar="SM", help="only compile the new kernels for these archs")
+    p.add_argument("--first-config", action="store_true", help="with --compile: the first autotune config only")
     a = p.parse_args(argv)
     if a.cpu_twins:
         cpu_twins(a.reps)
         return 0
+    if a.compile:
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            print("--compile needs TRITON_INTERPRET unset (the interpreter has no compiler)", file=sys.stderr)
+            return 2
+        return compile_only(a.compile, a.first_config)
     if a.interpret:
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
     elif not torch.cuda.is_available():
