@@ -34,6 +34,7 @@ width) at most the target: a multiple-choice knapsack, solved by dynamic program
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -251,17 +252,18 @@ def _measure(path: Path, scheme: QuantScheme, calibration, track: Track, method,
         cost = _exact_cost(model, spec, inputs, kwargs)
     else:
         cost = _fisher_cost(model, spec, samples, calibration, inputs, track)
-    alone = _quantized_alone(model, spec, scheme, method, options, dtype, inputs, kwargs, guides)
     cands = candidates(scheme)
-    rows = []
-    for unit in track(found, "sensitivity (fusion groups)", len(found)):
-        kld = {FLOAT: 0.0}
-        for name, args in cands.items():
-            if args is not None and unit.fits(args):
-                with torch.no_grad():  # the method's step as the runner calls it
-                    outs = BlockInputs(inputs[unit.block], kwargs[unit.block]).run(alone(unit, args))
-                    kld[name] = cost(unit.block, outs)
-        rows.append(_row(unit, kld, {n: unit.bits(a, float_bytes) for n, a in cands.items() if n in kld}))
+    variants = _shared_variants if method.name in SHARED else _variants_alone
+    costs = {}
+    blocks = get_module(model, spec.blocks)
+    for i in track(range(len(blocks)), "sensitivity (blocks)", len(blocks)):
+        mine = [u for u in found if u.block == i]
+        wanted = [{n: a for n, a in cands.items() if a is not None and u.fits(a)} for u in mine]
+        step = variants(model, spec, scheme, method, options, dtype, i, mine, wanted, inputs, kwargs, guides)
+        with torch.no_grad():  # the variants are made as the loop asks for them
+            for unit, name, outs in step:
+                costs.setdefault(unit, {FLOAT: 0.0})[name] = cost(i, outs)
+    rows = [_row(u, costs[u], {n: u.bits(a, float_bytes) for n, a in cands.items() if n in costs[u]}) for u in found]
     return {
         "scheme": scheme.name,
         "method": method.name,
@@ -272,27 +274,68 @@ def _measure(path: Path, scheme: QuantScheme, calibration, track: Track, method,
     }
 
 
-def _quantized_alone(model, spec, scheme: QuantScheme, method, options, dtype, inputs, kwargs, guides):
-    """unit, args -> a copy of the unit's block with the unit's linears quantized to `args` by
-    the method (calibrated on the block's float inputs), every other linear float."""
+SHARED = ("rtn", "gptq")  # methods whose units' formats `_shared_variants` makes from one pass over a block
+
+
+def _variants_alone(model, spec, scheme: QuantScheme, method, options, dtype, i, mine, wanted, inputs, kwargs, guides):
+    """(unit, format, block i's outputs per batch with only that unit quantized, to that format
+    by the method) for each unit of block i and format of `wanted`: the method's step on a copy
+    of the block, calibrated on its float inputs (AWQ's way; `_shared_variants`' reference)."""
     import copy
 
     from quantkit.calibration.runner import BlockInputs
     from quantkit.models.arch import get_module
 
-    blocks = get_module(model, spec.blocks)
+    prefix = f"{spec.blocks}.{i}"
+    for unit, formats in zip(mine, wanted):
+        for name, args in formats.items():
+            block = copy.deepcopy(get_module(model, spec.blocks)[i])
+            names = (f"{prefix}.{n}" for n in spec.for_block(block).linears)
+            others = tuple(n for n in names if n not in unit.linears)
+            only = scheme.replace(weights=args, overrides=(), ignore=scheme.ignore + others)
+            step = method.make_step(spec, only, options, {}, dtype, None)
+            step(i, prefix, block, BlockInputs(inputs[i], kwargs[i], guides))
+            yield unit, name, BlockInputs(inputs[i], kwargs[i]).run(block)
 
-    def alone(unit: Unit, args: QuantArgs):
-        block = copy.deepcopy(blocks[unit.block])
-        prefix = f"{spec.blocks}.{unit.block}"
-        names = (f"{prefix}.{n}" for n in spec.for_block(block).linears)
-        others = tuple(n for n in names if n not in unit.linears)
-        only = scheme.replace(weights=args, overrides=(), ignore=scheme.ignore + others)
-        step = method.make_step(spec, only, options, {}, dtype, None)
-        step(unit.block, prefix, block, BlockInputs(inputs[unit.block], kwargs[unit.block], guides))
-        return block
 
-    return alone
+def _shared_variants(model, spec, scheme, method, options, dtype, i, mine, wanted, inputs, kwargs, guides):
+    """`_variants_alone` for round-to-nearest and GPTQ, bit for bit, faster: GPTQ's Hessians
+    of every unit from one pass over the float block and one factorisation per Hessian for
+    all formats (`gptq.quantize_alone`); each variant swaps its weights into the block itself
+    (no copy) and, outside the attention, reuses the attention's float outputs."""
+    from quantkit.calibration import gptq, rtn
+    from quantkit.calibration.hooks import Replay
+    from quantkit.calibration.runner import BlockInputs
+    from quantkit.models.arch import get_module
+
+    block, prefix = get_module(model, spec.blocks)[i], f"{spec.blocks}.{i}"
+    bspec = spec.for_block(block)
+    run = BlockInputs(inputs[i], kwargs[i], guides)
+    stages = [[list(g) for g in stage] for stage in bspec.stages]
+    if method.name == "gptq":
+        made = gptq.quantize_alone(block, bspec, prefix, list(zip(stages, wanted)), run, options, dtype)
+    else:
+        made = [
+            {
+                f: {n: rtn.quantize_weight(get_module(block, n).weight.data, a, dtype)[0] for g in stage for n in g}
+                for f, a in formats.items()
+            }
+            for stage, formats in zip(stages, wanted)
+        ]
+    replay = Replay(get_module(block, bspec.attention), len(run.hidden))
+    for unit, per_format in zip(mine, made):
+        outside = not any(n.startswith(f"{prefix}.{bspec.attention}.") for n in unit.linears)
+        for name, weights in per_format.items():
+            saved = {n: get_module(block, n).weight.data.clone() for n in weights}
+            try:
+                for n, w in weights.items():
+                    get_module(block, n).weight.data.copy_(w)
+                with replay.active() if outside else contextlib.nullcontext():
+                    outs = run.run(block)
+            finally:
+                for n, w in saved.items():
+                    get_module(block, n).weight.data.copy_(w)
+            yield unit, name, outs
 
 
 def _exact_cost(model, spec, inputs, kwargs):

@@ -146,6 +146,36 @@ def test_sensitivity_by_the_method_equals_quantizing_that_group_alone(tmp_path, 
     assert row["kld"]["int4-g32"] == pytest.approx(divergence(base, quantized).mean().item(), rel=1e-3)
 
 
+@pytest.mark.parametrize(
+    "method, options, dtype",
+    [
+        ("rtn", {}, torch.float32),
+        ("gptq", {}, torch.float32),
+        ("gptq", {}, torch.bfloat16),
+        ("gptq", {"guided": 2}, torch.float32),
+    ],
+)
+def test_shared_variants_equal_each_unit_quantized_on_a_copy(
+    tmp_path, tiny_corpus, monkeypatch, method, options, dtype
+):
+    """Round-to-nearest's and GPTQ's costs from one pass over each block (one Hessian per unit,
+    one factorisation for all formats, weights swapped into the float block, the attention's
+    outputs reused) are those of the method's step on a copy of the block per unit and format,
+    bit for bit, and so is the choice."""
+    from quantkit.calibration.registry import METHODS
+
+    path = make_tiny_model(tmp_path / "m", dtype=dtype)
+    calib, scheme = Calibration(str(tiny_corpus), 4, 32), preset("w4a16-asym")
+    opts = METHODS[method].options(**options)
+    shared = mixed.sensitivity(str(path), scheme, calib, cache=tmp_path / "a", method=method, options=opts)
+    monkeypatch.setattr(mixed, "SHARED", ())
+    alone = mixed.sensitivity(str(path), scheme, calib, cache=tmp_path / "b", method=method, options=opts)
+    assert shared["units"] == alone["units"]
+    assert len(shared["units"]) == 8 and all(len(r["kld"]) >= 4 for r in shared["units"])
+    for target in (4.6, 5.0, 6.0):
+        assert mixed.choose(shared["units"], target) == mixed.choose(alone["units"], target)
+
+
 def test_fisher_estimate_equals_its_formula(tmp_path, tiny_corpus):
     """½·mean over tokens and draws of (g·δ)², with g = ∇ log p(y|h) at block 0's output for
     labels y drawn from the float model (the same generator, row by row) and δ the change of
