@@ -50,7 +50,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--blocks", type=int, default=3)
-    parser.add_argument("--methods", nargs="+", default=["gptq", "rtn"])
+    parser.add_argument("--methods", nargs="+", default=["gptq"])
     a = parser.parse_args()
     model, tokenizer, _ = load_float_model(resolve_model(a.model), owned=True)
     dtype = model.dtype

@@ -53,6 +53,7 @@ FLOAT = "float"
 FORMATS = ("int4-g128", "int4-g64", "int4-g32", "int8", FLOAT)  # what `candidates` offers, by name
 ESTIMATORS = ("fisher", "exact")  # how `sensitivity` measures a unit's cost; the first is the default
 FISHER_DRAWS = 4  # labels drawn per token from the float model for the Fisher estimate
+SHARED = ("rtn", "gptq")  # methods whose units' formats `_shared_variants` makes from one pass over a block
 FORMATS_NEED_BITS = (  # the refusal of target_formats without target_bits (recipe and pipeline)
     "target_formats (--target-formats) goes with target_bits (--target-bits): "
     "it limits the formats mixed precision chooses from."
@@ -254,9 +255,8 @@ def _measure(path: Path, scheme: QuantScheme, calibration, track: Track, method,
         cost = _fisher_cost(model, spec, samples, calibration, inputs, track)
     cands = candidates(scheme)
     variants = _shared_variants if method.name in SHARED else _variants_alone
-    costs = {}
-    blocks = get_module(model, spec.blocks)
-    for i in track(range(len(blocks)), "sensitivity (blocks)", len(blocks)):
+    costs, n = {}, len(get_module(model, spec.blocks))
+    for i in track(range(n), "sensitivity (blocks)", n):
         mine = [u for u in found if u.block == i]
         wanted = [{n: a for n, a in cands.items() if a is not None and u.fits(a)} for u in mine]
         step = variants(model, spec, scheme, method, options, dtype, i, mine, wanted, inputs, kwargs, guides)
@@ -274,13 +274,9 @@ def _measure(path: Path, scheme: QuantScheme, calibration, track: Track, method,
     }
 
 
-SHARED = ("rtn", "gptq")  # methods whose units' formats `_shared_variants` makes from one pass over a block
-
-
 def _variants_alone(model, spec, scheme: QuantScheme, method, options, dtype, i, mine, wanted, inputs, kwargs, guides):
-    """(unit, format, block i's outputs per batch with only that unit quantized, to that format
-    by the method) for each unit of block i and format of `wanted`: the method's step on a copy
-    of the block, calibrated on its float inputs (AWQ's way; `_shared_variants`' reference)."""
+    """(unit, format, block i's outputs per batch with only that unit quantized to it) for each
+    unit and format of `wanted`: the method's step on a copy of the block (AWQ's way; the reference)."""
     import copy
 
     from quantkit.calibration.runner import BlockInputs
@@ -299,10 +295,9 @@ def _variants_alone(model, spec, scheme: QuantScheme, method, options, dtype, i,
 
 
 def _shared_variants(model, spec, scheme, method, options, dtype, i, mine, wanted, inputs, kwargs, guides):
-    """`_variants_alone` for round-to-nearest and GPTQ, bit for bit, faster: GPTQ's Hessians
-    of every unit from one pass over the float block and one factorisation per Hessian for
-    all formats (`gptq.quantize_alone`); each variant swaps its weights into the block itself
-    (no copy) and, outside the attention, reuses the attention's float outputs."""
+    """`_variants_alone` for round-to-nearest and GPTQ, bit for bit: GPTQ's Hessians from one
+    pass over the float block, one factorisation per Hessian for all formats; each variant's
+    weights swapped into the block (no copy), what it cannot change reused (`Replay`)."""
     from quantkit.calibration import gptq, rtn
     from quantkit.calibration.hooks import Replay
     from quantkit.calibration.runner import BlockInputs
@@ -322,15 +317,21 @@ def _shared_variants(model, spec, scheme, method, options, dtype, i, mine, wante
             }
             for stage, formats in zip(stages, wanted)
         ]
-    replay = Replay(get_module(block, bspec.attention), len(run.hidden))
-    for unit, per_format in zip(mine, made):
+    # reused: the attention's outputs after it, and (dense blocks) the earlier stages' linears'
+    batches = len(run.hidden)
+    attention = Replay(get_module(block, bspec.attention), batches)
+    before = [] if bspec.moe else [Replay(get_module(block, n), batches) for stage in stages for g in stage for n in g]
+    for s, (unit, per_format) in enumerate(zip(mine, made)):
         outside = not any(n.startswith(f"{prefix}.{bspec.attention}.") for n in unit.linears)
+        earlier = before[: sum(len(g) for stage in stages[:s] for g in stage)]
         for name, weights in per_format.items():
             saved = {n: get_module(block, n).weight.data.clone() for n in weights}
             try:
                 for n, w in weights.items():
                     get_module(block, n).weight.data.copy_(w)
-                with replay.active() if outside else contextlib.nullcontext():
+                with contextlib.ExitStack() as kept:
+                    for r in [attention] * outside + earlier:
+                        kept.enter_context(r.active())
                     outs = run.run(block)
             finally:
                 for n, w in saved.items():
