@@ -183,7 +183,10 @@ def test_killed_run_resumes_byte_identical(tmp_path, tiny_corpus, where, n, meth
     def opts(name):
         return {k: v.format(name) for k, v in options.items()}
 
-    quantize(str(src), s, tmp_path / "straight", method, calibration(tiny_corpus), opts("a"), max_shard_size="40KB")
+    straight = quantize(
+        str(src), s, tmp_path / "straight", method, calibration(tiny_corpus), opts("a"), max_shard_size="40KB"
+    )
+    assert straight["resume_state"]["commits"] >= 3  # the start, after the last block, after the tail
     script = "import json\n" + textwrap.dedent(KILLED).format(tests=str(TESTS))
     args = [where, str(n), str(src), str(tmp_path / "resumed"), method, str(tiny_corpus), json.dumps(opts("b"))]
     args += [str(torch.get_num_threads()), str(every)]
