@@ -299,7 +299,7 @@ def _shared_variants(model, spec, scheme, method, options, dtype, i, mine, wante
     pass over the float block, one factorisation per Hessian for all formats; each variant's
     weights swapped into the block (no copy), what it cannot change reused (`Replay`)."""
     from quantkit.calibration import gptq, rtn
-    from quantkit.calibration.hooks import Replay
+    from quantkit.calibration.hooks import Replay, targets
     from quantkit.calibration.runner import BlockInputs
     from quantkit.models.arch import get_module
 
@@ -307,15 +307,16 @@ def _shared_variants(model, spec, scheme, method, options, dtype, i, mine, wante
     bspec = spec.for_block(block)
     run = BlockInputs(inputs[i], kwargs[i], guides)
     stages = [[list(g) for g in stage] for stage in bspec.stages]
+    quantized = [[t for g in stage if (t := targets(scheme, prefix, g))] for stage in stages]  # not ignored
     if method.name == "gptq":
-        made = gptq.quantize_alone(block, bspec, prefix, list(zip(stages, wanted)), run, options, dtype)
+        made = gptq.quantize_alone(block, bspec, prefix, list(zip(quantized, wanted)), run, options, dtype)
     else:
         made = [
             {
                 f: {n: rtn.quantize_weight(get_module(block, n).weight.data, a, dtype)[0] for g in stage for n in g}
                 for f, a in formats.items()
             }
-            for stage, formats in zip(stages, wanted)
+            for stage, formats in zip(quantized, wanted)
         ]
     # reused: the attention's outputs after it, and (dense blocks) the earlier stages' linears'
     batches = len(run.hidden)
