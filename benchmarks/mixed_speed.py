@@ -1,6 +1,6 @@
 """Mixed precision's sensitivity, block by block: each unit × format quantized by the method on a
-copy of its block (`mixed._variants_alone`, the code before 2026-12-03) against the shared pass
-(`mixed._shared_variants`: one Hessian per unit, one factorisation for all formats), beside the
+copy of its block (`variants.alone`, the code before 2026-12-03) against the shared pass
+(`variants.shared`: one Hessian per unit, one factorisation for all formats), beside the
 uniform run's step on the same block (the method on the CLI's default 128 × 512 calibration
 tokens, then the block's forward), in CPU seconds of this process, side by side.
 
@@ -25,7 +25,7 @@ from quantkit.calibration.registry import METHODS
 from quantkit.calibration.runner import BlockInputs, capture_block_inputs
 from quantkit.models.arch import arch_for, get_module
 from quantkit.models.loading import load_float_model, resolve_model
-from quantkit.pipeline import mixed
+from quantkit.pipeline import mixed, variants
 from quantkit.scheme import preset, with_actorder
 
 
@@ -71,8 +71,8 @@ def main() -> None:
             wanted = [{n: x for n, x in cands.items() if x is not None and u.fits(x)} for u in mine]
             args = (model, spec, scheme, method, options, dtype, i, mine, wanted, small[0], small[1], None)
             with torch.no_grad():
-                before, old = cpu(lambda: [(u, f, o) for u, f, o in mixed._variants_alone(*args)])
-                after, new = cpu(lambda: [(u, f, o) for u, f, o in mixed._shared_variants(*args)])
+                before, old = cpu(lambda: [(u, f, o) for u, f, o in variants.alone(*args)])
+                after, new = cpu(lambda: [(u, f, o) for u, f, o in variants.shared(*args)])
             assert [(u, f) for u, f, _ in old] == [(u, f) for u, f, _ in new]
             assert all(torch.equal(x, y) for (_, _, a_), (_, _, b_) in zip(old, new) for x, y in zip(a_, b_))
             block = copy.deepcopy(get_module(model, spec.blocks)[i])

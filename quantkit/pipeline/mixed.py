@@ -34,7 +34,6 @@ width) at most the target: a multiple-choice knapsack, solved by dynamic program
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -53,7 +52,6 @@ FLOAT = "float"
 FORMATS = ("int4-g128", "int4-g64", "int4-g32", "int8", FLOAT)  # what `candidates` offers, by name
 ESTIMATORS = ("fisher", "exact")  # how `sensitivity` measures a unit's cost; the first is the default
 FISHER_DRAWS = 4  # labels drawn per token from the float model for the Fisher estimate
-SHARED = ("rtn", "gptq")  # methods whose units' formats `_shared_variants` makes from one pass over a block
 FORMATS_NEED_BITS = (  # the refusal of target_formats without target_bits (recipe and pipeline)
     "target_formats (--target-formats) goes with target_bits (--target-bits): "
     "it limits the formats mixed precision chooses from."
@@ -254,7 +252,9 @@ def _measure(path: Path, scheme: QuantScheme, calibration, track: Track, method,
     else:
         cost = _fisher_cost(model, spec, samples, calibration, inputs, track)
     cands = candidates(scheme)
-    variants = _shared_variants if method.name in SHARED else _variants_alone
+    from quantkit.pipeline import variants as made
+
+    variants = made.shared if method.name in made.SHARED else made.alone
     costs, n = {}, len(get_module(model, spec.blocks))
     for i in track(range(n), "sensitivity (blocks)", n):
         mine = [u for u in found if u.block == i]
@@ -272,72 +272,6 @@ def _measure(path: Path, scheme: QuantScheme, calibration, track: Track, method,
         "float_bytes": float_bytes,
         "units": rows,
     }
-
-
-def _variants_alone(model, spec, scheme: QuantScheme, method, options, dtype, i, mine, wanted, inputs, kwargs, guides):
-    """(unit, format, block i's outputs per batch with only that unit quantized to it) for each
-    unit and format of `wanted`: the method's step on a copy of the block (AWQ's way; the reference)."""
-    import copy
-
-    from quantkit.calibration.runner import BlockInputs
-    from quantkit.models.arch import get_module
-
-    prefix = f"{spec.blocks}.{i}"
-    for unit, formats in zip(mine, wanted):
-        for name, args in formats.items():
-            block = copy.deepcopy(get_module(model, spec.blocks)[i])
-            names = (f"{prefix}.{n}" for n in spec.for_block(block).linears)
-            others = tuple(n for n in names if n not in unit.linears)
-            only = scheme.replace(weights=args, overrides=(), ignore=scheme.ignore + others)
-            step = method.make_step(spec, only, options, {}, dtype, None)
-            step(i, prefix, block, BlockInputs(inputs[i], kwargs[i], guides))
-            yield unit, name, BlockInputs(inputs[i], kwargs[i]).run(block)
-
-
-def _shared_variants(model, spec, scheme, method, options, dtype, i, mine, wanted, inputs, kwargs, guides):
-    """`_variants_alone` for round-to-nearest and GPTQ, bit for bit: GPTQ's Hessians from one
-    pass over the float block, one factorisation per Hessian for all formats; each variant's
-    weights swapped into the block (no copy), what it cannot change reused (`Replay`)."""
-    from quantkit.calibration import gptq, rtn
-    from quantkit.calibration.hooks import Replay, targets
-    from quantkit.calibration.runner import BlockInputs
-    from quantkit.models.arch import get_module
-
-    block, prefix = get_module(model, spec.blocks)[i], f"{spec.blocks}.{i}"
-    bspec = spec.for_block(block)
-    run = BlockInputs(inputs[i], kwargs[i], guides)
-    stages = [[list(g) for g in stage] for stage in bspec.stages]
-    quantized = [[t for g in stage if (t := targets(scheme, prefix, g))] for stage in stages]  # not ignored
-    if method.name == "gptq":
-        made = gptq.quantize_alone(block, bspec, prefix, list(zip(quantized, wanted)), run, options, dtype)
-    else:
-        made = [
-            {
-                f: {n: rtn.quantize_weight(get_module(block, n).weight.data, a, dtype)[0] for g in stage for n in g}
-                for f, a in formats.items()
-            }
-            for stage, formats in zip(quantized, wanted)
-        ]
-    # reused: the attention's outputs after it, and (dense blocks) the earlier stages' linears'
-    batches = len(run.hidden)
-    attention = Replay(get_module(block, bspec.attention), batches)
-    before = [] if bspec.moe else [Replay(get_module(block, n), batches) for stage in stages for g in stage for n in g]
-    for s, (unit, per_format) in enumerate(zip(mine, made)):
-        outside = not any(n.startswith(f"{prefix}.{bspec.attention}.") for n in unit.linears)
-        earlier = before[: sum(len(g) for stage in stages[:s] for g in stage)]
-        for name, weights in per_format.items():
-            saved = {n: get_module(block, n).weight.data.clone() for n in weights}
-            try:
-                for n, w in weights.items():
-                    get_module(block, n).weight.data.copy_(w)
-                with contextlib.ExitStack() as kept:
-                    for r in [attention] * outside + earlier:
-                        kept.enter_context(r.active())
-                    outs = run.run(block)
-            finally:
-                for n, w in saved.items():
-                    get_module(block, n).weight.data.copy_(w)
-            yield unit, name, outs
 
 
 def _exact_cost(model, spec, inputs, kwargs):
