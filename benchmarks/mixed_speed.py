@@ -1,6 +1,7 @@
 """Mixed precision's sensitivity, block by block: each unit × format quantized by the method on a
 copy of its block (`variants.alone`, the code before 2026-12-03) against the shared pass
-(`variants.shared`: one Hessian per unit, one factorisation for all formats), beside the
+(`variants.shared`: one Hessian per unit, one factorisation for all formats; for AWQ, the copies
+reading the block's inputs captured once), beside the
 uniform run's step on the same block (the method on the CLI's default 128 × 512 calibration
 tokens, then the block's forward), in CPU seconds of this process, side by side.
 
@@ -70,9 +71,12 @@ def main() -> None:
             mine = [u for u in found if u.block == i]
             wanted = [{n: x for n, x in cands.items() if x is not None and u.fits(x)} for u in mine]
             args = (model, spec, scheme, method, options, dtype, i, mine, wanted, small[0], small[1], None)
+            fast = variants.shared if name in variants.SHARED else variants.alone
             with torch.no_grad():
+                kept, variants.CAPTURED = variants.CAPTURED, ()  # before: AWQ captures on every copy
                 before, old = cpu(lambda: [(u, f, o) for u, f, o in variants.alone(*args)])
-                after, new = cpu(lambda: [(u, f, o) for u, f, o in variants.shared(*args)])
+                variants.CAPTURED = kept
+                after, new = cpu(lambda: [(u, f, o) for u, f, o in fast(*args)])
             assert [(u, f) for u, f, _ in old] == [(u, f) for u, f, _ in new]
             assert all(torch.equal(x, y) for (_, _, a_), (_, _, b_) in zip(old, new) for x, y in zip(a_, b_))
             block = copy.deepcopy(get_module(model, spec.blocks)[i])
