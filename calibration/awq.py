@@ -344,7 +344,7 @@ def awq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_
     def step(index: int, prefix: str, block: nn.Module, inputs) -> None:
         bspec = spec.for_block(block)
         names = targets(scheme, prefix, bspec.linears)
-        feats = mapping_inputs(bspec, block, names, inputs, SEARCH_TOKENS) if loaded is None else {}
+        feats = _features(bspec, block, names, inputs) if loaded is None else {}
         inspected = {m.inspect: get_module(block, m.inspect) for m in bspec.awq if m.inspect and o.module_loss}
         calls = capture_calls(block, inspected, inputs, MODULE_TOKENS) if loaded is None and inspected else {}
         for b in mappings(bspec, block, names):
@@ -401,6 +401,13 @@ def awq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_
         step.finish = lambda: _write_search(Path(o.save_search), record)
         step.state, step.restore = lambda: dict(record), record.update
     return step
+
+
+def _features(spec, block, names, inputs):
+    """The search's inputs of `names` (`hooks.mapping_inputs`), or a copy of those the caller
+    captured from this float block (`inputs.captured`): entries are replaced as scales fold
+    (`scaled_inputs`), never changed in place."""
+    return dict(inputs.captured) if inputs.captured else mapping_inputs(spec, block, names, inputs, SEARCH_TOKENS)
 
 
 def _quantize_clipped(block, spec, name, full, feats, summed, loaded, record, clip, args, scale_dtype, results):

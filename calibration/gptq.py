@@ -95,8 +95,34 @@ def quantize_weight(
     other column as it is, under the dampened H (the objective GPTQ approximates); the
     qparams stay.
     """
-    actorder = actorder or args.actorder
-    _check(W, H, args, block_size, damp, actorder, name)
+    return quantize_weights(W, H, [args], block_size, damp, actorder, scale_dtype, log, name, range_search, refine)[0]
+
+
+def quantize_weights(
+    W: torch.Tensor,
+    H: torch.Tensor,
+    formats: list[QuantArgs],
+    block_size: int = 128,
+    damp: float = 0.01,
+    actorder: str | None = None,
+    scale_dtype: torch.dtype = torch.float32,
+    log: Callable[[str], None] | None = None,
+    name: str = "weight",
+    range_search: bool = False,
+    refine: int = 0,
+) -> list[GPTQResult]:
+    """`quantize_weight` of one W [out, in] under one H for each of `formats` (which share an
+    act-order): the column order, the damped Hessian and its inverse Cholesky factor depend
+    on W and H only, so they are made once (what mixed precision's sensitivity asks for
+    several formats), and each result is the one `quantize_weight` gives bit for bit."""
+    orders = {actorder or args.actorder for args in formats}
+    if len(orders) != 1:
+        raise QuantkitError(
+            f"GPTQ quantizes {name} for several formats under one act-order, not {sorted(map(str, orders))}."
+        )
+    actorder = orders.pop()
+    for args in formats:
+        _check(W, H, args, block_size, damp, actorder, name)
     W0, n = W, W.shape[1]
     H = H.detach().to(W.device, torch.float32)
     diag = H.diagonal()
@@ -110,26 +136,35 @@ def quantize_weight(
     dead = dead[perm]
     H[dead, dead] = 1
     W[:, dead] = 0
-    if args.strategy != "group":
-        gid = torch.zeros_like(perm)  # one set of qparams, taken before the loop
-    elif actorder in ("static", "weight"):
-        gid = perm // args.group_size  # the original contiguous group of each visited column
-    else:
-        gid = torch.arange(n, device=W.device) // args.group_size  # groups over the visiting order
-    grams = None
-    if range_search and args.strategy == "group":  # each group's block of H, before damping
-        grams = [H[cols][:, cols] for cols in (torch.nonzero(gid == g)[:, 0] for g in range(int(gid.max()) + 1))]
+    gids = [_group_ids(perm, args, actorder) for args in formats]
+    grams = [  # each group's block of H, before damping
+        [H[cols][:, cols] for cols in (torch.nonzero(gid == g)[:, 0] for g in range(int(gid.max()) + 1))]
+        if range_search and args.strategy == "group"
+        else None
+        for args, gid in zip(formats, gids)
+    ]
     Hinv, damp_used = _inverse_cholesky(H, damp, log or (lambda message: None), name)  # Hinv [in, in], upper
     if not refine:
         del H  # at most four [in, in] matrices were alive at once: the caller's H, ours and two factors
-    Q, scale, zero_point = _column_loop(W, Hinv, gid, args, block_size, scale_dtype, grams)
-    if refine:
-        del Hinv
-        Q = refine_rounding(W, Q, H, gid, scale, zero_point, args, refine, block_size)
+    inv, results = torch.argsort(perm), []
+    for k, (args, gid, gram) in enumerate(zip(formats, gids, grams)):
+        Q, scale, zero_point = _column_loop(W, Hinv, gid, args, block_size, scale_dtype, gram)
+        if refine:
+            if k == len(formats) - 1:
+                del Hinv  # refining needs the damped H, not its factor
+            Q = refine_rounding(W, Q, H, gid, scale, zero_point, args, refine, block_size)
+        g_idx = gid[inv].to(torch.int32) if args.strategy == "group" and actorder == "group" else None
+        results.append(GPTQResult(Q[:, inv].to(W0.dtype), scale, zero_point, g_idx, damp_used))
+    return results
 
-    inv = torch.argsort(perm)
-    g_idx = gid[inv].to(torch.int32) if args.strategy == "group" and actorder == "group" else None
-    return GPTQResult(Q[:, inv].to(W0.dtype), scale, zero_point, g_idx, damp_used)
+
+def _group_ids(perm, args, actorder):
+    """The group (column of qparams) of each visited column."""
+    if args.strategy != "group":
+        return torch.zeros_like(perm)  # one set of qparams, taken before the loop
+    if actorder in ("static", "weight"):
+        return perm // args.group_size  # the original contiguous group of each visited column
+    return torch.arange(perm.numel(), device=perm.device) // args.group_size  # groups over the visiting order
 
 
 def _check(W, H, args, block_size, damp, actorder, name):
@@ -414,6 +449,81 @@ def _quantize_guided(block, names, prefix, inputs, replay, scheme, options, resu
         linear.weight.data.copy_(torch.cat([p.weight for p in parts]))
         zero = None if parts[0].zero_point is None else torch.cat([p.zero_point for p in parts])
         results[full] = QParams(torch.cat([p.scale for p in parts]), zero, None)  # per tensor: one part
+
+
+@torch.no_grad()
+def quantize_alone(
+    block: nn.Module, spec: ArchSpec, prefix: str, units, inputs, options, scale_dtype, log: Callable | None = None
+) -> list[dict[str, dict[str, torch.Tensor]]]:
+    """Mixed precision's sensitivity by GPTQ: for each (stage, formats) of `units` (a pass of
+    the float block's `spec.stages` and name -> QuantArgs), format name -> {linear name:
+    fake-quantized weight}, each what `gptq_step` makes of that stage quantized alone in that
+    format, the rest of the block float, bit for bit: every stage reads the float block's
+    activations, so one pass over the calibration batches gathers every Hessian (guided ones
+    with `options.guided`), and each Hessian is factored once for all formats
+    (`quantize_weights`). The block is left as it was."""
+    from quantkit.calibration import guided
+
+    firsts, adds = {}, {}
+    for stage, _ in units:
+        for names in stage:
+            firsts[names[0]] = get_module(block, names[0])
+            fulls = [f"{prefix}.{n}" for n in names]
+            adds[names[0]] = (
+                guided.hessians([inputs.guides[f] for f in fulls]) if options.guided else accumulate_hessian
+            )
+    states = reduce_each(block, firsts, inputs, adds, prefix)
+    found = []
+    for stage, formats in units:
+        made = {f: {} for f in formats}
+        for names in stage:
+            state = states.pop(names[0])
+            if options.guided:
+                for name, hs in zip(names, state):
+                    hs = [_finite(H, f"{prefix}.{name}") for H in hs]
+                    _alone_part(block, [name], hs, formats, made, options, scale_dtype, log, prefix)
+            else:
+                hs = [_finite(state, f"{prefix}.{names[0]}")]
+                _alone_part(block, names, hs, formats, made, options, scale_dtype, log, prefix)
+        found.append(made)
+    return found
+
+
+def _alone_part(block, names, hs, formats, made, options, scale_dtype, log, prefix):
+    # the linears `names` stacked (they share their Hessians), their rows in len(hs) groups
+    # each under its own Hessian (one: plain GPTQ), for every format at once; a per-tensor
+    # format quantizes each linear alone, under the mean of the groups' Hessians
+    from quantkit.calibration.guided import group_bounds
+
+    def run(weight, parts, picked, label):
+        bounds = group_bounds(weight.shape[0], len(parts))
+        results = [
+            quantize_weights(
+                weight[bounds[k] : bounds[k + 1]],
+                H,
+                list(picked.values()),
+                options.block_size,
+                options.damp,
+                scale_dtype=scale_dtype,
+                log=log,
+                name=label,
+                range_search=options.range_search,
+                refine=options.refine,
+            )
+            for k, H in enumerate(parts)
+        ]
+        return {f: torch.cat([r[j].weight for r in results]) for j, f in enumerate(picked)}
+
+    linears = [get_module(block, n) for n in names]
+    grouped = {f: a for f, a in formats.items() if a.strategy != "tensor"}
+    if grouped:
+        label = f"{prefix}.{'+'.join(names)}"
+        for f, w in run(torch.cat([lin.weight.data for lin in linears]), hs, grouped, label).items():
+            made[f].update(zip(names, w.split([lin.out_features for lin in linears])))
+    tensor = {f: a for f, a in formats.items() if a.strategy == "tensor"}
+    for name, lin in zip(names, linears) if tensor else ():
+        for f, w in run(lin.weight.data, [sum(hs) / len(hs)], tensor, f"{prefix}.{name}").items():
+            made[f][name] = w
 
 
 # `quantkit plan --calibrate gptq`: fitted on smollm2 (64 × 512, 2026-12-01: 317 s with range

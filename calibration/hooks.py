@@ -164,15 +164,22 @@ def reduce_inputs(
 
 @torch.no_grad()
 def reduce_each(
-    block: nn.Module, linears: dict[str, nn.Linear], inputs: BlockInputs, add: Callable, prefix: str, replay=None
+    block: nn.Module,
+    linears: dict[str, nn.Linear],
+    inputs: BlockInputs,
+    add: Callable | dict[str, Callable],
+    prefix: str,
+    replay=None,
 ):
     """`reduce_inputs` for several linears whose inputs do not depend on each other (one
-    pass of `spec.stages`), in one pass over the calibration batches: name -> state."""
+    pass of `spec.stages`), in one pass over the calibration batches: name -> state. `add`
+    is one reducer for all, or name -> its own."""
     states = {name: (None, 0) for name in linears}
+    adds = add if isinstance(add, dict) else dict.fromkeys(linears, add)
 
     def observe(name, x):
         state, n = states[name]
-        states[name] = add(state, x, n)
+        states[name] = adds[name](state, x, n)
 
     with replay.active() if replay else contextlib.nullcontext():
         observe_inputs(block, linears, inputs, observe)

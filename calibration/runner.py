@@ -32,6 +32,9 @@ class BlockInputs:
     hidden: list[torch.Tensor]  # per batch: [batch, seq, hidden]
     kwargs: list[dict]  # per batch: the block's keyword arguments (mask, rotary embeddings, ...)
     guides: dict[str, torch.Tensor] | None = None  # full linear name -> loss weights (calibration.guided)
+    # the float block's linears' inputs as AWQ's search captures them (`hooks.mapping_inputs`), when
+    # a caller runs AWQ on copies of one float block many times (mixed precision's sensitivity)
+    captured: dict[str, torch.Tensor] | None = None
 
     @torch.no_grad()
     def run(self, block: nn.Module) -> list[torch.Tensor]:

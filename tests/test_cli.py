@@ -222,6 +222,7 @@ def test_plan_and_bench_commands(tiny_llama, tmp_path):
     assert r.exit_code == 0, r.output
     assert "peak host memory" in r.stdout and "wall time" in r.stdout and "at 50 fp32 GFLOP/s" in r.stdout
     assert json.loads((tmp_path / "p.json").read_text())["samples"] == 16
+    assert "resume state written" in r.stdout and "with --guided 4" in r.stdout and "with --target-bits" in r.stdout
     r = runner.invoke(app, [*argv, "--device", "cuda", "--gpu", "h200"])
     assert r.exit_code == 0 and "peak device memory" in r.stdout, r.output
     r = runner.invoke(

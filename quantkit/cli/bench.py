@@ -169,6 +169,17 @@ def _plan_calibration(model, method, samples, seq_len, device, gpu, gflops, json
     rows += [
         ("checkpoint on disk (w4a16 g128)", size(r["output_bytes"])),
         ("wall time", f"{r['seconds'] / 60:.0f} min at {gflops:.0f} fp32 GFLOP/s"),
+        (
+            "resume state written",
+            f"{size(r['resume']['bytes'])}: {r['resume']['commits']} commits of {size(r['resume']['commit_bytes'])} "
+            f"(one a minute; after every block: {size(r['resume']['every_block'])})",
+        ),
+        (
+            f"with --guided {r['gradient_pass']['groups']}",
+            f"+{r['gradient_pass']['seconds'] / 60:.0f} min (gradient pass, guided Hessians), "
+            f"{size(r['gradient_pass']['spill_bytes'])} spilled to disk",
+        ),
+        ("with --target-bits", f"+{r['sensitivity']['seconds'] / 60:.0f} min (sensitivity)"),
     ]
     out.print(rows_table(f"plan: {method} on {model}, {samples} × {seq_len} tokens, {device}", rows))
 

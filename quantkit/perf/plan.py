@@ -11,6 +11,7 @@ from the method's own module (its registry entry's `plan`)."""
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -293,6 +294,7 @@ def _calibrated_block(config: dict) -> dict:
     h = dims["hidden"]
     return {
         "groups": groups,
+        "sizes": [len(group) for group in block.sequential],  # linears per group
         "params": sum(i * o for i, o, _ in groups) + 2 * h + (moe["experts"] * h if moe else 0),
         "attention": dims["q"],
         "mlp": moe["top_k"] * moe["width"] + moe["shared"] if moe else dims["mlp"],
@@ -346,6 +348,8 @@ def calibration_plan(
     per_block = 2 * block_forward + cost["flops"]
     args = QuantArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group_size)
     output = sum(linear_bytes("pack-quantized", o, i, args, file_bytes) * n for o, i, n, _ in block_linears(config))
+    seconds = layers * per_block / (gflops * 1e9 * cost["efficiency"])
+    extra = _extra_passes(config, b, cost_model, tokens, seq_len, group_size, block_forward, gflops)
     return {
         "method": method,
         "samples": samples,
@@ -355,8 +359,10 @@ def calibration_plan(
         "float_weights_bytes": param_count(config) * file_bytes,
         "host_peak_bytes": host,
         "device_peak_bytes": device_peak,
-        "seconds": layers * per_block / (gflops * 1e9 * cost["efficiency"]),
+        "seconds": seconds,
         "output_bytes": output + _float_params(config) * file_bytes,
+        "resume": _resume_writes(layers, seconds, tokens * h * 4),
+        **extra,
         "breakdown": {
             "libraries": LIBRARY_BYTES,
             "block_weights": block,
@@ -365,6 +371,54 @@ def calibration_plan(
             "forward": forward,
             "embeddings": embed,
         },
+    }
+
+
+def _resume_writes(layers: int, seconds: float, per_commit: int) -> dict:
+    """What the resume state writes (`pipeline.stream`): a block's inputs per commit, a commit
+    at most once per COMMIT_SECONDS of calibration (none after the last block: the
+    checkpoint is complete), against one after every block before 2026-12-03."""
+    from quantkit.pipeline.stream import COMMIT_SECONDS
+
+    between = layers - 1  # commits that save inputs: after every block but the last
+    commits = between if COMMIT_SECONDS <= 0 else min(between, math.ceil(seconds / COMMIT_SECONDS))
+    return {
+        "commit_bytes": per_commit,
+        "commits": commits,
+        "bytes": commits * per_commit,
+        "every_block": between * per_commit,
+    }
+
+
+GUIDED_GROUPS = 4  # the --guided the plan counts (the docs' setting)
+
+
+def _extra_passes(config, b, cost_model, tokens, seq_len, group_size, block_forward, gflops) -> dict:
+    """What `--guided` and `--target-bits` add: the float model's gradient pass (forward,
+    then each block run again and back; the blocks' inputs spilled to disk) and guided
+    Hessians (GUIDED_GROUPS per linear instead of one per group of linears that share an
+    input); the sensitivity (`pipeline.mixed`, on its SENSITIVITY_WINDOWS: the float pass,
+    the Fisher pass with FISHER_DRAWS labels, and per block each unit × format quantized by
+    the method and the block run once more)."""
+    from quantkit.pipeline.mixed import FISHER_DRAWS, SENSITIVITY_WINDOWS
+
+    layers, h, vocab = config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]
+    rate = gflops * 1e9 * cost_model(b["groups"], tokens, group_size, b["sparse_input"])["efficiency"]
+    head = 2 * tokens * h * vocab
+    hessians = sum(2 * tokens * t * i * i * (GUIDED_GROUPS * n - 1) for (i, _, t), n in zip(b["groups"], b["sizes"]))
+    gradient = layers * (4 * block_forward / 2 + hessians) + 3 * head
+    rows, seq = SENSITIVITY_WINDOWS
+    few = rows * seq
+    small = block_forward * few / tokens / 2  # one forward of a block on the sensitivity's windows
+    formats = 4  # int4 g128 / g64 / g32 and int8, where the widths fit
+    method = cost_model(b["groups"], few, group_size, b["sparse_input"])["flops"] * formats
+    units = len(b["groups"])
+    sensitivity = (
+        layers * (small * (2 + 2 * FISHER_DRAWS + formats * units) + method) + (2 + FISHER_DRAWS) * head * few / tokens
+    )
+    return {
+        "gradient_pass": {"seconds": gradient / rate, "spill_bytes": layers * tokens * h * 4, "groups": GUIDED_GROUPS},
+        "sensitivity": {"seconds": sensitivity / rate, "tokens": few},
     }
 
 

@@ -251,17 +251,19 @@ def _measure(path: Path, scheme: QuantScheme, calibration, track: Track, method,
         cost = _exact_cost(model, spec, inputs, kwargs)
     else:
         cost = _fisher_cost(model, spec, samples, calibration, inputs, track)
-    alone = _quantized_alone(model, spec, scheme, method, options, dtype, inputs, kwargs, guides)
     cands = candidates(scheme)
-    rows = []
-    for unit in track(found, "sensitivity (fusion groups)", len(found)):
-        kld = {FLOAT: 0.0}
-        for name, args in cands.items():
-            if args is not None and unit.fits(args):
-                with torch.no_grad():  # the method's step as the runner calls it
-                    outs = BlockInputs(inputs[unit.block], kwargs[unit.block]).run(alone(unit, args))
-                    kld[name] = cost(unit.block, outs)
-        rows.append(_row(unit, kld, {n: unit.bits(a, float_bytes) for n, a in cands.items() if n in kld}))
+    from quantkit.pipeline import variants as made
+
+    variants = made.shared if method.name in made.SHARED else made.alone
+    costs, n = {}, len(get_module(model, spec.blocks))
+    for i in track(range(n), "sensitivity (blocks)", n):
+        mine = [u for u in found if u.block == i]
+        wanted = [{n: a for n, a in cands.items() if a is not None and u.fits(a)} for u in mine]
+        step = variants(model, spec, scheme, method, options, dtype, i, mine, wanted, inputs, kwargs, guides)
+        with torch.no_grad():  # the variants are made as the loop asks for them
+            for unit, name, outs in step:
+                costs.setdefault(unit, {FLOAT: 0.0})[name] = cost(i, outs)
+    rows = [_row(u, costs[u], {n: u.bits(a, float_bytes) for n, a in cands.items() if n in costs[u]}) for u in found]
     return {
         "scheme": scheme.name,
         "method": method.name,
@@ -270,29 +272,6 @@ def _measure(path: Path, scheme: QuantScheme, calibration, track: Track, method,
         "float_bytes": float_bytes,
         "units": rows,
     }
-
-
-def _quantized_alone(model, spec, scheme: QuantScheme, method, options, dtype, inputs, kwargs, guides):
-    """unit, args -> a copy of the unit's block with the unit's linears quantized to `args` by
-    the method (calibrated on the block's float inputs), every other linear float."""
-    import copy
-
-    from quantkit.calibration.runner import BlockInputs
-    from quantkit.models.arch import get_module
-
-    blocks = get_module(model, spec.blocks)
-
-    def alone(unit: Unit, args: QuantArgs):
-        block = copy.deepcopy(blocks[unit.block])
-        prefix = f"{spec.blocks}.{unit.block}"
-        names = (f"{prefix}.{n}" for n in spec.for_block(block).linears)
-        others = tuple(n for n in names if n not in unit.linears)
-        only = scheme.replace(weights=args, overrides=(), ignore=scheme.ignore + others)
-        step = method.make_step(spec, only, options, {}, dtype, None)
-        step(unit.block, prefix, block, BlockInputs(inputs[unit.block], kwargs[unit.block], guides))
-        return block
-
-    return alone
 
 
 def _exact_cost(model, spec, inputs, kwargs):

@@ -473,6 +473,7 @@ class _Run:
             **({"mixed_precision": self.mixed} if self.mixed else {}),
             **({"expert_tokens": self.expert_tokens} if self.expert_tokens else {}),
             "wall_time_s": round(time.perf_counter() - self.start, 2),
+            "resume_state": {"commits": self.partial.commits, "bytes": self.partial.saved_bytes},
             "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
             "recipe": recipe,
         }

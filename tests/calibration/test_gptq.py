@@ -3,7 +3,13 @@ import dataclasses
 import pytest
 import torch
 
-from quantkit.calibration.gptq import DAMP_RETRIES, accumulate_hessian, quantize_weight, refine_rounding
+from quantkit.calibration.gptq import (
+    DAMP_RETRIES,
+    accumulate_hessian,
+    quantize_weight,
+    quantize_weights,
+    refine_rounding,
+)
 from quantkit.errors import QuantkitError
 from quantkit.primitives import compute_qparams, dequantize, fake_quantize, quantize
 from quantkit.scheme import QuantArgs
@@ -299,3 +305,28 @@ def test_refine_keeps_round_to_nearest_under_an_identity_hessian():
     W = torch.randn(64, 128, generator=torch.Generator().manual_seed(1)) * 0.05
     res = quantize_weight(W, torch.eye(128), GROUP32, damp=0.3, refine=3)
     assert torch.equal(res.weight, fake_quantize(W, GROUP32))
+
+
+@pytest.mark.parametrize("actorder", [None, "static", "group"])
+def test_several_formats_from_one_factorisation_equal_separate_calls(actorder):
+    """`quantize_weights` (one column order, one damped Hessian and one factor for every
+    format, what mixed precision's sensitivity asks for) gives each format's result of
+    `quantize_weight` bit for bit, range search and refinement included."""
+    X, W = _layer(seed=4)
+    H, _ = _hessian(X)
+    H[:, 5] = H[5, :] = 0  # a dead input too
+    formats = [
+        dataclasses.replace(GROUP32, symmetric=False, group_size=64),
+        dataclasses.replace(GROUP32, symmetric=False),
+        QuantArgs(num_bits=8, symmetric=True, strategy="channel", group_size=None),
+    ]
+    kw = dict(damp=0.05, actorder=actorder, range_search=True, refine=2, block_size=48)
+    together = quantize_weights(W, H, formats, **kw)
+    for args, r in zip(formats, together):
+        alone = quantize_weight(W, H, args, **kw)
+        assert torch.equal(r.weight, alone.weight) and torch.equal(r.scale, alone.scale)
+        assert (r.zero_point is None and alone.zero_point is None) or torch.equal(r.zero_point, alone.zero_point)
+        assert (r.g_idx is None and alone.g_idx is None) or torch.equal(r.g_idx, alone.g_idx)
+        assert r.damp_used == alone.damp_used
+    with pytest.raises(QuantkitError, match="under one act-order"):
+        quantize_weights(W, H, [GROUP32, dataclasses.replace(GROUP32, actorder="group")])

@@ -255,3 +255,24 @@ def test_calibration_plan_reads_the_methods_cost_model_through_the_registry(monk
     # the sequential groups of a Llama block: q/k/v, o, gate/up, down, each read by every token
     assert groups == [(4096, 3 * 4096, 1.0), (4096, 4096, 1.0), (4096, 2 * 11008, 1.0), (11008, 4096, 1.0)]
     assert (tokens, group_size, sparse_input) == (16, 64, 0)
+
+
+def test_calibration_plan_counts_the_resume_state_and_the_extra_passes(monkeypatch):
+    """The resume state: a block's inputs (fp32) per commit, at most one commit per
+    COMMIT_SECONDS of calibration, none after the last block; the gradient pass and the
+    sensitivity are counted apart and grow with the calibration tokens."""
+    from quantkit.perf.plan import calibration_plan
+    from quantkit.pipeline import stream
+
+    r = calibration_plan(LLAMA2_7B, "gptq", samples=128, seq_len=512, gflops=100.0)
+    per_commit = 128 * 512 * 4096 * 4
+    res = r["resume"]
+    assert res["commit_bytes"] == per_commit and res["every_block"] == 31 * per_commit
+    assert res["commits"] == min(31, math.ceil(r["seconds"] / stream.COMMIT_SECONDS))
+    assert res["bytes"] == res["commits"] * per_commit
+    monkeypatch.setattr(stream, "COMMIT_SECONDS", 0.0)  # a commit after every block but the last
+    assert calibration_plan(LLAMA2_7B, "gptq", gflops=100.0)["resume"]["bytes"] == 31 * per_commit
+    half = calibration_plan(LLAMA2_7B, "gptq", samples=64, seq_len=512, gflops=100.0)
+    assert 0 < half["gradient_pass"]["seconds"] < r["gradient_pass"]["seconds"]
+    assert r["gradient_pass"]["spill_bytes"] == 32 * per_commit
+    assert r["sensitivity"]["seconds"] == half["sensitivity"]["seconds"] > 0  # its own windows, not the samples

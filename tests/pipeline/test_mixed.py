@@ -22,7 +22,7 @@ from quantkit.cli import app
 from quantkit.errors import QuantkitError
 from quantkit.eval.kld import divergence
 from quantkit.formats.inspect import describe
-from quantkit.pipeline import mixed
+from quantkit.pipeline import mixed, variants
 from quantkit.pipeline.quantize import quantize
 from quantkit.scheme import preset
 
@@ -144,6 +144,48 @@ def test_sensitivity_by_the_method_equals_quantizing_that_group_alone(tmp_path, 
         base = AutoModelForCausalLM.from_pretrained(path).eval()(ids).logits.log_softmax(-1)
         quantized = AutoModelForCausalLM.from_pretrained(tmp_path / "q").eval()(ids).logits
     assert row["kld"]["int4-g32"] == pytest.approx(divergence(base, quantized).mean().item(), rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    "method, options, dtype",
+    [
+        ("rtn", {}, torch.float32),
+        ("gptq", {}, torch.float32),
+        ("gptq", {}, torch.bfloat16),
+        ("gptq", {"guided": 2}, torch.float32),
+    ],
+)
+def test_shared_variants_equal_each_unit_quantized_on_a_copy(
+    tmp_path, tiny_corpus, monkeypatch, method, options, dtype
+):
+    """Round-to-nearest's and GPTQ's costs from one pass over each block (one Hessian per unit,
+    one factorisation for all formats, weights swapped into the float block, the attention's
+    outputs reused) are those of the method's step on a copy of the block per unit and format,
+    bit for bit, and so is the choice."""
+    from quantkit.calibration.registry import METHODS
+
+    path = make_tiny_model(tmp_path / "m", dtype=dtype)
+    calib, scheme = Calibration(str(tiny_corpus), 4, 32), preset("w4a16-asym")
+    opts = METHODS[method].options(**options)
+    shared = mixed.sensitivity(str(path), scheme, calib, cache=tmp_path / "a", method=method, options=opts)
+    monkeypatch.setattr(variants, "SHARED", ())
+    alone = mixed.sensitivity(str(path), scheme, calib, cache=tmp_path / "b", method=method, options=opts)
+    assert shared["units"] == alone["units"]
+    assert len(shared["units"]) == 8 and all(len(r["kld"]) >= 4 for r in shared["units"])
+    for target in (4.6, 5.0, 6.0):
+        assert mixed.choose(shared["units"], target) == mixed.choose(alone["units"], target)
+
+
+def test_awq_reads_each_blocks_inputs_captured_once(tmp_path, tiny_corpus, monkeypatch):
+    """AWQ's copies read the block's linears' inputs captured once per block: the costs and the
+    choice are those of capturing them on every copy, bit for bit."""
+    path = make_tiny_model(tmp_path / "m")
+    calib, scheme = Calibration(str(tiny_corpus), 4, 32), preset("w4a16-asym")
+    once = mixed.sensitivity(str(path), scheme, calib, cache=tmp_path / "a", method="awq")
+    monkeypatch.setattr(variants, "CAPTURED", ())
+    every = mixed.sensitivity(str(path), scheme, calib, cache=tmp_path / "b", method="awq")
+    assert once["units"] == every["units"] and len(once["units"]) == 8
+    assert mixed.choose(once["units"], 5.0) == mixed.choose(every["units"], 5.0)
 
 
 def test_fisher_estimate_equals_its_formula(tmp_path, tiny_corpus):

@@ -6,6 +6,7 @@ resumes to the same bytes."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import textwrap
@@ -139,6 +140,7 @@ from quantkit.scheme import preset
 where, n = sys.argv[1], int(sys.argv[2])
 import torch
 torch.set_num_threads(int(sys.argv[8]))  # the test process's: GEMMs split over other threads round differently
+stream.COMMIT_SECONDS = float(sys.argv[9])  # 0: after every block; inf: only after the last
 calls = [0]
 
 def killer(original):
@@ -160,16 +162,20 @@ quantize(sys.argv[3], s, sys.argv[4], sys.argv[5], Calibration(sys.argv[6], 8, 3
 
 
 @pytest.mark.parametrize(
-    "where, n, method, family",
+    "where, n, method, family, every",
     [
-        ("add", 3, "gptq", None),
-        ("add", 40, "gptq", None),
-        ("commit", 3, "gptq", None),
-        ("add", 30, "awq", None),
-        ("commit", 4, "gptq", "qwen3-moe"),  # the expert token counts of the blocks done are carried
+        ("add", 3, "gptq", None, 0),
+        ("add", 40, "gptq", None, 0),
+        ("commit", 3, "gptq", None, 0),
+        ("add", 30, "awq", None, 0),
+        ("commit", 4, "gptq", "qwen3-moe", 0),  # the expert token counts of the blocks done are carried
+        ("add", 40, "gptq", None, math.inf),  # killed blocks after the last commit (the first one's)
+        ("add", 30, "awq", None, math.inf),
     ],
 )
-def test_killed_run_resumes_byte_identical(tmp_path, tiny_corpus, where, n, method, family):
+def test_killed_run_resumes_byte_identical(tmp_path, tiny_corpus, where, n, method, family, every):
+    """Killed anywhere, with a commit after every block or blocks since the last one, a
+    resumed run writes what an uninterrupted one does, byte for byte."""
     src = source(tmp_path / "src", family, num_hidden_layers=4)
     options = {"save_search": str(tmp_path / "search-{}.safetensors")} if method == "awq" else {}
     s = scheme(kv=True)
@@ -177,10 +183,13 @@ def test_killed_run_resumes_byte_identical(tmp_path, tiny_corpus, where, n, meth
     def opts(name):
         return {k: v.format(name) for k, v in options.items()}
 
-    quantize(str(src), s, tmp_path / "straight", method, calibration(tiny_corpus), opts("a"), max_shard_size="40KB")
+    straight = quantize(
+        str(src), s, tmp_path / "straight", method, calibration(tiny_corpus), opts("a"), max_shard_size="40KB"
+    )
+    assert straight["resume_state"]["commits"] >= 3  # the start, after the last block, after the tail
     script = "import json\n" + textwrap.dedent(KILLED).format(tests=str(TESTS))
     args = [where, str(n), str(src), str(tmp_path / "resumed"), method, str(tiny_corpus), json.dumps(opts("b"))]
-    args.append(str(torch.get_num_threads()))
+    args += [str(torch.get_num_threads()), str(every)]
     proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True)
     assert proc.returncode == -9, proc.stderr[-2000:]
     partial = tmp_path / ".resumed.partial"
@@ -198,6 +207,7 @@ def test_killed_run_resumes_byte_identical(tmp_path, tiny_corpus, where, n, meth
         max_shard_size="40KB",
     )
     assert prov["resumed_at_block"] >= 0
+    assert every == 0 or prov["resumed_at_block"] == 0  # nothing committed since the start
     made = {"quantkit.json", "README.md"}  # provenance and model card: times and dates differ
     names = sorted(p.name for p in (tmp_path / "straight").iterdir() if p.name not in made)
     assert names == sorted(p.name for p in (tmp_path / "resumed").iterdir() if p.name not in made)

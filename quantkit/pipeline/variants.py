@@ -1,0 +1,87 @@
+"""The variants mixed precision's sensitivity costs (`pipeline.mixed`): for each fusion group
+(unit) of one block and each candidate format, the block's outputs on its float inputs with
+only that unit quantized to that format by the method, every other linear float. `alone` runs
+the method's step on a copy of the block per unit and format; `shared` makes the same outputs
+bit for bit from one pass over the block (round-to-nearest and GPTQ)."""
+
+from __future__ import annotations
+
+import contextlib
+
+from quantkit.scheme import QuantScheme
+
+SHARED = ("rtn", "gptq")  # methods whose units' formats `shared` makes from one pass over a block
+CAPTURED = ("awq",)  # methods whose copies read their inputs captured once per block (`BlockInputs.captured`)
+
+
+def alone(model, spec, scheme: QuantScheme, method, options, dtype, i, mine, wanted, inputs, kwargs, guides):
+    """(unit, format, block i's outputs per batch with only that unit quantized to it) for each
+    unit and format of `wanted`: the method's step on a copy of the block (AWQ's way; `shared`'s reference)."""
+    import copy
+
+    from quantkit.calibration.runner import BlockInputs
+    from quantkit.models.arch import get_module
+
+    prefix, float_block = f"{spec.blocks}.{i}", get_module(model, spec.blocks)[i]
+    captured = None  # AWQ's captured inputs of the float block, for every unit and format
+    if method.name in CAPTURED:
+        from quantkit.calibration.awq import SEARCH_TOKENS
+        from quantkit.calibration.hooks import mapping_inputs
+
+        bspec = spec.for_block(float_block)
+        captured = mapping_inputs(bspec, float_block, bspec.linears, BlockInputs(inputs[i], kwargs[i]), SEARCH_TOKENS)
+    for unit, formats in zip(mine, wanted):
+        for name, args in formats.items():
+            block = copy.deepcopy(float_block)
+            names = (f"{prefix}.{n}" for n in spec.for_block(block).linears)
+            others = tuple(n for n in names if n not in unit.linears)
+            only = scheme.replace(weights=args, overrides=(), ignore=scheme.ignore + others)
+            step = method.make_step(spec, only, options, {}, dtype, None)
+            step(i, prefix, block, BlockInputs(inputs[i], kwargs[i], guides, captured))
+            yield unit, name, BlockInputs(inputs[i], kwargs[i]).run(block)
+
+
+def shared(model, spec, scheme, method, options, dtype, i, mine, wanted, inputs, kwargs, guides):
+    """`alone` for round-to-nearest and GPTQ, bit for bit: GPTQ's Hessians from one
+    pass over the float block, one factorisation per Hessian for all formats; each variant's
+    weights swapped into the block (no copy), what it cannot change reused (`Replay`)."""
+    from quantkit.calibration import gptq, rtn
+    from quantkit.calibration.hooks import Replay, targets
+    from quantkit.calibration.runner import BlockInputs
+    from quantkit.models.arch import get_module
+
+    block, prefix = get_module(model, spec.blocks)[i], f"{spec.blocks}.{i}"
+    bspec = spec.for_block(block)
+    run = BlockInputs(inputs[i], kwargs[i], guides)
+    stages = [[list(g) for g in stage] for stage in bspec.stages]
+    quantized = [[t for g in stage if (t := targets(scheme, prefix, g))] for stage in stages]  # not ignored
+    if method.name == "gptq":
+        made = gptq.quantize_alone(block, bspec, prefix, list(zip(quantized, wanted)), run, options, dtype)
+    else:
+        made = [
+            {
+                f: {n: rtn.quantize_weight(get_module(block, n).weight.data, a, dtype)[0] for g in stage for n in g}
+                for f, a in formats.items()
+            }
+            for stage, formats in zip(quantized, wanted)
+        ]
+    # reused: the attention's outputs after it, and (dense blocks) the earlier stages' linears'
+    batches = len(run.hidden)
+    attention = Replay(get_module(block, bspec.attention), batches)
+    before = [] if bspec.moe else [Replay(get_module(block, n), batches) for stage in stages for g in stage for n in g]
+    for s, (unit, per_format) in enumerate(zip(mine, made)):
+        outside = not any(n.startswith(f"{prefix}.{bspec.attention}.") for n in unit.linears)
+        earlier = before[: sum(len(g) for stage in stages[:s] for g in stage)]
+        for name, weights in per_format.items():
+            saved = {n: get_module(block, n).weight.data.clone() for n in weights}
+            try:
+                for n, w in weights.items():
+                    get_module(block, n).weight.data.copy_(w)
+                with contextlib.ExitStack() as kept:
+                    for r in [attention] * outside + earlier:
+                        kept.enter_context(r.active())
+                    outs = run.run(block)
+            finally:
+                for n, w in saved.items():
+                    get_module(block, n).weight.data.copy_(w)
+            yield unit, name, outs
