@@ -77,7 +77,9 @@ def main() -> None:
     from int4_cpu import cpu_name, timer  # benchmarks/int4_cpu.py
 
     torch.set_num_threads(1)
-    forced = " (AVX2 forced on this CPU: a proxy for an AVX2-only one)" if os.environ.get("QUANTKIT_ISA") == "avx2" else ""
+    forced = (
+        " (AVX2 forced on this CPU: a proxy for an AVX2-only one)" if os.environ.get("QUANTKIT_ISA") == "avx2" else ""
+    )
     print(
         f"fp32-activation W8A8, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, torch {torch.__version__} "
         f"(ATen {torch.backends.cpu.get_cpu_capability()}), {cpu_name()}, 1 thread{forced}\n"

@@ -89,12 +89,18 @@ inline void store_rows(const Problem& p, const float* c, int64_t ldc, int64_t ro
   for (int64_t r = 0; r < rows; ++r) std::memcpy(p.y + (m0 + r) * p.N + n0, c + r * ldc, valid * sizeof(float));
 }
 
-// Row m of x -> its words in the packed x (block m / R, column m % R), for P k per word.
-template <int R, int P, typename Q>
-void pack_row(const Problem& p, int64_t m, const Q* q) {
-  const int64_t b = m / R, rows = std::min<int64_t>(R, p.M - b * R);
-  int32_t* dst = p.xq + b * R * p.KW + m % R;
-  for (int64_t j = 0; j < p.KW; ++j) std::memcpy(dst + j * rows, q + P * j, 4);
+// Blocks [b0, b1) of x: each row quantized by quantize_row(p, m, Q*) into tmp (KW words a row),
+// then the block transposed into the packed x ([KW][rows of the block] words).
+template <int R, int P, typename Q, typename F>
+void quantize_blocks(const Problem& p, int64_t b0, int64_t b1, F quantize_row) {
+  std::vector<int32_t> tmp(R * p.KW);
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t rows = std::min<int64_t>(R, p.M - b * R);
+    for (int64_t r = 0; r < rows; ++r) quantize_row(p, b * R + r, reinterpret_cast<Q*>(tmp.data() + r * p.KW));
+    int32_t* dst = p.xq + b * R * p.KW;
+    for (int64_t j = 0; j < p.KW; ++j)
+      for (int64_t r = 0; r < rows; ++r) dst[j * rows + r] = tmp[r * p.KW + j];
+  }
 }
 
 // Tiles [t0, t1) of y, each over all blocks of rows (the last one M mod R rows): defined in each
@@ -122,10 +128,10 @@ namespace avx2 {
 typedef float vf __attribute__((vector_size(32)));
 typedef int32_t vi __attribute__((vector_size(32)));
 typedef short v16hi __attribute__((vector_size(32)));
-typedef char v16qi __attribute__((vector_size(16)));
-typedef char v32qi __attribute__((vector_size(32)));
+typedef short v8hi_m __attribute__((vector_size(16), aligned(2), may_alias));
+typedef short v8hi __attribute__((vector_size(16)));
 typedef float vf_m __attribute__((vector_size(32), aligned(4), may_alias));
-typedef char v32qi_m __attribute__((vector_size(32), aligned(1), may_alias));
+typedef short v16hi_m __attribute__((vector_size(32), aligned(2), may_alias));
 constexpr int R = 6, TW = 16, P = 2;
 
 #define QK_INLINE inline __attribute__((always_inline))
@@ -136,15 +142,21 @@ QK_INLINE vf splatf(float v) { return vf{v, v, v, v, v, v, v, v}; }
 // x row -> int16 q (K2 pairs, zero-padded) and its scale.
 void quantize_row(const Problem& p, int64_t m, int16_t* q) {
   const float* x = p.x + m * p.K;
-  vf vmax = splatf(0.f);
+  vf vmax[4] = {};  // four chains: one would wait on vmaxps' latency
   int64_t k = 0;
+  for (; k + 32 <= p.K; k += 32)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const vf v = (vf)((vi)(*reinterpret_cast<const vf_m*>(x + k + 8 * c)) & splat(0x7FFFFFFF));
+      vmax[c] = v > vmax[c] ? v : vmax[c];
+    }
   for (; k + 8 <= p.K; k += 8) {
-    const vf a = *reinterpret_cast<const vf_m*>(x + k);
-    const vf v = (vf)((vi)a & splat(0x7FFFFFFF));
-    vmax = v > vmax ? v : vmax;
+    const vf v = (vf)((vi)(*reinterpret_cast<const vf_m*>(x + k)) & splat(0x7FFFFFFF));
+    vmax[0] = v > vmax[0] ? v : vmax[0];
   }
   float amax = 0.f;
-  for (int i = 0; i < 8; ++i) amax = vmax[i] > amax ? vmax[i] : amax;
+  for (int c = 0; c < 4; ++c)
+    for (int i = 0; i < 8; ++i) amax = vmax[c][i] > amax ? vmax[c][i] : amax;
   for (int64_t kk = k; kk < p.K; ++kk) amax = __builtin_fabsf(x[kk]) > amax ? __builtin_fabsf(x[kk]) : amax;
   const float s = row_scale(amax);
   const vf vs = splatf(s), magic = splatf(kMagic), lo = splatf(-128.f), hi = splatf(127.f);
@@ -152,8 +164,7 @@ void quantize_row(const Problem& p, int64_t m, int16_t* q) {
     vf v = (*reinterpret_cast<const vf_m*>(x + k) / vs + magic) - magic;
     v = v < lo ? lo : v;
     v = v > hi ? hi : v;
-    const vi iv = __builtin_convertvector(v, vi);
-    for (int i = 0; i < 8; ++i) q[k + i] = static_cast<int16_t>(iv[i]);
+    *reinterpret_cast<v8hi_m*>(q + k) = __builtin_convertvector(__builtin_convertvector(v, vi), v8hi);
   }
   for (; k < p.K; ++k) {
     float v = (x[k] / s + kMagic) - kMagic;
@@ -164,25 +175,16 @@ void quantize_row(const Problem& p, int64_t m, int16_t* q) {
   p.sx[m] = s;
 }
 
-void quantize(const Problem& p, int64_t m0, int64_t m1) {
-  std::vector<int16_t> q(P * p.KW);
-  for (int64_t m = m0; m < m1; ++m) {
-    quantize_row(p, m, q.data());
-    pack_row<R, P>(p, m, q.data());
-  }
-}
+void quantize(const Problem& p, int64_t b0, int64_t b1) { quantize_blocks<R, P, int16_t>(p, b0, b1, quantize_row); }
 
 // RB rows (block b) x the 16 channels of tile t.
 template <int RB>
 void block(const Problem& p, int64_t t, int64_t b) {
-  const int8_t* w = p.w + t * p.KW * 32;
+  const int16_t* w = reinterpret_cast<const int16_t*>(p.w) + t * p.KW * 32;
   const int32_t* x = p.xq + b * R * p.KW;
   vi acc[RB][2] = {};
   for (int64_t j = 0; j < p.KW; ++j) {
-    const v32qi wb = *reinterpret_cast<const v32qi_m*>(w + 32 * j);
-    const v16qi lo = __builtin_shufflevector(wb, wb, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const v16qi hi = __builtin_shufflevector(wb, wb, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
-    const v16hi w0 = (v16hi)__builtin_ia32_pmovsxbw256(lo), w1 = (v16hi)__builtin_ia32_pmovsxbw256(hi);
+    const v16hi w0 = *reinterpret_cast<const v16hi_m*>(w + 32 * j), w1 = *reinterpret_cast<const v16hi_m*>(w + 32 * j + 16);
 #pragma GCC unroll 8
     for (int r = 0; r < RB; ++r) {
       const v16hi xb = (v16hi)splat(x[j * RB + r]);
@@ -230,13 +232,7 @@ void quantize_row(const Problem& p, int64_t m, uint8_t* u) {
   p.sx[m] = s;
 }
 
-void quantize(const Problem& p, int64_t m0, int64_t m1) {
-  std::vector<uint8_t> u(P * p.KW);
-  for (int64_t m = m0; m < m1; ++m) {
-    quantize_row(p, m, u.data());
-    pack_row<R, P>(p, m, u.data());
-  }
-}
+void quantize(const Problem& p, int64_t b0, int64_t b1) { quantize_blocks<R, P, uint8_t>(p, b0, b1, quantize_row); }
 
 // RB rows (block b) x the 32 channels of tile t.
 template <int RB>
@@ -281,9 +277,10 @@ torch::Tensor w8a8_gemm(const torch::Tensor& x, const torch::Tensor& w, const to
   TORCH_CHECK(isa <= kIsa, isa == 2 ? "this CPU (or its OS) has no AVX-512 VNNI" : "this CPU has no AVX2 + FMA");
   const int64_t tw = isa == 2 ? 32 : 16, pk = isa == 2 ? 4 : 2;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous fp32 [M, K]");
-  TORCH_CHECK(w.dim() == 4 && w.scalar_type() == at::kChar && w.is_contiguous() && w.size(2) == tw && w.size(3) == pk &&
+  TORCH_CHECK(w.dim() == 4 && w.scalar_type() == (isa == 2 ? at::kChar : at::kShort) && w.is_contiguous() &&
+                  w.size(2) == tw && w.size(3) == pk &&
                   tw * w.size(0) >= n && tw * (w.size(0) - 1) < n,
-              "w must be int8 [ceil(N/", tw, "), ceil(K/", pk, "), ", tw, ", ", pk, "]");
+              "w must be ", isa == 2 ? "int8" : "int16", " [ceil(N/", tw, "), ceil(K/", pk, "), ", tw, ", ", pk, "]");
   TORCH_CHECK(sw.scalar_type() == at::kFloat && sw.is_contiguous() && sw.numel() == tw * w.size(0), "sw must be fp32 [N_pad]");
   TORCH_CHECK(isa == 1 || (comp.scalar_type() == at::kInt && comp.is_contiguous() && comp.numel() == sw.numel()),
               "comp must be int32 [N_pad]");
@@ -293,14 +290,14 @@ torch::Tensor w8a8_gemm(const torch::Tensor& x, const torch::Tensor& w, const to
   if (M == 0) return y;
   std::vector<int32_t> xq(M * KW);
   std::vector<float> sx(M);
-  Problem p{x.data_ptr<float>(), xq.data(), sx.data(), w.data_ptr<int8_t>(), sw.data_ptr<float>(),
+  Problem p{x.data_ptr<float>(), xq.data(), sx.data(), static_cast<const int8_t*>(w.data_ptr()), sw.data_ptr<float>(),
             isa == 2 ? comp.data_ptr<int32_t>() : nullptr, y.data_ptr<float>(), M, n, K, KW};
   const int64_t tiles = w.size(0);
   if (isa == 2) {
-    at::parallel_for(0, M, 16, [&](int64_t a, int64_t b) { avx512::quantize(p, a, b); });
+    at::parallel_for(0, (M + 7) / 8, 2, [&](int64_t a, int64_t b) { avx512::quantize(p, a, b); });
     at::parallel_for(0, tiles, 1, [&](int64_t a, int64_t b) { avx512::tiles(p, a, b); });
   } else {
-    at::parallel_for(0, M, 16, [&](int64_t a, int64_t b) { avx2::quantize(p, a, b); });
+    at::parallel_for(0, (M + 5) / 6, 2, [&](int64_t a, int64_t b) { avx2::quantize(p, a, b); });
     at::parallel_for(0, tiles, 1, [&](int64_t a, int64_t b) { avx2::tiles(p, a, b); });
   }
   return y;
