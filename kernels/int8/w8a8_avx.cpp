@@ -103,22 +103,33 @@ void quantize_blocks(const Problem& p, int64_t b0, int64_t b1, F quantize_row) {
   }
 }
 
-// Tiles [t0, t1) of y, each over all blocks of rows (the last one M mod R rows): defined in each
-// ISA's namespace, with its R and block<RB>.
-#define QK_TILES                                                       \
-  void tiles(const Problem& p, int64_t t0, int64_t t1) {               \
-    for (int64_t t = t0; t < t1; ++t)                                  \
-      for (int64_t b = 0; b * R < p.M; ++b) switch (std::min<int64_t>(R, p.M - b * R)) { \
-          case 1: block<1>(p, t, b); break;                            \
-          case 2: block<2>(p, t, b); break;                            \
-          case 3: block<3>(p, t, b); break;                            \
-          case 4: block<4>(p, t, b); break;                            \
-          case 5: block<5>(p, t, b); break;                            \
-          case 6: block<6>(p, t, b); break;                            \
-          case 7: block<R < 7 ? R : 7>(p, t, b); break;                \
-          default: block<R>(p, t, b); break;                           \
-        }                                                              \
+// Tiles [t0, t1) of y for blocks of rows [b0, b1) (a panel of about 64 rows: its packed x stays
+// in L2 while every tile passes), each tile over KC k-words of the weight at a time (a tile's KC
+// words stay in L1, 16 KB, while the panel's blocks stream by: the last block of x M mod R rows),
+// int32 partial sums kept in `part` between the chunks. Defined in each ISA's namespace, with its
+// R, KC and block<RB>.
+#define QK_TILES                                                                                 \
+  void tiles(const Problem& p, int64_t t0, int64_t t1, int64_t b0, int64_t b1) {                 \
+    std::vector<int32_t> part((b1 - b0) * R * TW);                                               \
+    for (int64_t t = t0; t < t1; ++t)                                                            \
+      for (int64_t j0 = 0; j0 < p.KW; j0 += KC) {                                                \
+        const int64_t j1 = std::min<int64_t>(p.KW, j0 + KC);                                     \
+        for (int64_t b = b0; b < b1; ++b) {                                                      \
+          int32_t* pb = part.data() + (b - b0) * R * TW;                                         \
+          switch (std::min<int64_t>(R, p.M - b * R)) {                                           \
+            case 1: block<1>(p, t, b, j0, j1, pb); break;                                        \
+            case 2: block<2>(p, t, b, j0, j1, pb); break;                                        \
+            case 3: block<3>(p, t, b, j0, j1, pb); break;                                        \
+            case 4: block<4>(p, t, b, j0, j1, pb); break;                                        \
+            case 5: block<5>(p, t, b, j0, j1, pb); break;                                        \
+            case 6: block<6>(p, t, b, j0, j1, pb); break;                                        \
+            case 7: block<R < 7 ? R : 7>(p, t, b, j0, j1, pb); break;                            \
+            default: block<R>(p, t, b, j0, j1, pb); break;                                       \
+          }                                                                                      \
+        }                                                                                        \
+      }                                                                                          \
   }
+
 
 }  // namespace
 
@@ -132,7 +143,9 @@ typedef short v8hi_m __attribute__((vector_size(16), aligned(2), may_alias));
 typedef short v8hi __attribute__((vector_size(16)));
 typedef float vf_m __attribute__((vector_size(32), aligned(4), may_alias));
 typedef short v16hi_m __attribute__((vector_size(32), aligned(2), may_alias));
+typedef int32_t vi_m __attribute__((vector_size(32), aligned(4), may_alias));
 constexpr int R = 6, TW = 16, P = 2;
+constexpr int64_t KC = 256;  // k-words (pairs) per chunk: 16 x 256 x 2 int16 = 16 KB
 
 #define QK_INLINE inline __attribute__((always_inline))
 
@@ -177,13 +190,18 @@ void quantize_row(const Problem& p, int64_t m, int16_t* q) {
 
 void quantize(const Problem& p, int64_t b0, int64_t b1) { quantize_blocks<R, P, int16_t>(p, b0, b1, quantize_row); }
 
-// RB rows (block b) x the 16 channels of tile t.
+// RB rows (block b) x the 16 channels of tile t, k-words [j0, j1): int32 sums from / to part
+// ([RB][16]) between chunks, y after the last one.
 template <int RB>
-void block(const Problem& p, int64_t t, int64_t b) {
+void block(const Problem& p, int64_t t, int64_t b, int64_t j0, int64_t j1, int32_t* part) {
   const int16_t* w = reinterpret_cast<const int16_t*>(p.w) + t * p.KW * 32;
   const int32_t* x = p.xq + b * R * p.KW;
   vi acc[RB][2] = {};
-  for (int64_t j = 0; j < p.KW; ++j) {
+  if (j0 > 0)
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; ++r)
+      for (int h = 0; h < 2; ++h) acc[r][h] = *reinterpret_cast<const vi_m*>(part + TW * r + 8 * h);
+  for (int64_t j = j0; j < j1; ++j) {
     const v16hi w0 = *reinterpret_cast<const v16hi_m*>(w + 32 * j), w1 = *reinterpret_cast<const v16hi_m*>(w + 32 * j + 16);
 #pragma GCC unroll 8
     for (int r = 0; r < RB; ++r) {
@@ -191,6 +209,12 @@ void block(const Problem& p, int64_t t, int64_t b) {
       acc[r][0] += (vi)__builtin_ia32_pmaddwd256(w0, xb);
       acc[r][1] += (vi)__builtin_ia32_pmaddwd256(w1, xb);
     }
+  }
+  if (j1 < p.KW) {
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; ++r)
+      for (int h = 0; h < 2; ++h) *reinterpret_cast<vi_m*>(part + TW * r + 8 * h) = acc[r][h];
+    return;
   }
   alignas(32) float c[RB][TW];
   const vf s0 = *reinterpret_cast<const vf_m*>(p.sw + TW * t), s1 = *reinterpret_cast<const vf_m*>(p.sw + TW * t + 8);
@@ -211,6 +235,7 @@ QK_TILES
 #pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
 namespace avx512 {
 constexpr int R = 8, TW = 32, P = 4;
+constexpr int64_t KC = 128;  // k-words (quads) per chunk: 32 x 128 x 4 int8 = 16 KB
 
 // x row -> u8 u = q + 128 (K4 quads, padded with u = 128, q = 0) and its scale.
 void quantize_row(const Problem& p, int64_t m, uint8_t* u) {
@@ -234,15 +259,16 @@ void quantize_row(const Problem& p, int64_t m, uint8_t* u) {
 
 void quantize(const Problem& p, int64_t b0, int64_t b1) { quantize_blocks<R, P, uint8_t>(p, b0, b1, quantize_row); }
 
-// RB rows (block b) x the 32 channels of tile t.
+// RB rows (block b) x the 32 channels of tile t, k-words [j0, j1), as avx2::block.
 template <int RB>
-void block(const Problem& p, int64_t t, int64_t b) {
+void block(const Problem& p, int64_t t, int64_t b, int64_t j0, int64_t j1, int32_t* part) {
   const int8_t* w = p.w + t * p.KW * 128;
   const int32_t* x = p.xq + b * R * p.KW;
   __m512i acc[RB][2];
 #pragma GCC unroll 8
-  for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
-  for (int64_t j = 0; j < p.KW; ++j) {
+  for (int r = 0; r < RB; ++r)
+    for (int h = 0; h < 2; ++h) acc[r][h] = j0 > 0 ? _mm512_loadu_si512(part + TW * r + 16 * h) : _mm512_setzero_si512();
+  for (int64_t j = j0; j < j1; ++j) {
     const __m512i w0 = _mm512_loadu_si512(w + 128 * j), w1 = _mm512_loadu_si512(w + 128 * j + 64);
 #pragma GCC unroll 8
     for (int r = 0; r < RB; ++r) {
@@ -250,6 +276,12 @@ void block(const Problem& p, int64_t t, int64_t b) {
       acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], xb, w0);
       acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], xb, w1);
     }
+  }
+  if (j1 < p.KW) {
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; ++r)
+      for (int h = 0; h < 2; ++h) _mm512_storeu_si512(part + TW * r + 16 * h, acc[r][h]);
+    return;
   }
   alignas(64) float c[RB][TW];
   const __m512 s0 = _mm512_loadu_ps(p.sw + TW * t), s1 = _mm512_loadu_ps(p.sw + TW * t + 16);
@@ -295,10 +327,16 @@ torch::Tensor w8a8_gemm(const torch::Tensor& x, const torch::Tensor& w, const to
   const int64_t tiles = w.size(0);
   if (isa == 2) {
     at::parallel_for(0, (M + 7) / 8, 2, [&](int64_t a, int64_t b) { avx512::quantize(p, a, b); });
-    at::parallel_for(0, tiles, 1, [&](int64_t a, int64_t b) { avx512::tiles(p, a, b); });
+    for (int64_t b0 = 0; b0 < (M + 7) / 8; b0 += 8) {  // panels of 64 rows
+      const int64_t b1 = std::min<int64_t>((M + 7) / 8, b0 + 8);
+      at::parallel_for(0, tiles, 1, [&](int64_t a, int64_t b) { avx512::tiles(p, a, b, b0, b1); });
+    }
   } else {
     at::parallel_for(0, (M + 5) / 6, 2, [&](int64_t a, int64_t b) { avx2::quantize(p, a, b); });
-    at::parallel_for(0, tiles, 1, [&](int64_t a, int64_t b) { avx2::tiles(p, a, b); });
+    for (int64_t b0 = 0; b0 < (M + 5) / 6; b0 += 11) {  // panels of 66 rows
+      const int64_t b1 = std::min<int64_t>((M + 5) / 6, b0 + 11);
+      at::parallel_for(0, tiles, 1, [&](int64_t a, int64_t b) { avx2::tiles(p, a, b, b0, b1); });
+    }
   }
   return y;
 }
