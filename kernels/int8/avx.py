@@ -10,13 +10,14 @@ round half to even, clamp to [-128, 127]: the same int8 values and scales as
 
 Layouts (`W8A8AvxWeight.q`, built here, never saved; the .cpp's header has the details):
 
-- avx2: int8 [ceil(N/16), ceil(K/2), 16, 2]: per tile of 16 channels and pair of k, each
-  channel's two weights (sign-extended to int16 in registers, `vpmaddwd` against x's int16
-  pair: exact, no int16 saturation, all 8 bits of the activations kept);
+- avx2: int16 [ceil(N/16), ceil(K/2), 16, 2]: per tile of 16 channels and pair of k, each
+  channel's two weights, sign-extended once here (`vpmaddwd` against x's int16 pair: exact, no
+  int16 saturation, all 8 bits of the activations kept; twice the int8 bytes, half fp32's);
 - avx512: int8 [ceil(N/32), ceil(K/4), 32, 4] for `vpdpbusd` (u8 x s8 in fours), with
   `comp` int32 = 128 sum_k w per channel, since x goes in as u = q + 128.
 
-Channels past N and k past K are zero. `scales` is fp32 per channel, padded with zeros.
+Channels past N and k past K are zero. `scales` is fp32 per channel (a per-tensor scale
+repeated), padded with zeros.
 
 ISA: `QUANTKIT_ISA=avx2|avx512` (read once, at import) forces one; unset, the widest the CPU has
 (avx512 needs AVX-512 F/BW/VL/DQ and VNNI). The AVX2 code is compiled with AVX-512 disabled
