@@ -5,7 +5,10 @@
   activations'), `ints` int8 [N, K], `scales`, `zeros` (unpacked, or None), `args` (QuantArgs)
   and `g_idx`.
 - `W8A8`: x quantized to int8 per token, int32 products. A problem gives `dtype`, `weight` int8
-  [N, K] and `scales` [N, 1] or [1].
+  [N, K] and `scales` [N, 1] or [1]. oneDNN (with the C++ quantizer) comes first and runs bf16
+  activations and, on a CPU with AMX-INT8, fp32 ones (faster there from 64 rows, measured in
+  docs/benchmarks.md); for fp32 activations without AMX-INT8 it steps aside for the AVX2 /
+  AVX-512 VNNI kernel (`avx.py`, faster there), which `QUANTKIT_ISA=avx2|avx512` also forces.
 
 `build` returns x -> y, with the kernel's own layout of the weight, where it makes one, as
 `.weight`.
@@ -16,9 +19,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from quantkit.errors import QuantkitError
 from quantkit.kernels.choice import Candidate, Problem, always
 from quantkit.kernels.int4 import avx as cpu_int4_avx
 from quantkit.kernels.int4 import bind
+from quantkit.kernels.int8 import avx as w8a8_avx
 from quantkit.kernels.int8 import cpp as cpu_w8a8
 from quantkit.kernels.int8 import int8pack, onednn
 from quantkit.kernels.int8 import twin as int8_twin
@@ -84,6 +89,8 @@ def _onednn_ok(p: Problem) -> tuple[bool, str]:
 
 
 def _onednn_cpp_ok(p: Problem) -> tuple[bool, str]:
+    if p.dtype == torch.float32 and _w8a8_avx_ok(p)[0]:
+        return False, "for float32 activations on a CPU without AMX-INT8 the AVX W8A8 kernel is faster"
     ok, why = _onednn_ok(p)
     if ok and cpu_w8a8.load() is None:
         return False, f"its activations are quantized by torch ops: {cpu_w8a8.reason()}"
@@ -94,6 +101,24 @@ def _onednn(elementwise: bool):
     return lambda p: bind(onednn.w8a8_gemm_cpu, onednn.prepack_w8a8(p.weight, p.scales, elementwise))
 
 
+def _w8a8_avx_ok(p: Problem) -> tuple[bool, str]:
+    if p.dtype != torch.float32:
+        return False, f"its activations are {str(p.dtype)[6:]}; it takes float32"
+    if p.scales.numel() not in (1, p.weight.shape[0]):
+        return False, "its weight scales are neither per channel nor per tensor"
+    if not w8a8_avx.forced() and w8a8_avx.has_amx_int8():  # before choose_isa: no build where it is not used
+        return False, "this CPU has AMX-INT8, where oneDNN's int8 GEMM is faster from 64 rows (QUANTKIT_ISA forces it)"
+    why = w8a8_avx.choose_isa()[1]
+    return not why, why
+
+
+def _w8a8_avx(p: Problem):
+    weight, why = w8a8_avx.repack(p.weight, p.scales)
+    if weight is None:
+        raise QuantkitError(f"the AVX W8A8 kernel cannot take this weight: {why}.")
+    return bind(w8a8_avx.gemm, weight)
+
+
 def _twin(p: Problem):
     weight, scales = p.weight, p.scales
     return lambda x: int8_twin.int8_gemm(x, weight, scales)
@@ -102,6 +127,7 @@ def _twin(p: Problem):
 W8A8 = [
     Candidate("torch._int_mm", _int_mm_ok, _int_mm, device="cuda", backend="triton"),
     Candidate("oneDNN int8 GEMM (torch CPU)", _onednn_cpp_ok, _onednn(True), device="cpu"),
+    Candidate("W8A8 AVX2/AVX-512 VNNI (quantkit C++)", _w8a8_avx_ok, _w8a8_avx, device="cpu"),
     Candidate("oneDNN int8 GEMM (torch CPU), torch-op quantization", _onednn_ok, _onednn(False), device="cpu"),
     Candidate("int8 twin (dequantizes on every call)", always, _twin, backend="torch"),
 ]
