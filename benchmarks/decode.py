@@ -9,7 +9,8 @@ as `quantkit rtn -m MODEL --scheme w4a16 --group-size 64 -o DIR`). Both run thro
 engine in --dtype (bf16; float32 is what the engine runs on CPUs without native bf16, such as
 AVX2-only EPYCs) (`LLM(..., max_num_seqs=1)`: one request, a 32-token prompt, --tokens
 greedy tokens); decode tokens/s is 1 / TPOT, the median of --repeats runs interleaved
-between the two models. Weight bytes per token: every linear as the runner reads it
+between the two models; "CPU ms / token" is the same from this thread's CPU time (robust to
+other jobs on the machine; see `decode_tps`). Weight bytes per token: every linear as the runner reads it
 (bf16 weights, or torch's int4pack nibbles with their bf16 scales) plus lm_head. Ceiling
 tokens/s = copy bandwidth / weight bytes per token, with the copy bandwidth measured in the
 same run (`Tensor.copy_` of 256 MB, bytes read + written, as STREAM counts; a pure read
@@ -28,6 +29,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -67,9 +69,17 @@ def weight_bytes_per_token(llm: LLM) -> int:
     return sum(linear_bytes(m) for m in llm.runner.linears)  # the blocks' (fused) linears and lm_head
 
 
-def decode_tps(llm: LLM, tokens: int) -> float:
-    out = llm.generate([PROMPT], SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))[0]
-    return 1 / out.tpot
+def decode_tps(llm: LLM, tokens: int) -> tuple[float, float]:
+    """(tokens/s from the engine's TPOT, tokens/s from this thread's CPU time): the CPU time of
+    `tokens` tokens less that of one (the prompt and the first token), per token after the first.
+    On a machine shared with other jobs the CPU time does not count the time the thread waited
+    for a core (at one torch thread every op runs on this thread)."""
+    params = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)  # noqa: E731
+    start = time.thread_time()
+    llm.generate([PROMPT], params(1))
+    first, start = time.thread_time() - start, time.thread_time()
+    out = llm.generate([PROMPT], params(tokens))[0]
+    return 1 / out.tpot, (tokens - 1) / (time.thread_time() - start - first)
 
 
 def main() -> None:
@@ -104,15 +114,17 @@ def main() -> None:
         for name, llm in models.items():
             samples[name].append(decode_tps(llm, a.tokens))
     copy = copy_bandwidth(256, 5)["GB/s"]
-    rows, tps = [], {}
+    rows, tps, cpu = [], {}, {}
     for name, llm in models.items():
-        tps[name], nbytes = statistics.median(samples[name]), weight_bytes_per_token(llm)
+        tps[name], nbytes = statistics.median(s[0] for s in samples[name]), weight_bytes_per_token(llm)
+        cpu[name] = statistics.median(s[1] for s in samples[name])
         ceiling = copy * 1e9 / nbytes
         rows.append(
-            f"| {name} | {nbytes / 1e6:.1f} | {tps[name]:.1f} | {1e3 / tps[name]:.1f} | {ceiling:.0f} "
-            f"| {100 * tps[name] / ceiling:.0f}% |"
+            f"| {name} | {nbytes / 1e6:.1f} | {tps[name]:.1f} | {1e3 / tps[name]:.1f} | {1e3 / cpu[name]:.1f} "
+            f"| {ceiling:.0f} | {100 * tps[name] / ceiling:.0f}% |"
         )
     dense, int4 = tps.values()
+    dense_cpu, int4_cpu = cpu.values()
     isa = "forced AVX2 (a proxy)" if a.isa == "avx2" else "native ISA"
     print(
         f"{a.model}, batch 1, {a.tokens} tokens after a {len(PROMPT)}-token prompt, {a.dtype}, {isa}, "
@@ -120,10 +132,13 @@ def main() -> None:
     )
     for name, llm in models.items():
         print(f"{name}: " + ("; ".join(llm.notes) or "every kernel the fastest candidate"))
-    print("| checkpoint | weight MB / token | decode tok/s | ms / token | ceiling tok/s | of ceiling |")
-    print("|---|---|---|---|---|---|")
+    head = (
+        "| checkpoint | weight MB / token | decode tok/s | ms / token | CPU ms / token | ceiling tok/s | of ceiling |"
+    )
+    print(head)
+    print("|---|---|---|---|---|---|---|")
     print("\n".join(rows))
-    print(f"\nint4 / {a.dtype} decode speed: {int4 / dense:.2f}x")
+    print(f"\nint4 / {a.dtype} decode speed: {int4 / dense:.2f}x (by CPU time per token: {int4_cpu / dense_cpu:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,10 @@ Layout of the int4 weight `Int4AvxWeight.words` (built here, never saved): int32
 s and row G/8+1 zs = -(8 + z) s, both as fp32 bits, so w = (q - z) s = u s + zs. Channels past N
 are zero. It takes any K (a multiple of 8, as the on-disk words hold), a group size that is a
 multiple of 8 dividing K (or per channel), and act-order where sorting the columns makes the
-groups contiguous (`perm`: x's columns are permuted once per call).
+groups contiguous (`perm`: x's columns are permuted once per call). Both layouts (this and the
+int8 one below) are copied into `quantkit.kernels.cpu.WEIGHTS`: on 2 MB pages where the OS allows,
+one stream in the order the linears are built (a decode step's int4 GEMVs run 1.13-1.32x faster
+than on 4 KB pages).
 
 Layout of the int8 weight `Int8AvxWeight.q`: int8 [T, K, 16] (q of channel 16t + i at k) and
 `scales` fp32 [16 T]; w = q s.
@@ -50,7 +53,7 @@ from dataclasses import dataclass
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.kernels import cpu_ext
+from quantkit.kernels import cpu, cpu_ext
 from quantkit.kernels.int4.int4pack import _act_order_perm
 from quantkit.packing import pack, unpack
 
@@ -188,7 +191,7 @@ def repack(
     zs = -(8 + z) * s  # w = (u - 8 - z) s = u s + zs
     sz = torch.nn.functional.pad(torch.stack([s, zs], dim=-1), (0, 0, *pad))  # [N_pad, groups, 2]
     sz = sz.view(torch.int32).reshape(t, 16, groups, 2).permute(0, 2, 3, 1)  # [T, groups, 2, 16]
-    words = torch.cat([words, sz], dim=2).contiguous()
+    words = cpu.WEIGHTS.copy(torch.cat([words, sz], dim=2))  # on 2 MB pages where the OS allows
     weight = Int4AvxWeight(n, k, g, words, perm, chosen)
     return weight, f"the {chosen} int4 kernel (registers up to {FEW_ROWS[chosen]} rows, L1 blocks above)"
 
@@ -229,7 +232,7 @@ def repack_int8(w_int8: torch.Tensor, scales: torch.Tensor, isa: str | None = No
         return None, why
     t = -(-n // 16)
     q = torch.nn.functional.pad(w_int8.cpu(), (0, 0, 0, 16 * t - n))
-    q = q.reshape(t, 16, k).transpose(1, 2).contiguous()  # [T, K, 16]
+    q = cpu.WEIGHTS.copy(q.reshape(t, 16, k).transpose(1, 2).contiguous())  # [T, K, 16], on 2 MB pages
     s = torch.nn.functional.pad(scales.cpu().float().reshape(n), (0, 16 * t - n)).contiguous()
     return Int8AvxWeight(n, k, q, s, chosen), f"the {chosen} int8 kernel"
 

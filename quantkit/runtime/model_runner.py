@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from quantkit.errors import QuantkitError
-from quantkit.kernels import attention, choice, elementwise
+from quantkit.kernels import attention, choice, dense, elementwise
 from quantkit.kernels.attention import twin as attention_twin
 from quantkit.kernels.choice import Choice, Problem
 from quantkit.kernels.elementwise import twin as elementwise_twin
@@ -297,7 +297,8 @@ class ModelRunner:
 
     def _linear(self, module, originals: list[nn.Module]) -> Callable[[torch.Tensor], torch.Tensor]:
         """`module` as the runner calls it: a quantized linear's chosen kernel (its `prepare`), a
-        bf16 float linear reordered for oneDNN (`_prepacked`), else the module."""
+        bf16 float linear reordered for oneDNN (`_prepacked`), an fp32 one on the CPU through the
+        float-linear kernel chosen once (`dense.LINEAR`), else the module."""
         if hasattr(module, "prepare"):
             self._linears.append((type(module).__name__, module.prepare(self.dtype, self.device, self.backend)))
             self.linears.append(module)
@@ -305,6 +306,9 @@ class ModelRunner:
         module = _prepacked(module, originals)
         if isinstance(module, nn.Module):
             self.linears.append(module)
+        if type(module) is nn.Linear and module.weight.dtype == torch.float32 and self.device.type == "cpu":
+            fn, weight, bias = self._pick("float linear", dense.LINEAR), module.weight, module.bias
+            return lambda x: fn(x, weight, bias)
         return module
 
     @property
