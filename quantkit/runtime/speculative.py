@@ -210,6 +210,33 @@ class SpecStats:
         """Tokens a verify step yields on average: accepted drafts plus the target's own."""
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
 
+    def since(self, before: SpecStats) -> SpecStats:
+        """What was counted after `before` (a `copy` of these stats taken earlier)."""
+        per_pos = [
+            a - (before.accepted_per_pos[i] if i < len(before.accepted_per_pos) else 0)
+            for i, a in enumerate(self.accepted_per_pos)
+        ]
+        return SpecStats(
+            self.num_drafts - before.num_drafts,
+            self.num_draft_tokens - before.num_draft_tokens,
+            self.num_accepted_tokens - before.num_accepted_tokens,
+            per_pos,
+            self.draft_s - before.draft_s,
+            self.verify_s - before.verify_s,
+            self.steps - before.steps,
+        )
+
+    def copy(self) -> SpecStats:
+        return SpecStats(
+            self.num_drafts,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            list(self.accepted_per_pos),
+            self.draft_s,
+            self.verify_s,
+            self.steps,
+        )
+
     def as_dict(self) -> dict:
         return {
             "num_drafts": self.num_drafts,
