@@ -127,6 +127,7 @@ class BlockManager:
                     self._free.move_to_end(block, last=False)
         seq.block_table = []
         seq.num_computed_tokens = 0
+        seq.kv_resets += 1
 
     def cache_computed(self, seq: Sequence) -> None:
         """Register the full blocks of `seq` whose KV is now computed, so later requests hit them."""

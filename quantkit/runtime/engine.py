@@ -144,11 +144,11 @@ class LLM:
     def _speculator(self, config: SpeculativeConfig | None, path) -> Speculator | None:
         if config is None:
             return None
-        if config.method != "ngram":
-            raise QuantkitError(
-                "speculative_config method draft_model is not available in this version; use method ngram."
-            )
-        return Speculator(config, NgramProposer(config))
+        if config.method == "ngram":
+            return Speculator(config, NgramProposer(config))
+        from quantkit.runtime.draft import DraftModel
+
+        return Speculator(config, DraftModel.for_target(self, config))
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         return list(prompt) if not isinstance(prompt, str) else self.tokenizer.encode(prompt, add_special_tokens=False)
@@ -250,6 +250,8 @@ class LLM:
         if out.is_empty:
             return []
         self.runner.copy_blocks(out.copies)
+        if spec is not None and hasattr(spec.proposer, "runner"):  # a draft model's KV is copied on write too
+            spec.proposer.runner.copy_blocks(out.copies)
         drafts = {}
         if spec is not None:
             t0 = time.perf_counter()

@@ -99,6 +99,7 @@ class Sequence:
     num_cached_tokens: int = 0
     num_computed_tokens: int = 0
     num_lookahead: int = 0  # speculative decoding: draft tokens wanted, then the slots granted, this step
+    kv_resets: int = 0  # times its blocks were freed (preemption): a draft model's KV of it is gone
     arrival: int = field(default_factory=lambda: next(_arrivals))
 
     def __post_init__(self):

@@ -116,11 +116,18 @@ def test_rejection_rule_keeps_the_target_distribution(small_vocab):
         assert second.sum() > 100 and _chi_square_p(second, p[1]) > P_VALUE
 
 
-def test_engine_sampling_with_ngram_keeps_the_target_distribution(small_vocab):
-    """End to end: 2000 seeded requests whose 2nd and 3rd tokens go through n-gram verify steps;
-    the marginal of each against the model's exact one (summed over the earlier tokens)."""
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_engine_sampling_keeps_the_target_distribution(small_vocab, tmp_path, proposer):
+    """End to end: 2000 seeded requests whose 2nd and 3rd tokens go through verify steps (n-gram,
+    or another random model of the same vocabulary as the draft); the marginal of each against
+    the target's exact one (summed over the earlier tokens)."""
+    from conftest import make_tiny_model
+
     prompt = list(range(16)) * 2  # every token recurs: the 1-gram lookup always proposes
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "disable_by_batch_size": 10000}
+    if proposer == "draft":
+        draft = make_tiny_model(tmp_path / "draft", vocab_size=16, seed=1)
+        spec = {"model": str(draft), "num_speculative_tokens": 3, "disable_by_batch_size": 10000}
     llm = LLM(str(small_vocab), block_size=16, num_blocks=512, max_num_seqs=256, speculative_config=spec)
     params = [SamplingParams(max_tokens=3, temperature=1.0, seed=i, ignore_eos=True) for i in range(2000)]
     outs = [o.token_ids for o in llm.generate([prompt] * 2000, params)]
@@ -148,13 +155,29 @@ def _repetitive_prompts(n: int) -> list[list[int]]:
     return prompts
 
 
+@pytest.fixture(scope="module")
+def int4_draft(tiny_llama, tmp_path_factory):
+    from quantkit.pipeline.quantize import quantize
+    from quantkit.scheme import preset
+
+    path = tmp_path_factory.mktemp("draft") / "int4"
+    quantize(str(tiny_llama), preset("w4a16-asym").with_group_size(32), path)
+    return path
+
+
 @pytest.mark.parametrize("num_blocks", [128, 9])  # 9: preemption forced
-def test_greedy_equals_non_speculative_in_a_batch_of_16(tiny_llama, num_blocks):
+@pytest.mark.parametrize("proposer", ["ngram", "self-draft", "int4-draft"])
+def test_greedy_equals_non_speculative_in_a_batch_of_16(tiny_llama, int4_draft, num_blocks, proposer):
     prompts = _repetitive_prompts(16)
     params = [SamplingParams(max_tokens=6 + 3 * (i % 7), temperature=0, ignore_eos=True) for i in range(16)]
     kw = {"block_size": 16, "num_blocks": num_blocks, "max_num_batched_tokens": 64, "enable_prefix_caching": True}
     want = [o.token_ids for o in LLM(str(tiny_llama), **kw).generate(prompts, params)]
-    spec = LLM(str(tiny_llama), **kw, speculative_config={**NGRAM, "disable_by_batch_size": 64})
+    config = {
+        "ngram": NGRAM,
+        "self-draft": {"model": str(tiny_llama), "num_speculative_tokens": 3},
+        "int4-draft": {"model": str(int4_draft), "num_speculative_tokens": 3},
+    }[proposer]
+    spec = LLM(str(tiny_llama), **kw, speculative_config={**config, "disable_by_batch_size": 64})
     for p, w in zip(prompts[:3], want[:3]):  # alone
         assert spec.generate([p], params[0])[0].token_ids == w[: params[0].max_tokens]
     got = spec.generate(prompts, params)
@@ -165,6 +188,13 @@ def test_greedy_equals_non_speculative_in_a_batch_of_16(tiny_llama, num_blocks):
     spec.block_manager.assert_consistent([])
     if num_blocks == 9:
         assert spec.scheduler.num_preemptions > 0
+    if proposer == "self-draft":  # the target drafting for itself agrees (fp32; rounding may split a near-tie)
+        assert spec.speculator.stats.acceptance_rate > 0.95
+
+
+def test_a_draft_with_another_vocabulary_is_refused(tiny_llama, small_vocab):
+    with pytest.raises(QuantkitError, match="has 16 logits per token and the target 320"):
+        LLM(str(tiny_llama), num_blocks=8, speculative_config={"model": str(small_vocab), "num_speculative_tokens": 2})
 
 
 def test_stops_never_overshoot(tiny_llama):
