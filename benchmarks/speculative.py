@@ -9,7 +9,10 @@
    interleaved. Prints p50 TPOT of each, the ratio, the acceptance rate and how many outputs
    are token-for-token equal (bf16: the k + 1-token verify chunk may round a near-tie the
    other way, so equality is counted, not assumed; the tests check it in fp32).
-2. Load: 64 concurrent free-continuation requests (news openings, --load-tokens tokens each),
+2. Free continuation, batch 1: news openings (--chars characters) continued greedily, the
+   engine with an INT4 checkpoint of the target as its draft (--int4: made with
+   `quantkit rtn -m MODEL -o DIR` when missing) against the same engine without.
+3. Load: 64 concurrent free-continuation requests (news openings, --load-tokens tokens each),
    plain against n-gram with the default batch-size switch (speculation off at 8 running
    sequences) and against n-gram forced on; output tokens/s of each.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,19 +41,20 @@ INSTRUCTION = "Repeat the following news article word for word, fixing only obvi
 def grounded_prompts(llm: LLM, n: int, chars: int) -> list[list[int]]:
     docs = [d for d in load_documents("news") if len(d) > chars][:n]
     tok = llm.tokenizer
-    return [
+    texts = [
         tok.apply_chat_template(
-            [{"role": "user", "content": INSTRUCTION + d[:chars]}], tokenize=True, add_generation_prompt=True
+            [{"role": "user", "content": INSTRUCTION + d[:chars]}], tokenize=False, add_generation_prompt=True
         )
         for d in docs
     ]
+    return [tok.encode(t, add_special_tokens=False) for t in texts]
 
 
 def one(llm: LLM, prompt: list[int], tokens: int):
     return llm.generate([prompt], SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))[0]
 
 
-def grounded(base: LLM, spec: LLM, prompts: list[list[int]], tokens: int) -> dict:
+def side_by_side(base: LLM, spec: LLM, prompts: list[list[int]], tokens: int) -> dict:
     one(base, prompts[0][::-1], 4), one(spec, prompts[0][::-1], 4)  # warm up kernels
     tpot = {"none": [], "ngram": []}
     equal = 0
@@ -92,6 +97,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--load-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--int4", type=Path, default=Path("/tmp/spec_rtn"), help="INT4 self-draft checkpoint.")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -100,10 +106,23 @@ def main() -> None:
     base = LLM(args.model, **kw)
     spec = LLM(args.model, **kw, max_num_seqs=1, speculative_config=ngram)
     report = {"machine": torch.backends.cpu.get_cpu_capability(), "threads": args.threads, "dtype": args.dtype}
-    report["grounded"] = grounded(base, spec, grounded_prompts(base, args.articles, args.chars), args.tokens)
-    print(json.dumps(report["grounded"], indent=1), flush=True)
+    report["grounded"] = side_by_side(base, spec, grounded_prompts(base, args.articles, args.chars), args.tokens)
+    print("grounded, ngram:", json.dumps(report["grounded"], indent=1), flush=True)
+    del spec
     tok = base.tokenizer
-    openings = [tok.encode(d[:400], add_special_tokens=False)[:96] for d in load_documents("news")[: args.concurrency]]
+    docs = load_documents("news")
+    if not (args.int4 / "config.json").exists():
+        subprocess.run(
+            [sys.executable, "-m", "quantkit.cli", "rtn", "-m", args.model, "-o", str(args.int4)], check=True
+        )
+    draft = LLM(
+        args.model, **kw, max_num_seqs=1, speculative_config={"model": str(args.int4), "num_speculative_tokens": args.k}
+    )
+    free = [tok.encode(d[: args.chars], add_special_tokens=False) for d in docs[100 : 100 + args.articles]]
+    report["free_int4_draft"] = side_by_side(base, draft, free, args.tokens)
+    print("free continuation, INT4 self-draft:", json.dumps(report["free_int4_draft"], indent=1), flush=True)
+    del draft
+    openings = [tok.encode(d[:400], add_special_tokens=False)[:96] for d in docs[: args.concurrency]]
     engines = {
         "none": base,
         "ngram, switch at 8": LLM(args.model, **kw, speculative_config=ngram),

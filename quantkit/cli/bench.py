@@ -194,6 +194,23 @@ def _plan_calibration(model, method, samples, seq_len, device, gpu, gflops, json
     out.print(rows_table(f"plan: {method} on {model}, {samples} × {seq_len} tokens, {device}", rows))
 
 
+def _plan_draft(model, draft, draft_scheme, kv_cache, json_path, rows) -> None:
+    from quantkit.perf.plan import draft_plan, model_config
+
+    d = draft_plan(model_config(model), model_config(draft), draft_scheme, kv_cache)
+    write_json(json_path, {"plan": rows, "draft": d})
+    out.print(
+        rows_table(
+            f"draft {draft} ({draft_scheme}) for {model}",
+            [
+                ("draft weights", mib(d["draft_weight_bytes"])),
+                ("draft KV per token", f"{d['draft_kv_bytes_per_token'] / 1024:.1f} KiB"),
+                ("KV per token, target + draft", f"{1 + d['kv_ratio']:.2f}× the target's alone"),
+            ],
+        )
+    )
+
+
 @command
 def plan(
     model: str = typer.Argument(..., help="Built-in name, local folder or hub id (only config.json is read)."),
@@ -214,6 +231,8 @@ def plan(
     gflops: Optional[float] = typer.Option(
         None, help="With --calibrate: the device's fp32 matmul GFLOP/s (default: measured here, or --gpu's)."
     ),
+    draft: Optional[str] = typer.Option(None, help="A speculative-decoding draft model: what it adds."),
+    draft_scheme: str = typer.Option("bf16", help="With --draft: the draft's scheme (w4a16: an INT4 self-draft)."),
     json_path: Optional[Path] = JSON,
 ):
     """Memory, concurrent sequences, decode-time bounds and cost per scheme, from the config alone
@@ -225,6 +244,9 @@ def plan(
         _plan_calibration(model, calibrate, samples, seq_len, device, gpu, gflops, json_path)
         return
     rows = make_plan(model_config(model), list(scheme), kv_cache, gpu, context, gpu_cost_per_hour)
+    if draft is not None:
+        _plan_draft(model, draft, draft_scheme, kv_cache, json_path, rows)
+        return
     write_json(json_path, rows)
     table = new_table(
         f"plan {model} on {gpu}, {context}-token sequences, KV {kv_cache or 'bf16'}",

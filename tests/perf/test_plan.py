@@ -255,3 +255,17 @@ def test_calibration_plan_reads_the_methods_cost_model_through_the_registry(monk
     # the sequential groups of a Llama block: q/k/v, o, gate/up, down, each read by every token
     assert groups == [(4096, 3 * 4096, 1.0), (4096, 4096, 1.0), (4096, 2 * 11008, 1.0), (11008, 4096, 1.0)]
     assert (tokens, group_size, sparse_input) == (16, 64, 0)
+
+
+def test_draft_plan_adds_the_drafts_weights_and_kv(tiny_llama, tmp_path):
+    from conftest import make_tiny_model
+
+    from quantkit.perf.plan import draft_plan
+
+    target = model_config(str(tiny_llama))
+    d = draft_plan(target, target, "w4a16")
+    assert d["kv_ratio"] == 1.0 and d["draft_kv_bytes_per_token"] == kv_bytes_per_token(target)
+    assert d["draft_weight_bytes"] == weight_bytes(target, "w4a16")
+    other = model_config(str(make_tiny_model(tmp_path / "v16", vocab_size=16)))
+    with pytest.raises(QuantkitError, match="a draft must share the target's vocabulary"):
+        draft_plan(target, other)

@@ -221,3 +221,19 @@ def test_seeded_sampling_repeats(tiny_llama):
     prompt = _repetitive_prompts(2)[1]
     a, b = spec.generate([prompt, prompt], params)
     assert a.token_ids == b.token_ids and len(a.token_ids) == 12
+
+
+@pytest.mark.smollm2
+def test_smollm2_ngram_greedy_equals_plain_on_an_input_grounded_prompt():
+    base = LLM("smollm2-135m", dtype="float32", num_blocks=64)
+    spec = LLM("smollm2-135m", dtype="float32", num_blocks=64, speculative_config=NGRAM)
+    text = "The committee met on Tuesday and agreed to extend the program for two more years."
+    prompt = base.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Repeat this sentence exactly: " + text}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    params = SamplingParams(max_tokens=32, temperature=0)
+    a, b = base.generate([prompt], params)[0], spec.generate([prompt], params)[0]
+    assert b.token_ids == a.token_ids and b.finish_reason == a.finish_reason
+    assert b.spec["num_accepted_tokens"] > 0
