@@ -56,34 +56,38 @@ def one(llm: LLM, prompt: list[int], tokens: int):
 
 def side_by_side(base: LLM, spec: LLM, prompts: list[list[int]], tokens: int) -> dict:
     one(base, prompts[0][::-1], 4), one(spec, prompts[0][::-1], 4)  # warm up kernels
-    tpot = {"none": [], "ngram": []}
+    tpot = {"none": [], "speculative": []}
     equal = 0
     before = spec.speculator.stats.copy()
     for p in prompts:
         a, b = one(base, p, tokens), one(spec, p, tokens)
         tpot["none"].append(a.tpot)
-        tpot["ngram"].append(b.tpot)
+        tpot["speculative"].append(b.tpot)
         equal += a.token_ids == b.token_ids
     stats = spec.speculator.stats.since(before).as_dict()
     p50 = {k: 1000 * statistics.median(v) for k, v in tpot.items()}
     return {
         "p50_tpot_ms": p50,
-        "speedup": p50["none"] / p50["ngram"],
+        "speedup": p50["none"] / p50["speculative"],
         "equal_outputs": f"{equal}/{len(prompts)}",
         "speculative": stats,
     }
 
 
-def load(engines: dict[str, LLM], prompts: list[list[int]], tokens: int) -> dict:
+def load(engines: dict[str, LLM], prompts: list[list[int]], tokens: int, repeats: int) -> dict:
+    """Output tokens/s of each engine on all `prompts` at once, the median of `repeats` rounds
+    that take the engines in turn (no prefix-cache hits: each round shifts the prompts)."""
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-    result = {}
-    for name, llm in engines.items():
+    rates = {name: [] for name in engines}
+    for llm in engines.values():
         llm.generate([prompts[0][::-1]], SamplingParams(max_tokens=2, ignore_eos=True))
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        dt = time.perf_counter() - t0
-        result[name] = {"output_tokens_per_s": sum(len(o.token_ids) for o in outs) / dt, "seconds": dt}
-    return result
+    for r in range(repeats):
+        batch = [[r + 1] + p for p in prompts]
+        for name, llm in engines.items():
+            t0 = time.perf_counter()
+            outs = llm.generate(batch, params)
+            rates[name].append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0))
+    return {name: {"output_tokens_per_s": statistics.median(v), "rounds": v} for name, v in rates.items()}
 
 
 def main() -> None:
@@ -98,19 +102,36 @@ def main() -> None:
     ap.add_argument("--load-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--int4", type=Path, default=Path("/tmp/spec_rtn"), help="INT4 self-draft checkpoint.")
+    ap.add_argument("--repeats", type=int, default=3, help="Rounds of the load part.")
+    ap.add_argument("--only-load", action="store_true", help="Skip the batch-1 parts.")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     kw = {"dtype": args.dtype, "kv_cache_memory": 1 << 30}
     base = LLM(args.model, **kw)
-    spec = LLM(args.model, **kw, max_num_seqs=1, speculative_config=ngram)
     report = {"machine": torch.backends.cpu.get_cpu_capability(), "threads": args.threads, "dtype": args.dtype}
+    tok, docs = base.tokenizer, load_documents("news")
+    if not args.only_load:
+        batch1(args, base, ngram, kw, report, docs)
+    openings = [tok.encode(d[:400], add_special_tokens=False)[:96] for d in docs[: args.concurrency]]
+    engines = {
+        "none": base,
+        "ngram, switch at 8": LLM(args.model, **kw, speculative_config=ngram),
+        "ngram, always on": LLM(args.model, **kw, speculative_config={**ngram, "disable_by_batch_size": 1 << 20}),
+    }
+    report["load"] = load(engines, openings, args.load_tokens, args.repeats)
+    print(json.dumps(report["load"], indent=1), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+
+
+def batch1(args, base: LLM, ngram: dict, kw: dict, report: dict, docs: list[str]) -> None:
+    spec = LLM(args.model, **kw, max_num_seqs=1, speculative_config=ngram)
     report["grounded"] = side_by_side(base, spec, grounded_prompts(base, args.articles, args.chars), args.tokens)
     print("grounded, ngram:", json.dumps(report["grounded"], indent=1), flush=True)
     del spec
     tok = base.tokenizer
-    docs = load_documents("news")
     if not (args.int4 / "config.json").exists():
         subprocess.run(
             [sys.executable, "-m", "quantkit.cli", "rtn", "-m", args.model, "-o", str(args.int4)], check=True
@@ -122,16 +143,6 @@ def main() -> None:
     report["free_int4_draft"] = side_by_side(base, draft, free, args.tokens)
     print("free continuation, INT4 self-draft:", json.dumps(report["free_int4_draft"], indent=1), flush=True)
     del draft
-    openings = [tok.encode(d[:400], add_special_tokens=False)[:96] for d in docs[: args.concurrency]]
-    engines = {
-        "none": base,
-        "ngram, switch at 8": LLM(args.model, **kw, speculative_config=ngram),
-        "ngram, always on": LLM(args.model, **kw, speculative_config={**ngram, "disable_by_batch_size": 1 << 20}),
-    }
-    report["load"] = load(engines, openings, args.load_tokens)
-    print(json.dumps(report["load"], indent=1), flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
