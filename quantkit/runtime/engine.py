@@ -116,6 +116,7 @@ class LLM:
         backend: str = "auto",
         speculative_config: dict | str | None = None,
     ):
+        speculative_config = parse_speculative_config(speculative_config)  # a mistake is told before loading
         path = resolve_model(model)
         dtype, note = serving_dtype(check_causal_lm(path), parse_dtype(dtype))
         self.notes = [note] if note else []  # what a user should know about how the model runs
@@ -139,9 +140,9 @@ class LLM:
         self._ids = itertools.count()
         self.outputs: dict[int, RequestOutput] = {}
         self.seqs: dict[int, Sequence] = {}
-        self.speculator = self._speculator(parse_speculative_config(speculative_config), path)
+        self.speculator = self._speculator(speculative_config)
 
-    def _speculator(self, config: SpeculativeConfig | None, path) -> Speculator | None:
+    def _speculator(self, config: SpeculativeConfig | None) -> Speculator | None:
         if config is None:
             return None
         if config.method == "ngram":
