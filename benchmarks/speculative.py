@@ -119,6 +119,7 @@ def main() -> None:
         "none": base,
         "ngram, switch at 8": LLM(args.model, **kw, speculative_config=ngram),
         "ngram, always on": LLM(args.model, **kw, speculative_config={**ngram, "disable_by_batch_size": 1 << 20}),
+        "none, a second engine": LLM(args.model, **kw),  # the harness's noise: two identical engines
     }
     report["load"] = load(engines, openings, args.load_tokens, args.repeats)
     print(json.dumps(report["load"], indent=1), flush=True)
