@@ -10,7 +10,7 @@ from rich.table import Table
 
 from quantkit.calibration.registry import METHODS
 from quantkit.cli.common import DTYPE, JSON, command, mib, new_table, out, progress, rows_table, size, write_json
-from quantkit.cli.serve import engine
+from quantkit.cli.serve import SPECULATIVE, engine
 from quantkit.errors import QuantkitError
 
 
@@ -31,6 +31,20 @@ def _report_rows(r: dict) -> list[tuple[str, object]]:
         ("latency p50/p90/p95/p99 (ms)", pct(r["e2e_ms"])),
         ("KV usage peak / preemptions", f"{100 * (r.get('kv_usage_peak') or 0):.1f}% / {r.get('preemptions', 0)}"),
     ]
+    s = r.get("speculative")
+    if s and s["num_drafts"]:
+        rows += [
+            (
+                "speculative: acceptance / mean accepted length",
+                f"{s['acceptance_rate']:.1%} / {s['mean_accepted_length']:.2f}",
+            ),
+            (
+                "speculative: draft / verify ms per step",
+                f"{s['draft_ms_per_step']:.2f} / {s['verify_ms_per_step']:.2f}",
+            ),
+        ]
+    elif s:
+        rows.append(("speculative", "no drafts (the batch-size switch or no n-gram match)"))
     if r.get("goodput_requests_per_s") is not None:
         rows.append(("goodput (requests/s in SLO)", f"{r['goodput_requests_per_s']:.3f}"))
     if r.get("cost_per_1m_output_tokens") is not None:
@@ -78,6 +92,7 @@ def bench(
     dtype: str = DTYPE,
     max_num_seqs: int = typer.Option(64, help="Engine: sequences per step at most."),
     kv_cache_memory: float = typer.Option(1 << 30, help="Engine: KV-cache bytes (or a fraction of free memory)."),
+    speculative_config: Optional[str] = SPECULATIVE,
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the report here."),
     plot: Optional[Path] = typer.Option(None, help="Online: sweep rates and plot latency against throughput (PNG)."),
     device: str = typer.Option(
@@ -110,7 +125,13 @@ def bench(
         if url:
             report = b.run_http(url, requests, rate, concurrency, model, track, seed, **slo)
         else:
-            llm = engine(model, dtype, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs)
+            llm = engine(
+                model,
+                dtype,
+                kv_cache_memory=kv_cache_memory,
+                max_num_seqs=max_num_seqs,
+                speculative_config=speculative_config,
+            )
             if plot:
                 rates = [r for r in (0.5, 1, 2, 4, 8) if r < rate] + ([rate] if rate != float("inf") else [])
                 reports = b.sweep(llm, requests, rates, track, seed, **slo)
@@ -184,6 +205,23 @@ def _plan_calibration(model, method, samples, seq_len, device, gpu, gflops, json
     out.print(rows_table(f"plan: {method} on {model}, {samples} × {seq_len} tokens, {device}", rows))
 
 
+def _plan_draft(model, draft, draft_scheme, kv_cache, json_path, rows) -> None:
+    from quantkit.perf.plan import draft_plan, model_config
+
+    d = draft_plan(model_config(model), model_config(draft), draft_scheme, kv_cache)
+    write_json(json_path, {"plan": rows, "draft": d})
+    out.print(
+        rows_table(
+            f"draft {draft} ({draft_scheme}) for {model}",
+            [
+                ("draft weights", mib(d["draft_weight_bytes"])),
+                ("draft KV per token", f"{d['draft_kv_bytes_per_token'] / 1024:.1f} KiB"),
+                ("KV per token, target + draft", f"{1 + d['kv_ratio']:.2f}× the target's alone"),
+            ],
+        )
+    )
+
+
 @command
 def plan(
     model: str = typer.Argument(..., help="Built-in name, local folder or hub id (only config.json is read)."),
@@ -204,6 +242,8 @@ def plan(
     gflops: Optional[float] = typer.Option(
         None, help="With --calibrate: the device's fp32 matmul GFLOP/s (default: measured here, or --gpu's)."
     ),
+    draft: Optional[str] = typer.Option(None, help="A speculative-decoding draft model: what it adds."),
+    draft_scheme: str = typer.Option("bf16", help="With --draft: the draft's scheme (w4a16: an INT4 self-draft)."),
     json_path: Optional[Path] = JSON,
 ):
     """Memory, concurrent sequences, decode-time bounds and cost per scheme, from the config alone
@@ -215,6 +255,9 @@ def plan(
         _plan_calibration(model, calibrate, samples, seq_len, device, gpu, gflops, json_path)
         return
     rows = make_plan(model_config(model), list(scheme), kv_cache, gpu, context, gpu_cost_per_hour)
+    if draft is not None:
+        _plan_draft(model, draft, draft_scheme, kv_cache, json_path, rows)
+        return
     write_json(json_path, rows)
     table = new_table(
         f"plan {model} on {gpu}, {context}-token sequences, KV {kv_cache or 'bf16'}",

@@ -10,6 +10,12 @@ import typer
 from quantkit.cli.common import DTYPE, JSON, command, note, out, rows_table, write_json
 from quantkit.errors import QuantkitError
 
+SPECULATIVE = typer.Option(
+    None,
+    "--speculative-config",
+    help='Speculative decoding, as vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\'.',
+)
+
 
 def engine(model: str, dtype: str, **kwargs):
     """The engine on `model`, its notes (dtype, kernels) printed once."""
@@ -32,12 +38,13 @@ def generate(
     seed: Optional[int] = typer.Option(None, help="Seed for sampling."),
     chat: bool = typer.Option(False, help="Wrap the prompt in the tokenizer's chat template."),
     dtype: str = DTYPE,
+    speculative_config: Optional[str] = SPECULATIVE,
     json_path: Optional[Path] = JSON,
 ):
     """Stream a completion to the terminal through the engine, then print TTFT, TPOT and tokens/s."""
     from quantkit.runtime.sequence import SamplingParams
 
-    llm = engine(model, dtype, max_num_seqs=1)
+    llm = engine(model, dtype, max_num_seqs=1, speculative_config=speculative_config)
     if chat:
         if not getattr(llm.tokenizer, "chat_template", None):
             raise QuantkitError(f"{model} has no chat template; drop --chat.")
@@ -70,6 +77,7 @@ def generate(
             "ttft_ms": 1000 * output.ttft,
             "tpot_ms": 1000 * output.tpot if output.tpot else None,
             "tokens_per_s": n / total,
+            "speculative": output.spec,
         },
     )
     out.print(
@@ -80,9 +88,22 @@ def generate(
                 ("TTFT", f"{1000 * output.ttft:.1f} ms"),
                 ("TPOT", f"{1000 * output.tpot:.1f} ms" if output.tpot else "–"),
                 ("throughput", f"{n / total:.1f} tokens/s"),
+                *_spec_rows(output.spec),
             ],
         )
     )
+
+
+def _spec_rows(spec: dict | None) -> list[tuple[str, str]]:
+    if not spec or not spec["num_drafts"]:
+        return []
+    return [
+        (
+            "speculative",
+            f"{spec['num_accepted_tokens']}/{spec['num_draft_tokens']} drafts accepted "
+            f"({spec['acceptance_rate']:.0%}), {spec['mean_accepted_length']:.2f} tokens per verify step",
+        ),
+    ]
 
 
 @command
@@ -98,6 +119,7 @@ def serve(
     kv_cache_memory: float = typer.Option(1 << 30, help="KV-cache bytes (or a fraction of free memory)."),
     served_model_name: Optional[str] = typer.Option(None, help="The model name clients use (default: MODEL)."),
     dtype: str = DTYPE,
+    speculative_config: Optional[str] = SPECULATIVE,
 ):
     """An OpenAI-compatible HTTP server (completions, chat, streaming, /metrics) on quantkit's engine."""
     from quantkit.serve.server import serve as run_server
@@ -113,4 +135,5 @@ def serve(
         served_model_name,
         dtype,
         log=note,
+        speculative_config=speculative_config,
     )

@@ -101,6 +101,8 @@ class _EngineRun:
             llm.generate([llm.encode(workload[0].prompt)[::-1]], SamplingParams(max_tokens=2, ignore_eos=True))
         self.llm, self.arrival, self.finished, self.records, self.peak_kv = llm, {}, set(), [], 0.0
         self.preemptions = llm.scheduler.num_preemptions
+        spec = getattr(llm, "speculator", None)
+        self.spec = spec.stats.copy() if spec is not None else None
         self.start = time.perf_counter()
 
     @property
@@ -142,6 +144,8 @@ class _EngineRun:
                 self.llm.abort(rid)
                 self.llm.outputs.pop(rid, None)
         preemptions = self.llm.scheduler.num_preemptions - self.preemptions
+        if self.spec is not None:  # speculative decoding: acceptance and the draft/verify split
+            report["speculative"] = self.llm.speculator.stats.since(self.spec).as_dict()
         return summarize(
             self.records,
             time.perf_counter() - self.start,

@@ -438,3 +438,24 @@ def measure_gflops(device: str = "cpu", seconds: float = 0.5) -> float:
         if device != "cpu":
             torch.cuda.synchronize()
     return 2 * n**3 * count / elapsed / 1e9
+
+
+def draft_plan(target: dict, draft: dict, draft_scheme: str = "bf16", kv_cache: str | None = None) -> dict:
+    """What a speculative-decoding draft model adds to serving `target` (`runtime/draft.py`): its
+    weights in `draft_scheme`, and KV bytes per token, which the engine spends for every token
+    of the target's cache (the draft's KV lives in the same blocks); `kv_ratio` is that over
+    the target's own KV per token."""
+    target = {**target, **(target.get("text_config") or {})}
+    draft = {**draft, **(draft.get("text_config") or {})}
+    if draft.get("vocab_size") != target.get("vocab_size"):
+        raise QuantkitError(
+            f"the draft has {draft.get('vocab_size')} logits per token and the target {target.get('vocab_size')}; "
+            "a draft must share the target's vocabulary."
+        )
+    kv = kv_bytes_per_token(draft, kv_cache)
+    return {
+        "draft_scheme": draft_scheme,
+        "draft_weight_bytes": weight_bytes(draft, draft_scheme),
+        "draft_kv_bytes_per_token": kv,
+        "kv_ratio": kv / kv_bytes_per_token(target, kv_cache),
+    }

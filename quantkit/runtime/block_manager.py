@@ -76,24 +76,36 @@ class BlockManager:
         self.prefix_cache_hits += seq.num_cached_tokens
         self.prefix_cache_queries += seq.num_tokens
 
-    def can_append(self, seq: Sequence) -> bool:
-        return not self._needs_block(seq) or len(self._free) > 0
+    def can_append(self, seq: Sequence, lookahead: int = 0) -> bool:
+        return self._blocks_to_append(seq, lookahead) <= len(self._free)
 
-    def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
-        """Make room for `seq`'s last token: a new block when the last one is full, or a
-        private copy of a shared last block. Returns the (src, dst) block copy the runner
-        must do before writing, or None."""
-        table = seq.block_table
-        assert len(table) >= -(-(seq.num_tokens - 1) // self.block_size), "append_slot called twice for a token?"
-        if seq.num_tokens > len(table) * self.block_size:
+    def append_slot(self, seq: Sequence, lookahead: int = 0) -> tuple[int, int] | None:
+        """Make room for `seq`'s last token and `lookahead` speculative positions after it: new
+        blocks past the last one, and a private copy of a shared last block that the last token
+        goes into. Returns the (src, dst) block copy the runner must do before writing, or None."""
+        table, bs = seq.block_table, self.block_size
+        assert len(table) >= -(-(seq.num_tokens - 1) // bs), "append_slot called twice for a token?"
+        copy = None
+        if seq.num_tokens <= len(table) * bs and self.ref_counts[table[-1]] > 1:
+            last = table[-1]
+            table[-1] = self._take()
+            self.ref_counts[last] -= 1
+            copy = last, table[-1]
+        while len(table) * bs < seq.num_tokens + lookahead:
             table.append(self._take())
-            return None
-        last = table[-1]
-        if self.ref_counts[last] == 1:
-            return None
-        table[-1] = self._take()
-        self.ref_counts[last] -= 1
-        return last, table[-1]
+        return copy
+
+    def truncate(self, seq: Sequence) -> None:
+        """Free the blocks past `seq`'s computed tokens (rejected speculative positions); they
+        were never full of computed KV, so none is in the prefix cache."""
+        keep = -(-seq.num_computed_tokens // self.block_size)
+        for block in reversed(seq.block_table[keep:]):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self._free[block] = None
+                if self._hash[block] is None:
+                    self._free.move_to_end(block, last=False)
+        del seq.block_table[keep:]
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let `child` share all of `parent`'s blocks (parallel sampling)."""
@@ -115,6 +127,7 @@ class BlockManager:
                     self._free.move_to_end(block, last=False)
         seq.block_table = []
         seq.num_computed_tokens = 0
+        seq.kv_resets += 1
 
     def cache_computed(self, seq: Sequence) -> None:
         """Register the full blocks of `seq` whose KV is now computed, so later requests hit them."""
@@ -163,9 +176,10 @@ class BlockManager:
         reused_free = sum(1 for b in hits if self.ref_counts[b] == 0)
         return seq.num_blocks_needed(self.block_size) - len(hits) + reused_free
 
-    def _needs_block(self, seq: Sequence) -> bool:
-        table = seq.block_table
-        return seq.num_tokens > len(table) * self.block_size or self.ref_counts[table[-1]] > 1
+    def _blocks_to_append(self, seq: Sequence, lookahead: int) -> int:
+        table, bs = seq.block_table, self.block_size
+        copy = seq.num_tokens <= len(table) * bs and self.ref_counts[table[-1]] > 1
+        return max(0, -(-(seq.num_tokens + lookahead) // bs) - len(table)) + copy
 
     def _take(self) -> int:
         if not self._free:

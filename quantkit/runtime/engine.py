@@ -26,6 +26,15 @@ from quantkit.runtime.model_runner import Batch, ModelRunner, check_supported, k
 from quantkit.runtime.sampling import Sampler
 from quantkit.runtime.scheduler import Scheduler, SchedulerOutput
 from quantkit.runtime.sequence import SamplingParams, Sequence
+from quantkit.runtime.speculative import (
+    NgramProposer,
+    SpecStats,
+    SpeculativeConfig,
+    Speculator,
+    parse_speculative_config,
+    verify_greedy,
+    verify_sampled,
+)
 
 
 @dataclass(slots=True)
@@ -42,6 +51,7 @@ class RequestOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+    spec: dict | None = None  # speculative decoding, once finished: `SpecStats.as_dict` of this request
 
     @property
     def ttft(self) -> float | None:
@@ -104,7 +114,9 @@ class LLM:
         enable_prefix_caching: bool = True,
         num_blocks: int | None = None,
         backend: str = "auto",
+        speculative_config: dict | str | None = None,
     ):
+        speculative_config = parse_speculative_config(speculative_config)  # a mistake is told before loading
         path = resolve_model(model)
         dtype, note = serving_dtype(check_causal_lm(path), parse_dtype(dtype))
         self.notes = [note] if note else []  # what a user should know about how the model runs
@@ -128,6 +140,16 @@ class LLM:
         self._ids = itertools.count()
         self.outputs: dict[int, RequestOutput] = {}
         self.seqs: dict[int, Sequence] = {}
+        self.speculator = self._speculator(speculative_config)
+
+    def _speculator(self, config: SpeculativeConfig | None) -> Speculator | None:
+        if config is None:
+            return None
+        if config.method == "ngram":
+            return Speculator(config, NgramProposer(config))
+        from quantkit.runtime.draft import DraftModel
+
+        return Speculator(config, DraftModel.for_target(self, config))
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         return list(prompt) if not isinstance(prompt, str) else self.tokenizer.encode(prompt, add_special_tokens=False)
@@ -161,22 +183,37 @@ class LLM:
     def _release(self, request_id: int) -> None:
         self.seqs.pop(request_id, None)
         self.sampler.forget(request_id)
+        if self.speculator is not None:
+            stats = self.speculator.forget(request_id)
+            self.outputs[request_id].spec = (stats or SpecStats()).as_dict()
 
-    def _batch(self, out: SchedulerOutput) -> Batch:
-        bs, ids, pos, slots, index = self.block_manager.block_size, [], [], [], {}
+    def _batch(self, out: SchedulerOutput, drafts: dict) -> Batch:
+        """The step's flat batch: prefill chunks, then each speculating sequence's last token and
+        drafts as a prefill-style chunk at its context (logits at all of them), then decodes."""
+        bs, ids, pos, slots, rows, chunks = self.block_manager.block_size, [], [], [], {}, []
+
+        def chunk(seq, start, tokens, sampled):
+            ids.extend(tokens)
+            pos.extend(range(start, start + len(tokens)))
+            slots.extend(_slots(seq.block_table, start, start + len(tokens), bs))
+            chunks.append((seq, start + len(tokens), len(tokens)))
+            rows[seq.seq_id] = list(range(len(ids) - sampled, len(ids)))
+
         for seq, n in out.prefill:
             start = seq.num_computed_tokens
-            ids += seq.token_ids[start : start + n]
-            pos += range(start, start + n)
-            slots += _slots(seq.block_table, start, start + n, bs)
-            index[seq.seq_id] = len(ids) - 1
-        num_prefill = len(ids)
+            chunk(seq, start, seq.token_ids[start : start + n], 1)
         for seq in out.decode:
+            d = drafts.get(seq.seq_id, ((), None))[0]
+            if d:
+                chunk(seq, seq.num_tokens - 1, [seq.last_token, *d], 1 + len(d))
+        num_prefill = len(ids)
+        plain = [s for s in out.decode if not drafts.get(s.seq_id, ((), None))[0]]
+        for seq in plain:
             p = seq.num_tokens - 1
             ids.append(seq.last_token)
             pos.append(p)
             slots.append(seq.block_table[p // bs] * bs + p % bs)
-            index[seq.seq_id] = len(ids) - 1
+            rows[seq.seq_id] = [len(ids) - 1]
         dev = self.runner.device
 
         def table(rows):
@@ -194,32 +231,95 @@ class LLM:
             ints(ids),
             ints(pos),
             ints(slots),
-            table([s.block_table for s, _ in out.prefill]),
-            ints([s.num_computed_tokens + n for s, n in out.prefill], torch.int32),
-            ints([n for _, n in out.prefill], torch.int32),
-            table([s.block_table for s in out.decode]),
-            ints([s.num_tokens for s in out.decode], torch.int32),
-            ints([index[s.seq_id] for s in out.sampled]),
+            table([s.block_table for s, _, _ in chunks]),
+            ints([n for _, n, _ in chunks], torch.int32),
+            ints([q for _, _, q in chunks], torch.int32),
+            table([s.block_table for s in plain]),
+            ints([s.num_tokens for s in plain], torch.int32),
+            ints([i for s in out.sampled for i in rows[s.seq_id]]),
             num_prefill,
         )
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns the outputs of the requests that got a token."""
+        spec = self.speculator
+        if spec is not None:
+            t0 = time.perf_counter()
+            spec.plan(self.scheduler)
+            t_plan = time.perf_counter() - t0
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
         self.runner.copy_blocks(out.copies)
-        logits = self.runner.forward(self._batch(out))
-        tokens, records = self.sampler.sample(logits, [(s.seq_id, s.params) for s in out.sampled])
+        if spec is not None and hasattr(spec.proposer, "runner"):  # a draft model's KV is copied on write too
+            spec.proposer.runner.copy_blocks(out.copies)
+        drafts = {}
+        if spec is not None:
+            t0 = time.perf_counter()
+            drafts = self._propose(out)
+            t1 = time.perf_counter()
+        logits = self.runner.forward(self._batch(out, drafts))
+        tokens, records = self._sample(out, logits, drafts)
+        if spec is not None and any(d for d, _ in drafts.values()):
+            spec.stats.steps += 1
+            spec.stats.draft_s += t_plan + t1 - t0
+            spec.stats.verify_s += time.perf_counter() - t1
         self.scheduler.postprocess(out, tokens)
+        return self._outputs(out, records)
+
+    def _propose(self, out: SchedulerOutput) -> dict:
+        speculating = [s for s in out.decode if s.num_lookahead]
+        return self.speculator.proposer.propose(speculating) if speculating else {}
+
+    def _sample(self, out: SchedulerOutput, logits: torch.Tensor, drafts: dict) -> tuple[list, list]:
+        """A token per plain row (`Sampler.sample`); a speculating sequence's k + 1 rows give its
+        accepted drafts and the target's next token (`verify_greedy`, `verify_sampled`), cut
+        after the first token whose text completes a stop string."""
+        counts = [1 + len(drafts.get(s.seq_id, ((), None))[0]) for s in out.sampled]
+        if all(n == 1 for n in counts):
+            return self.sampler.sample(logits, [(s.seq_id, s.params) for s in out.sampled])
+        starts = list(itertools.accumulate([0] + counts[:-1]))
+        plain = [i for i, n in enumerate(counts) if n == 1]
+        tokens, records = [None] * len(counts), [None] * len(counts)
+        if plain:
+            index = torch.tensor([starts[i] for i in plain], dtype=torch.long, device=logits.device)
+            requests = [(out.sampled[i].seq_id, out.sampled[i].params) for i in plain]
+            for i, t, r in zip(plain, *self.sampler.sample(logits[index], requests)):
+                tokens[i], records[i] = t, r
+        greedy = self.runner.argmax(logits).tolist()
+        for i, (seq, n) in enumerate(zip(out.sampled, counts)):
+            if n == 1:
+                continue
+            d, q = drafts[seq.seq_id]
+            p = seq.params
+            if p.temperature == 0:
+                accepted = verify_greedy(greedy[starts[i] : starts[i] + n], d)
+            else:
+                probs = torch.stack([self.sampler.probs(row, p) for row in logits[starts[i] : starts[i] + n].float()])
+                accepted = verify_sampled(probs, d, q, self.sampler.generator(seq.seq_id, p))
+            self.speculator.record(seq.seq_id, len(d), len(accepted) - 1)
+            tokens[i] = self._before_stop(seq, accepted)
+        return tokens, records
+
+    def _before_stop(self, seq: Sequence, accepted: list[int]) -> list[int]:
+        if not seq.params.stop:
+            return accepted
+        for j in range(len(accepted) - 1):
+            text = self.tokenizer.decode(seq.output_token_ids + accepted[: j + 1], skip_special_tokens=True)
+            if any(s in text for s in seq.params.stop):
+                return accepted[: j + 1]
+        return accepted
+
+    def _outputs(self, out: SchedulerOutput, records: list) -> list[RequestOutput]:
         now = time.perf_counter()
         touched = []
-        for seq, _token, record in zip(out.sampled, tokens, records):
+        for seq, record in zip(out.sampled, records):
             o = self.outputs[seq.seq_id]
             if o.finish_reason == "abort":
                 continue
+            new = len(seq.output_token_ids) - len(o.token_ids)
             o.token_ids = list(seq.output_token_ids)
-            o.token_times.append(now)
+            o.token_times += [now] * new  # a verify step's tokens all arrive now
             o.first_token_time = o.first_token_time or now
             if record is not None:
                 o.logprobs.append(record)

@@ -20,7 +20,7 @@ class Sampler:
     def forget(self, seq_id: int) -> None:
         self.generators.pop(seq_id, None)
 
-    def _generator(self, seq_id: int, params: SamplingParams) -> torch.Generator | None:
+    def generator(self, seq_id: int, params: SamplingParams) -> torch.Generator | None:
         if params.seed is None:
             return None
         if seq_id not in self.generators:
@@ -49,6 +49,11 @@ class Sampler:
         return tokens, records
 
     def _draw(self, logits: torch.Tensor, seq_id: int, p: SamplingParams) -> int:
+        return int(torch.multinomial(self.probs(logits, p), 1, generator=self.generator(seq_id, p)))
+
+    def probs(self, logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+        """The distribution a row of logits [vocab] (fp32) is sampled from: temperature (> 0),
+        then top-k, then top-p; fp32 [vocab] summing to 1."""
         x = logits / p.temperature  # [vocab]
         if p.top_k:
             kth = torch.topk(x, min(p.top_k, x.numel())).values[-1]
@@ -59,4 +64,5 @@ class Sampler:
             drop = sorted_probs.cumsum(0) - sorted_probs > p.top_p  # keep the smallest prefix reaching top_p
             sorted_probs[drop] = 0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        return int(torch.multinomial(probs, 1, generator=self._generator(seq_id, p)))
+            probs /= probs.sum()
+        return probs

@@ -120,8 +120,10 @@ class Scheduler:
         return out
 
     def postprocess(self, out: SchedulerOutput, token_ids: Iterable[int]) -> list[Sequence]:
-        """Record the step's work and the tokens sampled for `out.sampled` (in that order);
-        returns the sequences that finished."""
+        """Record the step's work and the tokens sampled for `out.sampled` (in that order): one
+        token each, or a list (a speculating sequence's accepted drafts and the target's token,
+        appended one at a time so a stop or max_tokens never overshoots); returns the sequences
+        that finished."""
         token_ids = list(token_ids)
         if len(token_ids) != len(out.sampled):
             raise ValueError(f"expected {len(out.sampled)} sampled tokens, got {len(token_ids)}")
@@ -130,18 +132,29 @@ class Scheduler:
                 seq.num_computed_tokens += n
                 self.block_manager.cache_computed(seq)
         finished = []
-        for seq, token in zip(out.sampled, token_ids):
+        for seq, tokens in zip(out.sampled, token_ids):
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            seq.output_token_ids.append(token)
-            p = seq.params
-            if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
-                self.finish(seq, "stop")
-            elif len(seq.output_token_ids) >= p.max_tokens:
-                self.finish(seq, "length")
+            for j, token in enumerate([tokens] if isinstance(tokens, int) else tokens):
+                if seq.status is not SequenceStatus.RUNNING:
+                    break
+                seq.num_computed_tokens += j > 0  # an accepted draft: its KV came with the verify pass
+                self._append(seq, token)
+            if seq.status is SequenceStatus.RUNNING and seq.num_lookahead:
+                seq.num_lookahead = 0
+                self.block_manager.truncate(seq)  # the rejected drafts' positions
+                self.block_manager.cache_computed(seq)
             if seq.is_finished:
                 finished.append(seq)
         return finished
+
+    def _append(self, seq: Sequence, token: int) -> None:
+        seq.output_token_ids.append(token)
+        p = seq.params
+        if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
+            self.finish(seq, "stop")
+        elif len(seq.output_token_ids) >= p.max_tokens:
+            self.finish(seq, "length")
 
     def _schedule_running(self, out: SchedulerOutput) -> int:
         budget = self.max_num_batched_tokens
@@ -152,11 +165,12 @@ class Scheduler:
             if seq.num_tokens - seq.num_computed_tokens == 1:
                 if not self._make_room(seq, out):
                     break  # seq itself was the newest and got preempted
-                copy = self.block_manager.append_slot(seq)
+                seq.num_lookahead = self._lookahead(seq, budget, len(self.running) - i - 1)
+                copy = self.block_manager.append_slot(seq, seq.num_lookahead)
                 if copy is not None:
                     out.copies.append(copy)
                 out.decode.append(seq)
-                budget -= 1
+                budget -= 1 + seq.num_lookahead
             i += 1
         for seq in self.running:  # chunked prefills carry on with what is left
             remaining = seq.num_tokens - seq.num_computed_tokens
@@ -165,11 +179,19 @@ class Scheduler:
                 budget -= out.prefill[-1][1]
         return budget
 
+    def _lookahead(self, seq: Sequence, budget: int, others: int) -> int:
+        # Speculative slots never cost a preemption: grant them only while every sequence still
+        # to be scheduled keeps a free block for its own next token.
+        k, bm = min(seq.num_lookahead, budget - 1), self.block_manager
+        while k > 0 and bm._blocks_to_append(seq, k) + others > bm.num_free_blocks:
+            k -= 1
+        return max(k, 0)
+
     def _make_room(self, seq: Sequence, out: SchedulerOutput) -> bool:
         while not self.block_manager.can_append(seq):
             victim = self.running.pop()
             self.block_manager.free(victim)
-            victim.status = SequenceStatus.WAITING
+            victim.status, victim.num_lookahead = SequenceStatus.WAITING, 0
             bisect.insort(self.waiting, victim, key=_key)
             out.preempted.append(victim)
             self.num_preemptions += 1

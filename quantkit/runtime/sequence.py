@@ -86,7 +86,8 @@ class Sequence:
     """One request. `block_table[i]` is the physical KV block holding tokens
     [i * block_size, (i + 1) * block_size); the KV of the first `num_computed_tokens`
     tokens is written, and the first `num_cached_tokens` of those came from the prefix
-    cache. `arrival` orders requests of equal priority (first come, first served)."""
+    cache. While it speculates, its table also covers `num_lookahead` draft positions.
+    `arrival` orders requests of equal priority (first come, first served)."""
 
     seq_id: int
     prompt_token_ids: list[int]
@@ -97,6 +98,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
     num_computed_tokens: int = 0
+    num_lookahead: int = 0  # speculative decoding: draft tokens wanted, then the slots granted, this step
+    kv_resets: int = 0  # times its blocks were freed (preemption): a draft model's KV of it is gone
     arrival: int = field(default_factory=lambda: next(_arrivals))
 
     def __post_init__(self):

@@ -207,13 +207,22 @@ async def _merged(request: Request, streams: list[RequestStream]):
             s.abort()
 
 
-def _usage(streams: list[RequestStream], n: int, completion_tokens: int) -> dict:
+SPEC_KEYS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+def _usage(streams: list[RequestStream], n: int, completion_tokens: int, spec: list | None = None) -> dict:
+    """OpenAI's usage block; with speculative decoding also `speculative`: the requests' drafts
+    (verify steps), draft tokens and accepted tokens summed over the choices."""
     prompt_tokens = sum(len(s.prompt_token_ids) for s in streams[::n])  # each prompt counted once
-    return {
+    usage = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    spec = [s for s in spec or [] if s]
+    if spec:
+        usage["speculative"] = {k: sum(s[k] for s in spec) for k in SPEC_KEYS}
+    return usage
 
 
 async def _start(engine: AsyncEngine, prompts: list, params: list[SamplingParams], fit: bool) -> list[RequestStream]:
@@ -242,10 +251,11 @@ async def _collect(
     request: Request, streams: list[RequestStream], n: int, chat: bool, head: dict, logprobs: bool
 ) -> dict:
     texts, reasons, counts = [""] * len(streams), [None] * len(streams), [0] * len(streams)
-    entries = [[] for _ in streams]
+    entries, spec = [[] for _ in streams], [None] * len(streams)
     async for i, d in _merged(request, streams):
         texts[i] += d.text
         reasons[i], counts[i] = d.finish_reason, d.num_output_tokens
+        spec[i] = d.spec or spec[i]
         entries[i] += d.logprobs or []
     choices = []
     for i, (text, reason, e) in enumerate(zip(texts, reasons, entries)):
@@ -253,7 +263,7 @@ async def _collect(
         choices.append(
             {"index": i, **answer, "logprobs": _logprobs(e, chat) if logprobs else None, "finish_reason": reason}
         )
-    return head | {"choices": choices, "usage": _usage(streams, n, sum(counts))}
+    return head | {"choices": choices, "usage": _usage(streams, n, sum(counts), spec)}
 
 
 async def _sse(request: Request, streams: list[RequestStream], n: int, chat: bool, head: dict, usage: bool, metrics):
@@ -264,7 +274,7 @@ async def _sse(request: Request, streams: list[RequestStream], n: int, chat: boo
     def event(chunk: dict) -> str:
         return f"data: {json.dumps(chunk)}\n\n"
 
-    offsets, produced = [0] * len(streams), [0] * len(streams)
+    offsets, produced, spec = [0] * len(streams), [0] * len(streams), [None] * len(streams)
     try:
         if chat:
             for i in range(len(streams)):
@@ -284,6 +294,7 @@ async def _sse(request: Request, streams: list[RequestStream], n: int, chat: boo
                 )
         async for i, d in _merged(request, streams):
             produced[i] = d.num_output_tokens
+            spec[i] = d.spec or spec[i]
             if not (d.text or d.finish_reason or d.logprobs):
                 continue
             lp = _logprobs(d.logprobs, chat, offsets[i]) if d.logprobs is not None else None
@@ -295,7 +306,7 @@ async def _sse(request: Request, streams: list[RequestStream], n: int, chat: boo
                 head | {"choices": [{"index": i, **answer, "logprobs": lp, "finish_reason": d.finish_reason}]} | extra
             )
         if usage:
-            yield event(head | {"choices": [], "usage": _usage(streams, n, sum(produced))})
+            yield event(head | {"choices": [], "usage": _usage(streams, n, sum(produced), spec)})
     except Exception as e:  # the engine failed mid-stream: say so in the stream
         metrics.errors.labels("internal_error").inc()
         yield event({"error": {"message": str(e), "type": "server_error", "param": None, "code": "internal_error"}})

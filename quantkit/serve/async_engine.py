@@ -52,6 +52,7 @@ class Delta:
     logprobs: list | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    spec: dict | None = None  # on the last delta, with speculative decoding: the request's draft counts
 
 
 class RequestStream:
@@ -325,4 +326,7 @@ class AsyncEngine:
             ]
         if done:
             self._end(req, o, o.finish_reason)
-        req.push(Delta(req.key, new, delta_text, o.finish_reason, logprobs, len(o.prompt_token_ids), len(o.token_ids)))
+        spec = o.spec if done else None
+        req.push(
+            Delta(req.key, new, delta_text, o.finish_reason, logprobs, len(o.prompt_token_ids), len(o.token_ids), spec)
+        )

@@ -67,7 +67,21 @@ class Metrics:
         self.errors = Counter(
             "quantkit_request_errors", "Requests answered with an error, by kind.", ["kind"], registry=r
         )
-        self._seen = {"hits": 0, "preemptions": 0}
+        self.spec_drafts = Counter(
+            "vllm:spec_decode_num_drafts", "Speculative verify steps (one per speculating sequence).", registry=r
+        )
+        self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", registry=r)
+        self.spec_accepted_tokens = Counter(
+            "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", registry=r
+        )
+        self.spec_accepted_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft.",
+            ["position"],
+            registry=r,
+        )
+        self._seen = {"hits": 0, "preemptions": 0, "drafts": 0, "draft_tokens": 0, "accepted": 0}
+        self._seen_pos: list[int] = []
 
     def engine_state(self, llm, waiting_outside: int = 0) -> None:
         """Gauges and cumulative engine counters; call from the engine thread."""
@@ -82,6 +96,23 @@ class Metrics:
             if value > self._seen[key]:
                 counter.inc(value - self._seen[key])
             self._seen[key] = value
+        if getattr(llm, "speculator", None) is not None:
+            self._spec_state(llm.speculator.stats)
+
+    def _spec_state(self, stats) -> None:
+        for key, counter, value in [
+            ("drafts", self.spec_drafts, stats.num_drafts),
+            ("draft_tokens", self.spec_draft_tokens, stats.num_draft_tokens),
+            ("accepted", self.spec_accepted_tokens, stats.num_accepted_tokens),
+        ]:
+            if value > self._seen[key]:
+                counter.inc(value - self._seen[key])
+            self._seen[key] = value
+        self._seen_pos += [0] * (len(stats.accepted_per_pos) - len(self._seen_pos))
+        for pos, value in enumerate(stats.accepted_per_pos):
+            if value > self._seen_pos[pos]:
+                self.spec_accepted_per_pos.labels(str(pos)).inc(value - self._seen_pos[pos])
+                self._seen_pos[pos] = value
 
     def finished(self, output, accepted: float, finish_reason: str) -> None:
         """A request ended; `output` is its RequestOutput, times on the perf_counter clock."""

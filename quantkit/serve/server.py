@@ -28,17 +28,25 @@ def serve(
     drain_timeout: float = 30.0,
     log_level: str = "info",
     log: Callable[[str], None] = print,
+    speculative_config: dict | str | None = None,
 ) -> None:
     """Serve `model` (built-in name, folder, hub id or quantkit checkpoint) on an OpenAI-compatible
     API until SIGINT/SIGTERM; then take no new connections, let the requests in flight finish for
     up to `drain_timeout` seconds, abort the rest, stop the engine and return (exit code 0).
     `api_key` (or the QUANTKIT_API_KEY environment variable) guards the /v1 routes;
     `kv_cache_memory` is bytes when > 1, else a fraction of the free memory; `dtype` a torch
-    dtype or its name ("auto" or None: `runtime.loader.serving_dtype`); `log` gets the engine's notes."""
+    dtype or its name ("auto" or None: `runtime.loader.serving_dtype`); `log` gets the engine's notes;
+    `speculative_config` turns on speculative decoding (`runtime.speculative`)."""
     import uvicorn
 
     api_key = api_key or os.environ.get("QUANTKIT_API_KEY") or None
-    llm = LLM(model, dtype=dtype, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs)
+    llm = LLM(
+        model,
+        dtype=dtype,
+        kv_cache_memory=kv_cache_memory,
+        max_num_seqs=max_num_seqs,
+        speculative_config=speculative_config,
+    )
     for note in llm.notes:
         log(note)
     engine = AsyncEngine(llm, max_queue=max_queue)

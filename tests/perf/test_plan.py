@@ -276,3 +276,17 @@ def test_calibration_plan_counts_the_resume_state_and_the_extra_passes(monkeypat
     assert 0 < half["gradient_pass"]["seconds"] < r["gradient_pass"]["seconds"]
     assert r["gradient_pass"]["spill_bytes"] == 32 * per_commit
     assert r["sensitivity"]["seconds"] == half["sensitivity"]["seconds"] > 0  # its own windows, not the samples
+
+
+def test_draft_plan_adds_the_drafts_weights_and_kv(tiny_llama, tmp_path):
+    from conftest import make_tiny_model
+
+    from quantkit.perf.plan import draft_plan
+
+    target = model_config(str(tiny_llama))
+    d = draft_plan(target, target, "w4a16")
+    assert d["kv_ratio"] == 1.0 and d["draft_kv_bytes_per_token"] == kv_bytes_per_token(target)
+    assert d["draft_weight_bytes"] == weight_bytes(target, "w4a16")
+    other = model_config(str(make_tiny_model(tmp_path / "v16", vocab_size=16)))
+    with pytest.raises(QuantkitError, match="a draft must share the target's vocabulary"):
+        draft_plan(target, other)
