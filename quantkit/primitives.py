@@ -156,15 +156,21 @@ def qparams_from_minmax(
     return scale, zero
 
 
-def float_scales(amax: torch.Tensor, args: QuantArgs, global_scale: torch.Tensor | None = None) -> torch.Tensor:
+def float_scales(
+    amax: torch.Tensor,
+    args: QuantArgs,
+    global_scale: torch.Tensor | None = None,
+    scale_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """The effective fp32 scales of the fp4 / MX / NVFP4 formats from each group's amax (see
-    the module docstring); NVFP4 needs the tensor's (or fused group's) `global_scale`."""
+    the module docstring; NVFP4 needs the tensor's, or fused group's, `global_scale`), and the
+    fp8 block scales, amax / 448 in `scale_dtype`."""
     if args.is_mx:
         return mx_scale(amax, args.num_bits)
     if args.strategy == "tensor_group":
         return nvfp4_group_scales(amax, global_scale).float() / global_scale.float()
-    scale = amax.float() / args.grid_max
-    return torch.where(scale > torch.finfo(torch.float32).tiny, scale, torch.ones_like(scale))
+    scale = (amax.float() / args.grid_max).to(scale_dtype)
+    return torch.where(scale > torch.finfo(scale_dtype).tiny, scale, torch.ones_like(scale))
 
 
 def compute_qparams(
@@ -174,14 +180,14 @@ def compute_qparams(
     global_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Min-max scale and zero point of x for `args` (see the module docstring). The fp4,
-    MX and block formats take fp32 scales whatever `scale_dtype`; NVFP4 takes x's own
-    global scale unless one (shared by a fused group) is given."""
+    MX formats take fp32 scales whatever `scale_dtype`; NVFP4 takes x's own
+    global scale unless one (shared by a fused group) is given; fp8 blocks take `scale_dtype`."""
     lo, hi = minmax(x, args)
     if args.is_fp4 or args.is_mx or args.strategy in ("block", "tensor_group"):
         amax = torch.maximum(-lo, hi).clamp_min(0)
         if args.strategy == "tensor_group" and global_scale is None:
             global_scale = nvfp4_global_scale(amax.max())
-        return float_scales(amax, args, global_scale), None
+        return float_scales(amax, args, global_scale, scale_dtype), None
     return qparams_from_minmax(lo, hi, args, scale_dtype)
 
 

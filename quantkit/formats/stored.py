@@ -39,7 +39,7 @@ def tensor_bytes(fmt: str, out: int, inp: int, args: QuantArgs, float_bytes: int
     each; `static_input`: a calibrated activation scale is stored too."""
     dtype = FLOAT_DTYPES[float_bytes]
     if fmt == "float-quantized":
-        info = float_quantized.param_info(out, inp, args, static_input)
+        info = float_quantized.param_info(out, inp, args, static_input, dtype)
     elif fmt in FP4_FORMATS:
         info = fp4_packed.param_info(out, inp, args, static_input)
     elif fmt == "mxfp8-quantized":

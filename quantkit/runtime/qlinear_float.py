@@ -87,7 +87,8 @@ class FloatQDQLinear(nn.Module):
     def extra_repr(self) -> str:
         a = self.acts
         kind = "fp4" if a.is_fp4 else "fp8"
-        return f"in={self.in_features}, out={self.out_features}, dequantized weights, {kind} activations per group of {a.group_size}"
+        acts = f"{kind} activations per group of {a.group_size}"
+        return f"in={self.in_features}, out={self.out_features}, dequantized weights, {acts}"
 
 
 def make_linear(linear: nn.Linear, scheme: QuantScheme, dtype: torch.dtype) -> nn.Module:

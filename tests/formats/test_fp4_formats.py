@@ -104,7 +104,7 @@ def test_mxfp8_round_trip():
         ("nvfp4a16", "nvfp4-pack-quantized", 4 + 8 / 16),  # + the fp32 global scale
         ("mxfp4a16", "mxfp4-pack-quantized", 4 + 8 / 32),
         ("mxfp8", "mxfp8-quantized", 8 + 8 / 32),
-        ("fp8-block", "float-quantized", 8 + 32 / 128 / 128),
+        ("fp8-block", "float-quantized", 8 + 16 / 128 / 128),  # block scales in the model dtype (bf16 here)
     ],
 )
 def test_bits_per_weight(name, fmt, bits):
