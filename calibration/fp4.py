@@ -58,3 +58,12 @@ def input_global_scales(spec: ArchSpec, prefix: str, block: nn.Module, names, in
         if members:
             out |= dict.fromkeys(members, nvfp4_global_scale(torch.stack([amax[n] for n in members]).max()))
     return out
+
+
+def record_input_global_scales(spec: ArchSpec, scheme: QuantScheme, prefix: str, block, names, inputs, results) -> None:
+    """After a block's weights are quantized: the input global scale of each of its NVFP4
+    linears with calibrated activations (`nvfp4`) into its `QParams.input_scale`."""
+    static = static_nvfp4_inputs(scheme, prefix, names)
+    if static:
+        for name, gs in input_global_scales(spec, prefix, block, static, inputs).items():
+            results[f"{prefix}.{name}"].input_scale = gs

@@ -42,9 +42,6 @@ def rtn_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_
             )
             linear.weight.data.copy_(w)  # in place: see quantkit.malloc
             results[f"{prefix}.{name}"] = QParams(scale, zero, global_scale=shared.get(name))
-        static = fp4.static_nvfp4_inputs(scheme, prefix, names)
-        if static:
-            for name, gs in fp4.input_global_scales(block_spec, prefix, block, static, inputs).items():
-                results[f"{prefix}.{name}"].input_scale = gs
+        fp4.record_input_global_scales(block_spec, scheme, prefix, block, names, inputs, results)
 
     return step

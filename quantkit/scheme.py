@@ -69,15 +69,17 @@ class QuantArgs:
         """The largest magnitude of the format's grid (int: qmax's side, fp8 e4m3 448, fp4 e2m1 6)."""
         if self.type == "float":
             return 6.0 if self.num_bits == 4 else 448.0
-        return (self.qmax - self.qmin) / 2
+        return ((1 << self.num_bits) - 1) / 2
 
     @property
-    def qmin(self) -> int:
-        return -(1 << (self.num_bits - 1))
+    def qmin(self) -> int | float:
+        """The grid's smallest value (float grids: -`grid_max`, a float)."""
+        return -self.grid_max if self.type == "float" else -(1 << (self.num_bits - 1))
 
     @property
-    def qmax(self) -> int:
-        return (1 << (self.num_bits - 1)) - 1
+    def qmax(self) -> int | float:
+        """The grid's largest value (float grids: `grid_max`, a float: 6.0 fp4 e2m1, 448.0 fp8 e4m3)."""
+        return self.grid_max if self.type == "float" else (1 << (self.num_bits - 1)) - 1
 
     def to_dict(self) -> dict:
         d = {
