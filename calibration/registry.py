@@ -110,11 +110,13 @@ METHODS: dict[str, Method] = {
         ),
         Method(
             "awq",
-            "AWQ INT4 (Lin et al.): activation-aware scales folded into the previous op, then per-group clipping.",
+            "AWQ INT4, NVFP4 or MXFP4 (Lin et al.): activation-aware scales folded into the previous op, then "
+            "per-group clipping.",
             AWQOptions,
             "weights",
             "quantkit.calibration.awq:awq_step",
             "pack-quantized",
+            formats=FP4_FORMATS,
             needs_data=lambda scheme, o: o.load_search is None or o.gptq,
             folds_scales=True,
             default_scheme="w4a16",

@@ -137,11 +137,21 @@ def minmax(x: torch.Tensor, args: QuantArgs) -> tuple[torch.Tensor, torch.Tensor
 
 
 def qparams_from_minmax(
-    lo: torch.Tensor, hi: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype = torch.float32
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    args: QuantArgs,
+    scale_dtype: torch.dtype = torch.float32,
+    global_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Scale (in `scale_dtype`) and zero point (int8, None when symmetric) from ranges."""
+    """Scale (in `scale_dtype`) and zero point (int8, None when symmetric) from ranges; the
+    fp4 / MX grids as `float_scales` (NVFP4: under `global_scale`, else the ranges' own)."""
     lo = torch.minimum(lo.float(), torch.zeros_like(lo, dtype=torch.float32))
     hi = torch.maximum(hi.float(), torch.zeros_like(hi, dtype=torch.float32))
+    if args.is_fp4 or args.is_mx or args.strategy == "tensor_group":
+        amax = torch.maximum(-lo, hi)
+        if args.strategy == "tensor_group" and global_scale is None:
+            global_scale = nvfp4_global_scale(amax.max())
+        return float_scales(amax, args, global_scale), None
     if args.type == "float":
         scale = torch.maximum(-lo, hi) / FP8_MAX
     elif args.symmetric:
@@ -183,12 +193,9 @@ def compute_qparams(
     MX formats take fp32 scales whatever `scale_dtype`; NVFP4 takes x's own
     global scale unless one (shared by a fused group) is given; fp8 blocks take `scale_dtype`."""
     lo, hi = minmax(x, args)
-    if args.is_fp4 or args.is_mx or args.strategy in ("block", "tensor_group"):
-        amax = torch.maximum(-lo, hi).clamp_min(0)
-        if args.strategy == "tensor_group" and global_scale is None:
-            global_scale = nvfp4_global_scale(amax.max())
-        return float_scales(amax, args, global_scale, scale_dtype), None
-    return qparams_from_minmax(lo, hi, args, scale_dtype)
+    if args.strategy == "block":
+        return float_scales(torch.maximum(-lo, hi).clamp_min(0), args, None, scale_dtype), None
+    return qparams_from_minmax(lo, hi, args, scale_dtype, global_scale)
 
 
 def _expand(p: torch.Tensor, x: torch.Tensor, args: QuantArgs, g_idx: torch.Tensor | None) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""GPTQ on the fp4 grids (NVFP4: e2m1 with fp8 group scales under a global scale; MXFP4: e2m1
+"""GPTQ (and AWQ's clip search) on the fp4 grids (NVFP4: e2m1 with fp8 group scales under a global scale; MXFP4: e2m1
 with power-of-two group scales): the column loop rounds with the format's own quantizer, so
 with an identity Hessian it returns round-to-nearest exactly (`primitives`, itself checked
 against compressed-tensors), and under a real Hessian it lowers the output error; stacked
@@ -53,3 +53,18 @@ def test_stacked_linears_share_the_nvfp4_global_scale():
     assert torch.equal(res.global_scale, nvfp4_global_scale(W[:32].abs().max()))
     fp8 = (res.scale * res.global_scale).to(torch.float8_e4m3fn).float()
     assert fp8.max() <= 448 and torch.equal(res.scale, fp8 / res.global_scale)  # the stored fp8 scales, exactly
+
+
+@pytest.mark.parametrize("name", ["nvfp4a16", "mxfp4a16"])
+def test_awq_clip_search_on_the_fp4_grid_never_loses_to_rtn(name):
+    from quantkit.calibration.awq import clip_inputs, clip_qparams, search_clip
+
+    args = ARGS[name]
+    X, W = _layer()
+    W[:, 7] *= 6  # a column of outliers, worth clipping
+    inputs = clip_inputs(X, args)
+    gs = nvfp4_global_scale(W.abs().max()) if name == "nvfp4a16" else None
+    ranges = search_clip(W, inputs, args, grid=10)
+    q = fake_quantize(W, args, *clip_qparams(W, ranges, args, global_scale=gs))
+    rtn = fake_quantize(W, args, *compute_qparams(W, args, global_scale=gs))
+    assert ((W - q) @ X.T).norm() <= ((W - rtn) @ X.T).norm()

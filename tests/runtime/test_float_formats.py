@@ -103,3 +103,19 @@ def test_moe_nvfp4_shares_expert_scales_and_serves(tmp_path, tiny_corpus):
     llm = LLM(str(out), dtype="float32", block_size=16, num_blocks=32)
     reference = [hf_greedy(quantkit.load(out, torch.float32), p) for p in PROMPTS]
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
+
+
+@pytest.mark.parametrize(
+    "method, name", [("gptq", "nvfp4"), ("gptq", "mxfp4a16"), ("awq", "nvfp4a16"), ("awq", "mxfp4")]
+)
+def test_gptq_and_awq_checkpoints_load_in_transformers(bf16_llama, tiny_corpus, tmp_path, method, name):
+    out = tmp_path / "q"
+    quantize(str(bf16_llama), preset(name), out, method, Calibration(str(tiny_corpus), 4, 32))
+    t = read_tensors(out)
+    if name.startswith("nvfp4"):  # shared by q/k/v (GPTQ: quantized stacked; AWQ: after the scales are folded)
+        assert len({t[f"model.layers.0.self_attn.{n}_proj.weight_global_scale"].item() for n in "qkv"}) == 1
+    assert ("model.layers.1.mlp.down_proj.input_global_scale" in t) == (name == "nvfp4")
+    ours = quantkit.load(out, torch.bfloat16)
+    theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(IDS).logits, theirs(IDS).logits, rtol=0, atol=0)
