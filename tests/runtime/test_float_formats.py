@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 import quantkit
 from quantkit.formats import fp4_packed
 from quantkit.formats.checkpoint import read_tensors
+from quantkit.formats.inspect import describe
 from quantkit.pipeline.quantize import Calibration, quantize
 from quantkit.runtime.engine import LLM
 from quantkit.runtime.sequence import SamplingParams
@@ -24,6 +25,7 @@ torch.set_num_threads(1)
 IDS = torch.randint(0, 320, (2, 16), generator=torch.Generator().manual_seed(0))
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 PROMPTS = [[5, 17, 33, 2, 9], list(range(40, 60))]
+BITS = {"nvfp4": 4.5, "mxfp4": 4.25, "mxfp8": 8.25, "fp8-block": 8.0}  # `quantkit inspect`: scales included
 SCHEMES = ["nvfp4a16", "nvfp4", "mxfp4a16", "mxfp4", "mxfp8", "fp8-block"]
 
 
@@ -50,6 +52,7 @@ def test_transformers_logits_and_engine_greedy_equal_ours(bf16_llama, tiny_corpu
     _quantize(bf16_llama, name, out, tiny_corpus)
     fmt = json.loads((out / "config.json").read_text())["quantization_config"]["format"]
     assert fmt == preset(name).format
+    assert describe(str(out))["bits_per_weight"] == pytest.approx(BITS[name.removesuffix("a16")], rel=2e-3)
     ours = quantkit.load(out, torch.bfloat16)
     theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16).eval()
     float_model = AutoModelForCausalLM.from_pretrained(bf16_llama).eval()
