@@ -383,31 +383,40 @@ def awq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_
         if rounding is not None:
             rounding(index, prefix, block, inputs)
             return
-        summed = {}  # per input: what the clip search scores with
-        shared = fp4.weight_global_scales(bspec, scheme, prefix, block, names)  # NVFP4, after the folding
-        for name in names:
-            full = f"{prefix}.{name}"
-            _quantize_clipped(
-                block,
-                bspec,
-                name,
-                full,
-                feats,
-                summed,
-                loaded,
-                record,
-                o.clip,
-                weight_args(scheme, prefix, name),
-                scale_dtype,
-                results,
-                shared.get(name),
-            )
-        fp4.record_input_global_scales(bspec, scheme, prefix, block, names, inputs, results)
+        _clip_and_quantize(
+            block, bspec, prefix, names, feats, inputs, loaded, record, o.clip, scheme, scale_dtype, results
+        )
 
     if record is not None:  # carried from block to block: a resumed run restores it
         step.finish = lambda: _write_search(Path(o.save_search), record)
         step.state, step.restore = lambda: dict(record), record.update
     return step
+
+
+def _clip_and_quantize(block, bspec, prefix, names, feats, inputs, loaded, record, clip, scheme, scale_dtype, results):
+    """Each linear of the block clipped (`search_clip`) and quantized, after the scales are
+    folded; NVFP4 global scales shared by each fusion group and, for `nvfp4`, the input
+    global scales observed once the block is quantized (`calibration/fp4.py`)."""
+    summed = {}  # per input: what the clip search scores with
+    shared = fp4.weight_global_scales(bspec, scheme, prefix, block, names)  # NVFP4, after the folding
+    for name in names:
+        full = f"{prefix}.{name}"
+        _quantize_clipped(
+            block,
+            bspec,
+            name,
+            full,
+            feats,
+            summed,
+            loaded,
+            record,
+            clip,
+            weight_args(scheme, prefix, name),
+            scale_dtype,
+            results,
+            shared.get(name),
+        )
+    fp4.record_input_global_scales(bspec, scheme, prefix, block, names, inputs, results)
 
 
 def _quantize_clipped(
