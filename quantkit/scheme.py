@@ -46,8 +46,12 @@ class QuantArgs:
             raise QuantkitError("the block strategy and a block_structure [rows, columns] go together; give both.")
         if self.type == "float" and (self.num_bits not in (4, 8) or not self.symmetric):
             raise QuantkitError("float quantization is fp8 e4m3 or fp4 e2m1: 8 or 4 bits, symmetric.")
-        if self.is_fp4 and not (self.strategy in ("group", "tensor_group") and self.group_size in FP4_GROUPS):
-            raise QuantkitError("fp4 weights take groups of 16 (NVFP4, strategy tensor_group) or 32 (MXFP4).")
+        fp4 = (self.strategy, self.group_size, self.scale_dtype)
+        if self.is_fp4 and fp4 not in (("tensor_group", 16, "float8_e4m3fn"), ("group", 32, "uint8")):
+            raise QuantkitError(
+                "fp4 takes groups of 16 (NVFP4: strategy tensor_group, float8_e4m3fn scales) or 32 "
+                "(MXFP4: strategy group, uint8 scales); use the nvfp4 or mxfp4 presets."
+            )
         if self.scale_dtype not in SCALE_DTYPES:
             raise QuantkitError(f"scale dtype {self.scale_dtype!r} is unknown; use float8_e4m3fn or uint8.")
         if self.dynamic not in (True, False, "local"):
