@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from quantkit.calibration import rtn
+from quantkit.calibration import fp4, rtn
 from quantkit.calibration.hooks import (
     capture_calls,
     mapping_input,
@@ -167,7 +167,7 @@ def clip_inputs(
     spaced tokens."""
     ci = x.shape[-1]
     x = _check(x, [], args, name, "AWQ clip search")  # x [n, ci]
-    gs = args.group_size if args.strategy == "group" else ci
+    gs = args.group_size if args.strategy in ("group", "tensor_group") else ci
     if gs > max_gram_width:
         x = x[:: max(1, x.shape[0] // n_tokens)][:n_tokens]
     xg = x.reshape(x.shape[0], -1, gs).transpose(0, 1)  # [n_group, n, group_size]
@@ -207,7 +207,7 @@ def search_clip(
         )
     _check_args(args, [w.shape], w.shape[-1], name, "AWQ clip search")
     co, ci = w.shape
-    gs = args.group_size if args.strategy == "group" else ci
+    gs = args.group_size if args.strategy in ("group", "tensor_group") else ci
     if inputs.group_size != gs:
         raise QuantkitError(
             f"{name}: clip inputs summed in groups of {inputs.group_size} do not fit a weight "
@@ -248,7 +248,11 @@ def search_clip(
 
 
 def clip_qparams(
-    w: torch.Tensor, ranges: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype = torch.float32
+    w: torch.Tensor,
+    ranges: torch.Tensor,
+    args: QuantArgs,
+    scale_dtype: torch.dtype = torch.float32,
+    global_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(scale, zero point or None) for w [co, ci] from its clipping ranges [co, n_groups, 2]
     (`search_clip`): min-max qparams of [lo, hi] per group. Quantizing with them clamps each
@@ -256,13 +260,13 @@ def clip_qparams(
     (clamping the weights first and taking min-max qparams of the result would put the
     clamped values on a rounding tie, ±7.5 steps for symmetric int4, where float noise picks
     the side)."""
-    gs = args.group_size if args.strategy == "group" else w.shape[1]
+    gs = args.group_size if args.strategy in ("group", "tensor_group") else w.shape[1]
     if ranges.shape != (w.shape[0], w.shape[1] // gs, 2):
         raise QuantkitError(
             f"clip ranges of shape {tuple(ranges.shape)} do not fit a weight {tuple(w.shape)} in groups of {gs}."
         )
     lo, hi = ranges.to(w.device, torch.float32).unbind(-1)  # [co, n_group] each
-    return qparams_from_minmax(lo, hi, args, scale_dtype)
+    return qparams_from_minmax(lo, hi, args, scale_dtype, global_scale)  # NVFP4: a fused group's global scale
 
 
 def _fake_quantize(w, args, scale_dtype):
@@ -270,7 +274,7 @@ def _fake_quantize(w, args, scale_dtype):
 
 
 def _weight_mean(W, args):
-    gs = args.group_size if args.strategy == "group" else W.shape[1]
+    gs = args.group_size if args.strategy in ("group", "tensor_group") else W.shape[1]
     w_g = W.abs().reshape(W.shape[0], -1, gs)  # W [co, ci] -> [co, n_group, group_size]
     w_g = w_g / w_g.amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
     return w_g.reshape(W.shape).mean(0)  # [ci]
@@ -296,13 +300,13 @@ def _loss_fn(x, W, weights, output_fn):
 
 
 def _check_args(args, shapes, ci, name, what):
-    if args.type != "int" or args.strategy not in ("group", "channel"):
+    if not (args.type == "int" and args.strategy in ("group", "channel")) and not args.is_fp4:
         kind = f"{args.type} per {args.strategy}"
-        raise QuantkitError(f"{what} of {name} takes int weights per group or channel, not {kind}.")
+        raise QuantkitError(f"{what} of {name} takes int weights per group or channel (or fp4), not {kind}.")
     for shape in shapes:
         if len(shape) != 2 or shape[1] != ci:
             raise QuantkitError(f"{name}: a weight of shape {tuple(shape)} cannot read inputs of width {ci}.")
-    if args.strategy == "group":
+    if args.strategy in ("group", "tensor_group"):
         check_group_size(name, ci, args.group_size)
 
 
@@ -379,23 +383,9 @@ def awq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_
         if rounding is not None:
             rounding(index, prefix, block, inputs)
             return
-        summed = {}  # per input: what the clip search scores with
-        for name in names:
-            full = f"{prefix}.{name}"
-            _quantize_clipped(
-                block,
-                bspec,
-                name,
-                full,
-                feats,
-                summed,
-                loaded,
-                record,
-                o.clip,
-                weight_args(scheme, prefix, name),
-                scale_dtype,
-                results,
-            )
+        _clip_and_quantize(
+            block, bspec, prefix, names, feats, inputs, loaded, record, o.clip, scheme, scale_dtype, results
+        )
 
     if record is not None:  # carried from block to block: a resumed run restores it
         step.finish = lambda: _write_search(Path(o.save_search), record)
@@ -410,7 +400,35 @@ def _features(spec, block, names, inputs):
     return dict(inputs.captured) if inputs.captured else mapping_inputs(spec, block, names, inputs, SEARCH_TOKENS)
 
 
-def _quantize_clipped(block, spec, name, full, feats, summed, loaded, record, clip, args, scale_dtype, results):
+def _clip_and_quantize(block, bspec, prefix, names, feats, inputs, loaded, record, clip, scheme, scale_dtype, results):
+    """Each linear of the block clipped (`search_clip`) and quantized, after the scales are
+    folded; NVFP4 global scales shared by each fusion group and, for `nvfp4`, the input
+    global scales observed once the block is quantized (`calibration/fp4.py`)."""
+    summed = {}  # per input: what the clip search scores with
+    shared = fp4.weight_global_scales(bspec, scheme, prefix, block, names)  # NVFP4, after the folding
+    for name in names:
+        full = f"{prefix}.{name}"
+        _quantize_clipped(
+            block,
+            bspec,
+            name,
+            full,
+            feats,
+            summed,
+            loaded,
+            record,
+            clip,
+            weight_args(scheme, prefix, name),
+            scale_dtype,
+            results,
+            shared.get(name),
+        )
+    fp4.record_input_global_scales(bspec, scheme, prefix, block, names, inputs, results)
+
+
+def _quantize_clipped(
+    block, spec, name, full, feats, summed, loaded, record, clip, args, scale_dtype, results, gs=None
+):
     linear = get_module(block, name)
     w, ranges = linear.weight.data, None
     if clip:
@@ -427,14 +445,14 @@ def _quantize_clipped(block, spec, name, full, feats, summed, loaded, record, cl
                 summed[first, args] = clip_inputs(feats[first], args, name=full)
             ranges = search_clip(w, summed[first, args], args, scale_dtype=scale_dtype, name=full)
     if ranges is None:
-        q, scale, zero = rtn.quantize_weight(w, args, scale_dtype)
+        q, scale, zero = rtn.quantize_weight(w, args, scale_dtype, gs)
     else:
-        scale, zero = clip_qparams(w, ranges, args, scale_dtype)
+        scale, zero = clip_qparams(w, ranges, args, scale_dtype, gs)
         q = fake_quantize(w, args, scale, zero)
         if record is not None:
             record[f"{full}.awq_clip"] = ranges
     w.copy_(q)  # in place: see quantkit.malloc
-    results[full] = QParams(scale, zero)
+    results[full] = QParams(scale, zero, global_scale=gs)
 
 
 def _read_search(path: Path) -> dict[str, torch.Tensor]:

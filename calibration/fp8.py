@@ -1,4 +1,5 @@
-"""FP8 e4m3 weights (amax / 448 per output channel or per tensor) and, for static
+"""FP8 e4m3 weights (amax / 448 per output channel, per tensor, per 128x128 block or, MXFP8,
+a power of two per group of 32) and, for static
 activations, a per-tensor input scale from the max |x| each linear sees on the
 calibration set, observed after the block's weights are quantized."""
 
@@ -26,7 +27,10 @@ def fp8_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_
         for name in names:
             linear = get_module(block, name)
             args = weight_args(scheme, prefix, name)
-            scale, _ = compute_qparams(linear.weight.data, args, torch.float32)
+            # block scales in the checkpoint's dtype, as llm-compressor stores them (transformers reads them so)
+            scale, _ = compute_qparams(
+                linear.weight.data, args, scale_dtype if args.strategy == "block" else torch.float32
+            )
             linear.weight.data.copy_(fake_quantize(linear.weight.data, args, scale))
             results[f"{prefix}.{name}"] = QParams(scale)
         if static_activations(scheme):

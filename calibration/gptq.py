@@ -15,13 +15,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from quantkit.calibration import fp4
 from quantkit.calibration.awq import ClipInputs, clip_qparams, search_clip
 from quantkit.calibration.hooks import Replay, by_args, reduce_each, reduce_inputs, targets, weight_args
 from quantkit.calibration.method import QParams
 from quantkit.calibration.registry import HESSIAN_BYTES
 from quantkit.errors import QuantkitError
 from quantkit.models.arch import ArchSpec, get_module
-from quantkit.primitives import check_group_size, compute_qparams
+from quantkit.primitives import FP4_MAX, check_group_size, compute_qparams, nvfp4_global_scale, round_e2m1
 from quantkit.scheme import ACTORDERS, QuantArgs, QuantScheme
 
 DAMP_RETRIES = 4  # each retry multiplies damp by 10
@@ -42,6 +43,7 @@ class GPTQResult:
     zero_point: torch.Tensor | None
     g_idx: torch.Tensor | None
     damp_used: float
+    global_scale: torch.Tensor | None = None  # NVFP4: the one of the whole (stacked) weight
 
 
 def accumulate_hessian(H: torch.Tensor | None, x: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
@@ -139,7 +141,7 @@ def quantize_weights(
     gids = [_group_ids(perm, args, actorder) for args in formats]
     grams = [  # each group's block of H, before damping
         [H[cols][:, cols] for cols in (torch.nonzero(gid == g)[:, 0] for g in range(int(gid.max()) + 1))]
-        if range_search and args.strategy == "group"
+        if range_search and args.strategy == "group" and args.type == "int"
         else None
         for args, gid in zip(formats, gids)
     ]
@@ -148,19 +150,20 @@ def quantize_weights(
         del H  # at most four [in, in] matrices were alive at once: the caller's H, ours and two factors
     inv, results = torch.argsort(perm), []
     for k, (args, gid, gram) in enumerate(zip(formats, gids, grams)):
-        Q, scale, zero_point = _column_loop(W, Hinv, gid, args, block_size, scale_dtype, gram)
+        gs = fp4_global_scale(W, args)
+        Q, scale, zero_point = _column_loop(W, Hinv, gid, args, block_size, scale_dtype, gram, gs)
         if refine:
             if k == len(formats) - 1:
                 del Hinv  # refining needs the damped H, not its factor
             Q = refine_rounding(W, Q, H, gid, scale, zero_point, args, refine, block_size)
-        g_idx = gid[inv].to(torch.int32) if args.strategy == "group" and actorder == "group" else None
-        results.append(GPTQResult(Q[:, inv].to(W0.dtype), scale, zero_point, g_idx, damp_used))
+        g_idx = gid[inv].to(torch.int32) if _grouped(args) and actorder == "group" else None
+        results.append(GPTQResult(Q[:, inv].to(W0.dtype), scale, zero_point, g_idx, damp_used, gs))
     return results
 
 
 def _group_ids(perm, args, actorder):
     """The group (column of qparams) of each visited column."""
-    if args.strategy != "group":
+    if not _grouped(args):
         return torch.zeros_like(perm)  # one set of qparams, taken before the loop
     if actorder in ("static", "weight"):
         return perm // args.group_size  # the original contiguous group of each visited column
@@ -175,9 +178,9 @@ def _check(W, H, args, block_size, damp, actorder, name):
         raise QuantkitError(
             f"the Hessian of {name} is {tuple(H.shape)}; its weight has {n} input columns, so it must be ({n}, {n})."
         )
-    if args.strategy not in ("group", "channel", "tensor"):
+    if args.strategy not in ("group", "channel", "tensor", "tensor_group"):
         raise QuantkitError(f"GPTQ quantizes weights per group, channel or tensor, not per {args.strategy} ({name}).")
-    if args.strategy == "group":
+    if _grouped(args):
         check_group_size(name, n, args.group_size)
     if actorder not in ACTORDERS:
         raise QuantkitError(f"actorder {actorder!r} is unknown; use static, group or none.")
@@ -211,21 +214,21 @@ def _inverse_cholesky(H, damp, log, name):
     )
 
 
-def _group_qparams(w, gram, args, scale_dtype):
+def _group_qparams(w, gram, args, scale_dtype, global_scale=None):
     """qparams of one group's current weights w [out, group_size]: min-max, or with `gram`
     (its block of H) the range that minimises d·gram·dᵀ."""
     if gram is None:
-        return compute_qparams(w, args, scale_dtype)
+        return compute_qparams(w, args, scale_dtype, global_scale)
     inputs = ClipInputs(gram[None], None, w.shape[1])
     ranges = search_clip(w, inputs, args, batch_co=w.shape[0], scale_dtype=scale_dtype)  # one group: all rows at once
     return clip_qparams(w, ranges, args, scale_dtype)
 
 
-def _column_loop(W, Hinv, gid, args, block_size, scale_dtype, grams=None):
+def _column_loop(W, Hinv, gid, args, block_size, scale_dtype, grams=None, global_scale=None):
     out, n = W.shape
     qp = [None] * (int(gid.max()) + 1)  # (scale, zero_point) per group id
     fast = [None] * len(qp)  # the same as [out] vectors for the inner loop
-    if args.strategy != "group":
+    if not _grouped(args):
         qp[0] = compute_qparams(W, args, scale_dtype)
     gids = gid.tolist()
     # rows of the transposed weight are columns: the loop reads and writes contiguous memory
@@ -242,7 +245,7 @@ def _column_loop(W, Hinv, gid, args, block_size, scale_dtype, grams=None):
             if qp[g] is None:  # a group starts: qparams from its weights as updated so far
                 cols = (gid == g).nonzero()[:, 0]  # visiting positions, all >= i1 + k
                 current = _current(Wt, W1, Err1, Hinv, cols, i1, k)  # [out, group_size]
-                qp[g] = _group_qparams(current, None if grams is None else grams[g], args, scale_dtype)
+                qp[g] = _group_qparams(current, None if grams is None else grams[g], args, scale_dtype, global_scale)
             if fast[g] is None:
                 fast[g] = _column_qparams(*qp[g], out)
             w = W1[k]  # w [out]
@@ -253,7 +256,7 @@ def _column_loop(W, Hinv, gid, args, block_size, scale_dtype, grams=None):
             Err1[k] = err
         Wt[i2:] -= Hinv[i1:i2, i2:].T @ Err1  # lazy batch update of the later blocks
     Q = Qt.T
-    if args.strategy != "group":
+    if not _grouped(args):
         return Q, *qp[0]
     zeros = [z for _, z in qp]
     return Q, torch.cat([s for s, _ in qp], 1), None if zeros[0] is None else torch.cat(zeros, 1)
@@ -283,7 +286,7 @@ def refine_rounding(W, Q, H, gid, scale, zero_point, args, passes: int = 1, bloc
                 g = gids[i1 + k]
                 if g not in fast:
                     s, z = scale, zero_point  # per channel or tensor: one set
-                    if args.strategy == "group":
+                    if _grouped(args):
                         s, z = s[:, g : g + 1], None if z is None else z[:, g : g + 1]
                     fast[g] = _column_qparams(s, z, out)
                 q = Qt[i1 + k]  # q [out], a view
@@ -305,6 +308,8 @@ def _column_qparams(scale, zero, out):
 
 def _fake_quantize_column(w, s, z, s_native, qmin, qmax):
     # primitives.quantize then dequantize of one column w [out], in the same arithmetic
+    if isinstance(qmax, float):  # the fp4 e2m1 / fp8 e4m3 grids (`QuantArgs.qmax` of a float type)
+        return fake_quantize_float_column(w, s, qmax)
     y = w / s
     if z is not None:
         y = y + z
@@ -322,6 +327,25 @@ def _current(Wt, W1, Err1, Hinv, cols, i1, k):
     inside = cols < i1 + W1.shape[0]
     vals[inside] = W1[cols[inside] - i1]
     return vals.T
+
+
+def _grouped(args: QuantArgs) -> bool:
+    """Groups of columns with their own scales: int groups, MX (group) and NVFP4 (tensor_group)."""
+    return args.strategy in ("group", "tensor_group")
+
+
+def fp4_global_scale(W: torch.Tensor, args: QuantArgs) -> torch.Tensor | None:
+    """NVFP4: the global scale of W (linears quantized together, q/k/v or gate/up, share it
+    as vLLM needs); None for other grids."""
+    return nvfp4_global_scale(W.abs().amax()) if args.strategy == "tensor_group" else None
+
+
+def fake_quantize_float_column(w: torch.Tensor, s: torch.Tensor, grid_max: float) -> torch.Tensor:
+    """One column w [out] rounded to the fp4 e2m1 (grid_max 6) or fp8 e4m3 (448) grid under
+    its fp32 scales s [out], as `primitives.quantize` then `dequantize` compute it."""
+    y = w / s
+    q = round_e2m1(y) if grid_max == FP4_MAX else y.clamp(-grid_max, grid_max).to(torch.float8_e4m3fn).float()
+    return q * s
 
 
 def gptq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_dtype, log: Callable | None = None):
@@ -370,6 +394,9 @@ def gptq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale
                     for args, same in by_args(scheme, prefix, names).items():
                         for part in [[n] for n in same] if args.strategy == "tensor" else [same]:
                             _quantize_part(block, part, prefix, H, args, options, results, scale_dtype, log)
+        fp4.record_input_global_scales(
+            bspec, scheme, prefix, block, targets(scheme, prefix, bspec.linears), inputs, results
+        )
 
     return step
 
@@ -422,7 +449,8 @@ def _quantize_part(block, part, prefix, H, args, options, results, scale_dtype, 
     for name, linear, w, scale, zero in zip(part, linears, r.weight.split(rows), r.scale.split(rows), zeros):
         linear.weight.data.copy_(w)
         g_idx = r.g_idx.clone() if r.g_idx is not None else None  # one tensor per linear on disk
-        results[f"{prefix}.{name}"] = QParams(scale.clone(), None if zero is None else zero.clone(), g_idx)
+        qp = QParams(scale.clone(), None if zero is None else zero.clone(), g_idx, global_scale=r.global_scale)
+        results[f"{prefix}.{name}"] = qp
 
 
 def _quantize_guided(block, names, prefix, inputs, replay, scheme, options, results, scale_dtype, log):

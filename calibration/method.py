@@ -53,7 +53,8 @@ class QParams:
     scale: torch.Tensor
     zero_point: torch.Tensor | None = None
     g_idx: torch.Tensor | None = None
-    input_scale: torch.Tensor | None = None  # static fp8 activations
+    input_scale: torch.Tensor | None = None  # static fp8 activations (NVFP4: the input global scale)
+    global_scale: torch.Tensor | None = None  # NVFP4: the weight global scale (shared by a fused group)
 
 
 @dataclass(frozen=True)

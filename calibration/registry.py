@@ -14,6 +14,7 @@ from quantkit.calibration.method import Method, option
 from quantkit.errors import QuantkitError
 
 KV_DTYPES = ("fp8", "int8")
+FP4_FORMATS = ("nvfp4-pack-quantized", "mxfp4-pack-quantized")
 
 
 @dataclass(frozen=True)
@@ -86,9 +87,10 @@ class KVOptions:
 
 
 def static_activations(scheme, options=None) -> bool:
-    """Whether the scheme's activation scales are calibrated (fp8) rather than taken per token at run time."""
+    """Whether the scheme's activation scales are calibrated (fp8; NVFP4's global scale, dynamic
+    "local") rather than taken per token at run time."""
     acts = scheme.input_activations
-    return acts is not None and not acts.dynamic
+    return acts is not None and acts.dynamic is not True
 
 
 METHODS: dict[str, Method] = {
@@ -96,23 +98,25 @@ METHODS: dict[str, Method] = {
     for m in (
         Method(
             "rtn",
-            "Round-to-nearest INT4 (or INT8, W8A8) weights: the baseline for AWQ and GPTQ (calibration text is read "
-            "only for smoothing and KV-cache scales).",
+            "Round-to-nearest INT4 (or INT8, W8A8; NVFP4, MXFP4, MXFP8) weights: the baseline for AWQ and GPTQ "
+            "(calibration text is read only for smoothing, KV-cache scales and NVFP4 activations' global scales).",
             RTNOptions,
             "weights",
             "quantkit.calibration.rtn:rtn_step",
             "pack-quantized",
-            formats=("int-quantized",),
-            needs_data=lambda scheme, o: False,
+            formats=("int-quantized", *FP4_FORMATS, "mxfp8-quantized"),
+            needs_data=static_activations,
             default_scheme="w4a16",
         ),
         Method(
             "awq",
-            "AWQ INT4 (Lin et al.): activation-aware scales folded into the previous op, then per-group clipping.",
+            "AWQ INT4, NVFP4 or MXFP4 (Lin et al.): activation-aware scales folded into the previous op, then "
+            "per-group clipping.",
             AWQOptions,
             "weights",
             "quantkit.calibration.awq:awq_step",
             "pack-quantized",
+            formats=FP4_FORMATS,
             needs_data=lambda scheme, o: o.load_search is None or o.gptq,
             folds_scales=True,
             default_scheme="w4a16",
@@ -120,12 +124,13 @@ METHODS: dict[str, Method] = {
         ),
         Method(
             "gptq",
-            "GPTQ INT4 or INT8 (Frantar et al.): Hessian-based error feedback, true-sequential, act-order.",
+            "GPTQ INT4 or INT8, or NVFP4 / MXFP4 (Frantar et al.): Hessian-based error feedback, true-sequential, "
+            "act-order.",
             GPTQOptions,
             "weights",
             "quantkit.calibration.gptq:gptq_step",
             "pack-quantized",
-            formats=("int-quantized",),
+            formats=("int-quantized", *FP4_FORMATS),
             default_scheme="w4a16",
             actorder=True,
             default_actorder="static",
@@ -133,11 +138,13 @@ METHODS: dict[str, Method] = {
         ),
         Method(
             "fp8",
-            "FP8 e4m3 weights and activations (static activation scales are calibrated).",
+            "FP8 e4m3 weights and activations (static activation scales are calibrated): per channel, tensor, "
+            "128x128 block (fp8-block) or MX group of 32 (mxfp8).",
             FP8Options,
             "weights",
             "quantkit.calibration.fp8:fp8_step",
             "float-quantized",
+            formats=("mxfp8-quantized",),
             needs_data=static_activations,
             default_scheme="fp8-dynamic",
         ),

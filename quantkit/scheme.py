@@ -13,8 +13,11 @@ from dataclasses import dataclass, field
 
 from quantkit.errors import QuantkitError
 
-STRATEGIES = ("tensor", "channel", "group", "token", "attn_head")
+STRATEGIES = ("tensor", "channel", "group", "token", "attn_head", "tensor_group", "block")
 ACTORDERS = (None, "static", "weight", "group")
+# the dtype a float format's scales are stored in: fp8 e4m3 (NVFP4's group scales), uint8 (MX's e8m0 exponents)
+SCALE_DTYPES = (None, "float8_e4m3fn", "uint8")
+FP4_GROUPS = {16: "nvfp4-pack-quantized", 32: "mxfp4-pack-quantized"}  # fp4 weights: group size -> format
 
 
 @dataclass(frozen=True)
@@ -28,40 +31,76 @@ class QuantArgs:
     group_size: int | None = 128
     dynamic: bool = False
     actorder: str | None = None  # GPTQ activation order: None | "static"/"weight" | "group"
+    # dynamic may also be "local": NVFP4 activations, a static global scale and group scales taken at run time
+    block_structure: tuple[int, int] | None = None  # strategy "block": [rows, columns] of each scale's block
+    scale_dtype: str | None = None  # one of SCALE_DTYPES: how a float format stores its scales
 
     def __post_init__(self):
         if self.type not in ("int", "float"):
             raise QuantkitError(f"quantization type {self.type!r} is unknown; use 'int' or 'float'.")
         if self.strategy not in STRATEGIES:
             raise QuantkitError(f"strategy {self.strategy!r} is unknown; use one of {', '.join(STRATEGIES)}.")
-        if self.strategy == "group" and not (self.group_size and self.group_size > 0):
-            raise QuantkitError("the group strategy needs a positive group size.")
-        if self.type == "float" and (self.num_bits != 8 or not self.symmetric):
-            raise QuantkitError("float quantization is fp8 e4m3 only: 8 bits, symmetric.")
+        if self.strategy in ("group", "tensor_group") and not (self.group_size and self.group_size > 0):
+            raise QuantkitError(f"the {self.strategy} strategy needs a positive group size.")
+        if (self.strategy == "block") != (self.block_structure is not None):
+            raise QuantkitError("the block strategy and a block_structure [rows, columns] go together; give both.")
+        if self.type == "float" and (self.num_bits not in (4, 8) or not self.symmetric):
+            raise QuantkitError("float quantization is fp8 e4m3 or fp4 e2m1: 8 or 4 bits, symmetric.")
+        fp4 = (self.strategy, self.group_size, self.scale_dtype)
+        if self.is_fp4 and fp4 not in (("tensor_group", 16, "float8_e4m3fn"), ("group", 32, "uint8")):
+            raise QuantkitError(
+                "fp4 takes groups of 16 (NVFP4: strategy tensor_group, float8_e4m3fn scales) or 32 "
+                "(MXFP4: strategy group, uint8 scales); use the nvfp4 or mxfp4 presets."
+            )
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise QuantkitError(f"scale dtype {self.scale_dtype!r} is unknown; use float8_e4m3fn or uint8.")
+        if self.dynamic not in (True, False, "local"):
+            raise QuantkitError(f"dynamic {self.dynamic!r} is unknown; use true, false or local.")
         if self.actorder not in ACTORDERS:
             raise QuantkitError(f"actorder {self.actorder!r} is unknown; use static, group or none.")
 
     @property
-    def qmin(self) -> int:
-        return -(1 << (self.num_bits - 1))
+    def is_fp4(self) -> bool:
+        return self.type == "float" and self.num_bits == 4
 
     @property
-    def qmax(self) -> int:
-        return (1 << (self.num_bits - 1)) - 1
+    def is_mx(self) -> bool:
+        """An MX format (OCP microscaling): groups of 32 with power-of-two (e8m0) scales."""
+        return self.type == "float" and self.scale_dtype == "uint8"
+
+    @property
+    def grid_max(self) -> float:
+        """The largest magnitude of the format's grid (int: qmax's side, fp8 e4m3 448, fp4 e2m1 6)."""
+        if self.type == "float":
+            return 6.0 if self.num_bits == 4 else 448.0
+        return ((1 << self.num_bits) - 1) / 2
+
+    @property
+    def qmin(self) -> int | float:
+        """The grid's smallest value (float grids: -`grid_max`, a float)."""
+        return -self.grid_max if self.type == "float" else -(1 << (self.num_bits - 1))
+
+    @property
+    def qmax(self) -> int | float:
+        """The grid's largest value (float grids: `grid_max`, a float: 6.0 fp4 e2m1, 448.0 fp8 e4m3)."""
+        return self.grid_max if self.type == "float" else (1 << (self.num_bits - 1)) - 1
 
     def to_dict(self) -> dict:
-        return {
+        d = {
             "num_bits": self.num_bits,
             "type": self.type,
             "symmetric": self.symmetric,
             "strategy": self.strategy,
-            "group_size": self.group_size if self.strategy == "group" else None,
+            "group_size": self.group_size if self.strategy in ("group", "tensor_group") else None,
             "dynamic": self.dynamic,
             "actorder": self.actorder,
-            "block_structure": None,
-            "observer": None if self.dynamic else "minmax",
+            "block_structure": list(self.block_structure) if self.block_structure else None,
+            "observer": "static_minmax" if self.dynamic == "local" else None if self.dynamic else "minmax",
             "observer_kwargs": {},
         }
+        if self.scale_dtype is not None:  # as compressed-tensors writes it: only when set
+            d["scale_dtype"] = f"torch.{self.scale_dtype}"
+        return d
 
     @classmethod
     def from_dict(cls, d: dict | None) -> QuantArgs | None:
@@ -70,14 +109,17 @@ class QuantArgs:
         strategy = d.get("strategy") or ("group" if d.get("group_size") else "tensor")
         dynamic = d.get("dynamic", False)
         actorder = d.get("actorder")
+        block, scale_dtype = d.get("block_structure"), d.get("scale_dtype")
         return cls(
             num_bits=int(d.get("num_bits", 8)),
             type=d.get("type", "int"),
             symmetric=bool(d.get("symmetric", True)),
             strategy=strategy,
-            group_size=d.get("group_size") if strategy == "group" else None,
-            dynamic=dynamic if isinstance(dynamic, bool) else dynamic == "local",
+            group_size=d.get("group_size") if strategy in ("group", "tensor_group") else None,
+            dynamic=dynamic if isinstance(dynamic, bool) or dynamic == "local" else dynamic == "true",
             actorder=actorder if actorder not in (False, "dynamic") else None,
+            block_structure=tuple(block) if block and strategy == "block" else None,
+            scale_dtype=scale_dtype.removeprefix("torch.") if scale_dtype else None,
         )
 
 
@@ -100,6 +142,10 @@ class QuantScheme:
         """The compressed-tensors on-disk format of the weights."""
         if self.weights is None:
             return "dense"
+        if self.weights.is_fp4:
+            return FP4_GROUPS[self.weights.group_size]
+        if self.weights.is_mx:
+            return "mxfp8-quantized"
         if self.weights.type == "float":
             return "float-quantized"
         if self.input_activations is None:
@@ -180,6 +226,11 @@ _W4 = QuantArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_
 _FP8_CHANNEL = QuantArgs(num_bits=8, type="float", strategy="channel", group_size=None)
 _FP8_TENSOR = QuantArgs(num_bits=8, type="float", strategy="tensor", group_size=None)
 
+_FP8_BLOCK = QuantArgs(8, "float", strategy="block", group_size=None, block_structure=(128, 128))
+_NVFP4 = QuantArgs(4, "float", strategy="tensor_group", group_size=16, scale_dtype="float8_e4m3fn")
+_MXFP4 = QuantArgs(4, "float", strategy="group", group_size=32, scale_dtype="uint8")
+_MXFP8 = QuantArgs(8, "float", strategy="group", group_size=32, scale_dtype="uint8")
+
 PRESETS: dict[str, QuantScheme] = {
     "w4a16": QuantScheme("w4a16", _W4),
     "w4a16-asym": QuantScheme("w4a16-asym", dataclasses.replace(_W4, symmetric=False)),
@@ -197,6 +248,16 @@ PRESETS: dict[str, QuantScheme] = {
         input_activations=QuantArgs(num_bits=8, type="float", strategy="token", group_size=None, dynamic=True),
     ),
     "fp8": QuantScheme("fp8", _FP8_TENSOR, input_activations=_FP8_TENSOR),
+    "fp8-block": QuantScheme(
+        "fp8-block",
+        _FP8_BLOCK,
+        input_activations=QuantArgs(8, "float", strategy="group", group_size=128, dynamic=True),
+    ),
+    "nvfp4a16": QuantScheme("nvfp4a16", _NVFP4),
+    "nvfp4": QuantScheme("nvfp4", _NVFP4, input_activations=dataclasses.replace(_NVFP4, dynamic="local")),
+    "mxfp4a16": QuantScheme("mxfp4a16", _MXFP4),
+    "mxfp4": QuantScheme("mxfp4", _MXFP4, input_activations=dataclasses.replace(_MXFP4, dynamic=True)),
+    "mxfp8": QuantScheme("mxfp8", _MXFP8, input_activations=dataclasses.replace(_MXFP8, dynamic=True)),
     "kv-fp8": QuantScheme("kv-fp8", None, kv_cache=_FP8_TENSOR),
     "kv-int8": QuantScheme(
         "kv-int8", None, kv_cache=QuantArgs(num_bits=8, type="int", strategy="tensor", group_size=None)

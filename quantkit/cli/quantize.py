@@ -172,11 +172,12 @@ def _command_recipe(
 
 def _quantize_rows(prov: dict) -> list[tuple[str, object]]:
     w, c, a = prov["weights"], prov["calibration"], prov["input_activations"]
+    t = "fp" if w["type"] == "float" else "int"
     if a is not None:
-        t, when = "fp" if w["type"] == "float" else "int", "dynamic" if a["dynamic"] else "static"
-        kind = f"{t}8 {w['strategy']} weights, {t}8 {when} {a['strategy']} activations"
+        ta, when = "fp" if a["type"] == "float" else "int", "dynamic" if a["dynamic"] else "static"
+        kind = f"{t}{w['num_bits']} {w['strategy']} weights, {ta}{a['num_bits']} {when} {a['strategy']} activations"
     else:
-        kind = f"int{w['num_bits']}, group {w['group_size']}, {'sym' if w['symmetric'] else 'asym'}" + (
+        kind = f"{t}{w['num_bits']}, group {w['group_size']}, {'sym' if w['symmetric'] else 'asym'}" + (
             f", act-order {w['actorder']}" if w["actorder"] else ""
         )
     rows = [("scheme", f"{prov['scheme']} ({kind})"), ("quantized linears", prov["quantized_linears"])]

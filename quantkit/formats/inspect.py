@@ -60,8 +60,8 @@ def describe(model_name: str) -> dict:
             q_bytes += n * _BYTES.get(dtype, 4)
             if key.endswith(".weight_shape"):
                 continue
-            if key.endswith(packed):  # int32 words of 32 // num_bits values, whatever the layout
-                numel = shape[0] * shape[1] * 32 // bits(module)
+            if key.endswith(packed):  # words of (8 * word bytes) // num_bits values, whatever the layout
+                numel = shape[0] * shape[1] * 8 * _BYTES.get(dtype, 4) // bits(module)  # fp4: 2 per uint8
                 q_params += numel
                 float_total += numel * float_bytes
             elif key.endswith(".weight"):  # int-quantized / float-quantized: one 8-bit value per weight

@@ -12,9 +12,10 @@ import math
 
 import torch
 
-from quantkit.formats import float_quantized, int_quantized, pack_quantized
+from quantkit.formats import float_quantized, fp4_packed, int_quantized, mx_quantized, pack_quantized
 from quantkit.scheme import QuantArgs
 
+FP4_FORMATS = ("nvfp4-pack-quantized", "mxfp4-pack-quantized")
 FLOAT_DTYPES = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32}  # a float width's stand-in
 
 
@@ -23,6 +24,10 @@ def compress(fmt: str, weight: torch.Tensor, args: QuantArgs, p) -> dict[str, to
     from its float weight and the `QParams` its method chose."""
     if fmt == "float-quantized":
         return float_quantized.compress(weight, p.scale, args, p.input_scale)
+    if fmt in FP4_FORMATS:
+        return fp4_packed.compress(weight, p.scale, args, p.global_scale, p.input_scale)
+    if fmt == "mxfp8-quantized":
+        return mx_quantized.compress(weight, p.scale, args)
     if fmt == "int-quantized":
         return int_quantized.compress(weight, p.scale, args)
     return pack_quantized.compress(weight, p.scale, p.zero_point, args, p.g_idx)
@@ -34,7 +39,11 @@ def tensor_bytes(fmt: str, out: int, inp: int, args: QuantArgs, float_bytes: int
     each; `static_input`: a calibrated activation scale is stored too."""
     dtype = FLOAT_DTYPES[float_bytes]
     if fmt == "float-quantized":
-        info = float_quantized.param_info(out, inp, args, static_input)
+        info = float_quantized.param_info(out, inp, args, static_input, dtype)
+    elif fmt in FP4_FORMATS:
+        info = fp4_packed.param_info(out, inp, args, static_input)
+    elif fmt == "mxfp8-quantized":
+        info = mx_quantized.param_info(out, inp, args)
     elif fmt == "int-quantized":
         info = int_quantized.param_info(out, inp, args, dtype)
     else:
@@ -72,6 +81,6 @@ def entry_bytes(key: str, t: torch.Tensor, fmt: str, schemes: dict, dtype: torch
     module = key.rsplit(".", 1)[0]
     s = schemes.get(module)
     if s is not None and key.endswith(".weight"):
-        static = s.input_activations is not None and not s.input_activations.dynamic
+        static = s.input_activations is not None and s.input_activations.dynamic is not True  # "local": a global scale
         return linear_bytes(fmt, *t.shape, s.weights, dtype.itemsize, static)
     return t.numel() * (t.element_size() if _kept(key, t) else dtype.itemsize)

@@ -298,7 +298,7 @@ def _scheme_dict(s: SchemeSpec):
 def _merge(path: str, base: QuantArgs | None, changes: dict) -> QuantArgs:
     changes = {k: v for k, v in changes.items() if not (k == "group_size" and v == "auto")}
     d = dataclasses.asdict(base or QuantArgs()) | changes
-    if d["strategy"] != "group" and "group_size" not in changes:
+    if d["strategy"] not in ("group", "tensor_group") and "group_size" not in changes:
         d["group_size"] = None
     try:
         return QuantArgs(**d)

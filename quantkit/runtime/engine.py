@@ -121,6 +121,7 @@ class LLM:
         dtype, note = serving_dtype(check_causal_lm(path), parse_dtype(dtype))
         self.notes = [note] if note else []  # what a user should know about how the model runs
         self.model = load(path, dtype)
+        self.notes += getattr(self.model, "load_notes", [])  # e.g. fp4/fp8 formats dequantized at load
         check_supported(self.model)
         self.tokenizer = load_tokenizer(path)
         block_size = block_size or default_block_size(self.model.get_input_embeddings().weight.device)

@@ -9,6 +9,7 @@ linears are swapped for packed modules, and the file's tensors are assigned in p
 from __future__ import annotations
 
 import os
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -28,6 +29,7 @@ from quantkit.models.loading import (
     missing_and_unexpected,
     resolve_model,
 )
+from quantkit.runtime import qlinear_float
 from quantkit.runtime.qlinear import Fp8Linear, Int8Linear, PackedInt4Linear, PackedInt8Linear, dtype_name
 from quantkit.scheme import CheckpointConfig, from_quantization_config
 
@@ -35,11 +37,13 @@ SUPPORTED = (
     "compressed-tensors pack-quantized (int4, int8)",
     "compressed-tensors float-quantized (fp8)",
     "compressed-tensors int-quantized (W8A8 int8)",
+    "compressed-tensors float-quantized block (fp8 128x128), nvfp4-pack-quantized, mxfp4-pack-quantized, "
+    "mxfp8-quantized (dequantized at load)",
     "AutoAWQ GEMM (int4)",
     "GPTQ v1 (int4)",
 )
 # dense: float weights (e.g. KV-cache scales only)
-FORMATS = ("pack-quantized", "float-quantized", "int-quantized", "dense")
+FORMATS = ("pack-quantized", "float-quantized", "int-quantized", "dense", *qlinear_float.FORMATS[1:])
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -117,10 +121,16 @@ def load(path: str | os.PathLike, dtype: torch.dtype | None = None) -> nn.Module
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     model, dtype = empty_model(config, dtype)
+    dequantized = {}
     for name, module in list(model.named_modules()):
         scheme = ckpt.scheme_for(name) if isinstance(module, nn.Linear) else None
-        if scheme is not None:
+        if scheme is not None and qlinear_float.dequantized(scheme):
+            _replace(model, name, qlinear_float.make_linear(module, scheme, dtype))
+            dequantized[name] = scheme
+        elif scheme is not None:
             _replace(model, name, _quantized_linear(module, scheme, dtype, path))
+    _dequantize(tensors, dequantized, dtype, path)
+    model.load_notes = qlinear_float.load_notes(Counter(map(qlinear_float.kind, dequantized.values())), dtype)
     kv_tensors = {k: tensors.pop(k) for k in list(tensors) if k.endswith((".k_scale", ".v_scale"))}
     missing, unexpected = missing_and_unexpected(model, tensors)
     for k in [k for k in unexpected if k.endswith(".bias") and not tensors[k].any()]:  # older AutoGPTQ saves these
@@ -135,6 +145,22 @@ def load(path: str | os.PathLike, dtype: torch.dtype | None = None) -> nn.Module
     if ckpt.kv_cache is not None:
         _quantize_kv(model, kv_tensors, ckpt.kv_cache, path)
     return model.eval()
+
+
+def _dequantize(tensors: dict, schemes: dict, dtype: torch.dtype, path: Path) -> None:
+    """Replace the stored tensors of each linear of `schemes` (name -> scheme) by its weight
+    dequantized to `dtype` (`qlinear_float`); bias and input global scale stay."""
+    for name, scheme in schemes.items():
+        parts = {}
+        for suffix in ("weight", "weight_packed", "weight_scale", "weight_global_scale"):
+            if f"{name}.{suffix}" in tensors:
+                parts[suffix] = tensors.pop(f"{name}.{suffix}")
+        try:
+            tensors[f"{name}.weight"] = qlinear_float.dequantize_linear(parts, scheme, dtype)
+        except (KeyError, RuntimeError) as e:
+            raise QuantkitError(
+                f"checkpoint {path} holds {name} unlike its {scheme.format} config ({e}); re-create it."
+            ) from None
 
 
 def _packed_checkpoint(path: Path, qc: dict) -> tuple[CheckpointConfig, dict[str, torch.Tensor]]:

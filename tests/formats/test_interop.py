@@ -176,7 +176,9 @@ def with_quantization_config(src, dst, qc):
 
 LOADS = (
     "quantkit loads compressed-tensors pack-quantized (int4, int8), compressed-tensors float-quantized (fp8), "
-    "compressed-tensors int-quantized (W8A8 int8), AutoAWQ GEMM (int4), GPTQ v1 (int4)."
+    "compressed-tensors int-quantized (W8A8 int8), compressed-tensors float-quantized block (fp8 128x128), "
+    "nvfp4-pack-quantized, mxfp4-pack-quantized, mxfp8-quantized (dequantized at load), AutoAWQ GEMM (int4), "
+    "GPTQ v1 (int4)."
 )
 
 
@@ -189,7 +191,7 @@ LOADS = (
         ({"quant_method": "gptq", "bits": 4, "group_size": 32, "checkpoint_format": "marlin"}, "format 'marlin'"),
         ({"quant_method": "gptq", "bits": 8, "group_size": 32}, "with 8-bit weights"),
         ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}, "'gemv' layout"),
-        ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}, "in format 'nvfp4-pack-quantized'"),
+        ({"quant_method": "compressed-tensors", "format": "mxfp6-pack-quantized"}, "in format 'mxfp6-pack-quantized'"),
     ],
 )
 def test_load_refuses_other_formats_in_one_sentence(ckpts, tmp_path, qc, reason):
