@@ -39,7 +39,7 @@ def logits_error(model, reference, ids):
 
 
 def test_awq_folding_keeps_the_float_function(tiny_llama, monkeypatch):
-    monkeypatch.setattr(rtn, "quantize_weight", lambda w, args, dt: (w, torch.ones(1), None))
+    monkeypatch.setattr(rtn, "quantize_weight", lambda w, args, dt, gs=None: (w, torch.ones(1), None))
     scheme = preset("w4a16").with_group_size(32)
     model, results = run(tiny_llama, "awq", scheme, clip=False)
     float_model = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
