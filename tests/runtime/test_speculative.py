@@ -237,3 +237,25 @@ def test_smollm2_ngram_greedy_equals_plain_on_an_input_grounded_prompt():
     a, b = base.generate([prompt], params)[0], spec.generate([prompt], params)[0]
     assert b.token_ids == a.token_ids and b.finish_reason == a.finish_reason
     assert b.spec["num_accepted_tokens"] > 0
+
+
+@pytest.mark.smollm2
+def test_smollm2_int4_self_draft_and_ngram_equal_plain_in_a_batch_of_16(tmp_path):
+    """The built-in model in fp32, its RTN INT4 checkpoint drafting for it (and n-gram), 16
+    prompts of mixed lengths together, a KV cache small enough to force preemption."""
+    from quantkit.pipeline.quantize import quantize
+    from quantkit.scheme import preset
+
+    draft = tmp_path / "int4"
+    quantize("smollm2-135m", preset("w4a16-asym").with_group_size(64), draft)
+    words = "the council voted to extend the program for two more years and the council".split()
+    prompts = [" ".join(words[: 4 + i % 9] * (1 + i % 3)) for i in range(16)]
+    params = [SamplingParams(max_tokens=8 + 2 * (i % 5), temperature=0, ignore_eos=True) for i in range(16)]
+    kw = {"dtype": "float32", "block_size": 16, "num_blocks": 12, "max_num_batched_tokens": 128}
+    plain = LLM("smollm2-135m", **kw)
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    assert plain.scheduler.num_preemptions > 0
+    for config in (NGRAM, {"model": str(draft), "num_speculative_tokens": 4}):
+        spec = LLM("smollm2-135m", **kw, speculative_config={**config, "disable_by_batch_size": 64})
+        assert [o.token_ids for o in spec.generate(prompts, params)] == want
+        assert spec.speculator.stats.num_accepted_tokens > 0
