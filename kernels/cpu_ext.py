@@ -35,12 +35,31 @@ from pathlib import Path
 
 import torch
 
+from quantkit.errors import QuantkitError
+
 log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).parent  # the sources lie beside their operation's Python: attention/attention.cpp
 _ARCH = "-march=native" if platform.machine().lower() in ("x86_64", "amd64", "i686") else "-mcpu=native"
 CFLAGS = ["-O3", _ARCH, "-ffp-contract=fast", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]  # links the libgomp that torch has loaded already (same soname): one OpenMP runtime
+ISAS = ("avx2", "avx512")  # the code paths of the AVX kernels (int4_avx.cpp, w8a8_avx.cpp)
+ISA_ENV = os.environ.get("QUANTKIT_ISA", "").strip().lower()  # read once, at import: forces one of ISAS
+
+
+def choose_isa(extension: Extension, isa: str | None = None, avx512: str = "AVX-512") -> tuple[str | None, str]:
+    """(isa, "") for the AVX kernels of `extension` to run (`isa`, else QUANTKIT_ISA, else the
+    widest its `isa_level()` op reports: 1 AVX2 + FMA, 2 `avx512`), or (None, why)."""
+    want = isa or ISA_ENV or "auto"
+    if want not in ("auto", *ISAS):
+        raise QuantkitError(f"QUANTKIT_ISA / isa {want!r} is unknown; use avx2 or avx512 (or leave it unset).")
+    ops = extension.load()
+    level = 0 if ops is None else int(ops.isa_level())
+    if level == 0:
+        return None, extension.reason() or "this CPU has no AVX2 + FMA"
+    if want == "avx512" and level < 2:
+        return None, f"{avx512} was asked for (QUANTKIT_ISA or isa=) but this CPU or its OS has none"
+    return ("avx512" if level == 2 else "avx2") if want == "auto" else want, ""
 
 
 def cache_root() -> Path:

@@ -46,7 +46,6 @@ lock as the other C++ kernels) into `$QUANTKIT_CACHE/ext/int4avx-<key>`, as
 
 from __future__ import annotations
 
-import os
 import platform
 from dataclasses import dataclass
 
@@ -57,9 +56,8 @@ from quantkit.kernels import cpu, cpu_ext
 from quantkit.kernels.int4.int4pack import _act_order_perm
 from quantkit.packing import pack, unpack
 
-ISAS = ("avx2", "avx512")
+ISAS = cpu_ext.ISAS
 FEW_ROWS = {"avx2": 12, "avx512": 24}  # the register schedule up to here (measured crossovers)
-_ISA_ENV = os.environ.get("QUANTKIT_ISA", "").strip().lower()  # read once
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,15 +122,7 @@ def isa_level() -> int:
 
 def choose_isa(isa: str | None = None) -> tuple[str | None, str]:
     """(isa, "") for the ISA to run (`isa`, else QUANTKIT_ISA, else the widest), or (None, why)."""
-    want = isa or _ISA_ENV or "auto"
-    if want not in ("auto", *ISAS):
-        raise QuantkitError(f"QUANTKIT_ISA / isa {want!r} is unknown; use avx2 or avx512 (or leave it unset).")
-    level = isa_level()
-    if level == 0:
-        return None, EXTENSION.reason() or "this CPU has no AVX2 + FMA"
-    if want == "avx512" and level < 2:
-        return None, "AVX-512 was asked for (QUANTKIT_ISA or isa=) but this CPU or its OS has none"
-    return ("avx512" if level == 2 else "avx2") if want == "auto" else want, ""
+    return cpu_ext.choose_isa(EXTENSION, isa, "AVX-512")
 
 
 def shape_reason(out_features: int, in_features: int, group_size: int | None) -> str:

@@ -32,7 +32,6 @@ as the other C++ kernels) into `$QUANTKIT_CACHE/ext/w8a8avx-<key>`, as
 
 from __future__ import annotations
 
-import os
 import platform
 from dataclasses import dataclass
 
@@ -41,9 +40,8 @@ import torch
 from quantkit.errors import QuantkitError
 from quantkit.kernels import cpu_ext
 
-ISAS = ("avx2", "avx512")
+ISAS = cpu_ext.ISAS
 _TILE = {"avx2": (16, 2), "avx512": (32, 4)}  # channels per tile, k per int32 word
-_ISA_ENV = os.environ.get("QUANTKIT_ISA", "").strip().lower()  # read once
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,15 +80,7 @@ def isa_level() -> int:
 
 def choose_isa(isa: str | None = None) -> tuple[str | None, str]:
     """(isa, "") for the ISA to run (`isa`, else QUANTKIT_ISA, else the widest), or (None, why)."""
-    want = isa or _ISA_ENV or "auto"
-    if want not in ("auto", *ISAS):
-        raise QuantkitError(f"QUANTKIT_ISA / isa {want!r} is unknown; use avx2 or avx512 (or leave it unset).")
-    level = isa_level()
-    if level == 0:
-        return None, EXTENSION.reason() or "this CPU has no AVX2 + FMA"
-    if want == "avx512" and level < 2:
-        return None, "AVX-512 VNNI was asked for (QUANTKIT_ISA or isa=) but this CPU or its OS has none"
-    return ("avx512" if level == 2 else "avx2") if want == "auto" else want, ""
+    return cpu_ext.choose_isa(EXTENSION, isa, "AVX-512 VNNI")
 
 
 def has_amx_int8() -> bool:
@@ -100,7 +90,7 @@ def has_amx_int8() -> bool:
 
 def forced() -> bool:
     """Whether QUANTKIT_ISA names an ISA (the chooser then takes this kernel wherever it runs)."""
-    return _ISA_ENV in ISAS
+    return cpu_ext.ISA_ENV in ISAS
 
 
 def repack(w_int8: torch.Tensor, scales: torch.Tensor, isa: str | None = None) -> tuple[W8A8AvxWeight | None, str]:

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from quantkit.errors import QuantkitError
+from quantkit.kernels import cpu_ext
 from quantkit.kernels.choice import Problem, choose
 from quantkit.kernels.int8 import W8A8
 from quantkit.kernels.int8 import avx as w8a8_avx
@@ -121,7 +122,7 @@ def test_without_the_extension_it_says_why(monkeypatch):
 @pytest.mark.parametrize("amx, forced", [(True, False), (True, True), (False, False)])
 def test_the_chooser_takes_it_for_fp32_without_amx_or_when_forced(monkeypatch, amx, forced):
     monkeypatch.setattr(w8a8_avx, "has_amx_int8", lambda: amx)
-    monkeypatch.setattr(w8a8_avx, "_ISA_ENV", "avx2" if forced else "")
+    monkeypatch.setattr(cpu_ext, "ISA_ENV", "avx2" if forced else "")
     w_int8, scale = make(40, 96, seed=0)
     choice = choose("W8A8 int8 GEMM", W8A8, Problem("cpu", torch.float32, weight=w_int8, scales=scale))
     onednn, ours = W8A8[1].name, W8A8[2].name
