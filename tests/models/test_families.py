@@ -85,7 +85,7 @@ def test_every_method_runs_and_the_engine_serves_it(family, tiny_corpus, tmp_pat
 
 def test_awq_folding_keeps_the_float_function(family, monkeypatch):
     name, path = family
-    monkeypatch.setattr(rtn, "quantize_weight", lambda w, args, dt: (w, torch.ones(1), None))
+    monkeypatch.setattr(rtn, "quantize_weight", lambda w, args, dt, gs=None: (w, torch.ones(1), None))
     model, float_model = load_float_model(path)[0], load_float_model(path)[0]  # experts one linear each
     spec, method = arch_for(model.config), METHODS["awq"]
     scheme = preset("w4a16").with_group_size(32)
