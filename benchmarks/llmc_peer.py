@@ -36,9 +36,7 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -244,7 +242,12 @@ class Run:
         self.calib_path: Path | None = None
 
     def save(self) -> None:
-        self.results_path.write_text(json.dumps(self.results, indent=2))
+        """Merged into what is on disk, so runs on other cases in the same OUT can go side by side."""
+        disk = json.loads(self.results_path.read_text()) if self.results_path.exists() else {}
+        self.results = disk | self.results
+        tmp = self.results_path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.results, indent=2))
+        tmp.replace(self.results_path)
 
     def folder(self, tool: str, case: str) -> Path:
         return self.out / f"{tool}-{case.replace('/', '-')}"
@@ -397,10 +400,11 @@ def main() -> None:
         if run.results.get(f"{case}/llmc", {}).get("rc") == 0 and f"compare/{case}" not in run.results:
             run.results[f"compare/{case}"] = compare(ours, theirs)
             run.save()
-        if not a.no_eval:
-            evaluate(run, f"{case}/quantkit", ours)
-            if run.results.get(f"{case}/llmc", {}).get("rc") == 0:
-                evaluate(run, f"{case}/llmc", theirs)
+            print_comparison(run, case)
+    for case in [] if a.no_eval else a.cases:
+        evaluate(run, f"{case}/quantkit", run.folder("quantkit", case))
+        if run.results.get(f"{case}/llmc", {}).get("rc") == 0:
+            evaluate(run, f"{case}/llmc", run.folder("llmc", case))
     peer = next((v for k, v in run.results.items() if k.endswith("/llmc") and "versions" in v), None)
     print(
         f"\n{datetime.date.today()}, {cpu_model()}, {os.cpu_count()} CPUs, "
