@@ -196,6 +196,17 @@ def compare(ours: Path, theirs: Path) -> dict:
     }
 
 
+def same_model(c: dict) -> bool:
+    """Both checkpoints hold the same tensors up to the sign of e2m1 zeros (same names, every
+    dequantized weight and every other tensor equal)."""
+    d = c["dequantized"]
+    rest = all(k["equal"] == k["elements"] for name, k in c["kinds"].items() if name != "weight_packed")
+    packed = c["kinds"].get("weight_packed", {})
+    zeros_only = packed.get("codes_differ", 0) == packed.get("signed_zeros", 0)
+    names = not c["only_quantkit"] and not c["only_llmc"]
+    return names and rest and zeros_only and d["identical"] == d["linears"] and not d.get("shape_mismatch")
+
+
 def config_diff(x: dict, y: dict, path: str = "") -> list[str]:
     """The leaves of two quantization_config dicts that differ (quantkit's value, then llm-compressor's)."""
     out = []
@@ -222,6 +233,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--peer-dtype", default="float32", help="the peer's model dtype: float32, bfloat16 or auto")
     p.add_argument("--no-peer", action="store_true", help="quantkit's side only")
     p.add_argument("--no-eval", action="store_true", help="skip `quantkit eval`")
+    p.add_argument(
+        "--eval-both", action="store_true", help="evaluate quantkit's checkpoint even when it equals the peer's"
+    )
     p.add_argument("--out", type=Path, default=Path("out/llmc-peer"))
     p.add_argument("--fresh", action="store_true", help="forget results.json and the checkpoints")
     return p.parse_args()
@@ -375,6 +389,9 @@ def print_table(run: Run) -> None:
         for tool, label in (("quantkit", "quantkit"), ("llmc", "llm-compressor")):
             q = run.results.get(f"{case}/{tool}") or {}
             e = run.results.get(f"eval {run.a.windows}/{case}/{tool}")
+            c = run.results.get(f"compare/{case}")
+            if e is None and tool == "quantkit" and c and same_model(c):
+                e, label = run.results.get(f"eval {run.a.windows}/{case}/llmc"), "quantkit (same tensors)"
             if q.get("rc", 1) != 0:
                 cell = f"not made: {q.get('error', 'not run')}"
                 print(f"| {scheme} | {method} | {label} | {cell} | | | |")
@@ -402,9 +419,11 @@ def main() -> None:
             run.save()
             print_comparison(run, case)
     for case in [] if a.no_eval else a.cases:
-        evaluate(run, f"{case}/quantkit", run.folder("quantkit", case))
         if run.results.get(f"{case}/llmc", {}).get("rc") == 0:
             evaluate(run, f"{case}/llmc", run.folder("llmc", case))
+            if same_model(run.results[f"compare/{case}"]) and not a.eval_both:
+                continue  # quantkit's loader builds the same model from both: the same numbers
+        evaluate(run, f"{case}/quantkit", run.folder("quantkit", case))
     peer = next((v for k, v in run.results.items() if k.endswith("/llmc") and "versions" in v), None)
     print(
         f"\n{datetime.date.today()}, {cpu_model()}, {os.cpu_count()} CPUs, "
