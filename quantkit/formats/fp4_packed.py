@@ -47,8 +47,10 @@ def compress(
     input_global_scale: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """The stored tensors of one linear (keys without the module prefix), from its float
-    weight and effective fp32 scales (NVFP4: fp8 scale / global scale)."""
-    out = {"weight_packed": pack_e2m1(quantize(weight, scale, None, args))}
+    weight and effective fp32 scales (NVFP4: fp8 scale / global scale). A value that rounds to 0
+    keeps the sign of its weight (as compressed-tensors packs it), also when `weight` is
+    already fake-quantized and holds it as -0.0."""
+    out = {"weight_packed": pack_e2m1(torch.copysign(quantize(weight, scale, None, args), weight))}
     if args.is_mx:
         out["weight_scale"] = mx_exponent(scale).contiguous()
         return out

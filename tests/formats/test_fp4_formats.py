@@ -89,6 +89,21 @@ def test_fp4_packing_is_compressed_tensors_and_round_trips():
     assert torch.equal(fp4_packed.decompress(stored, args, torch.float32), fake_quantize(w, args, scale))
 
 
+@pytest.mark.parametrize("name", ["nvfp4a16", "mxfp4a16"])
+def test_a_fake_quantized_weight_packs_as_its_float_weight(name):
+    """What RTN hands the packer is already fake-quantized: a small negative weight is -0.0
+    there and must still pack as compressed-tensors packs the float weight (code -0)."""
+    w = weight()
+    w[:, :8] = -1e-4  # rounds to 0 in every group
+    args = preset(name).weights
+    scale, _ = compute_qparams(w, args)
+    gs = nvfp4_global_scale(w.abs().max()) if name == "nvfp4a16" else None
+    direct = fp4_packed.compress(w, scale, args, gs)["weight_packed"]
+    again = fp4_packed.compress(fake_quantize(w, args, scale), scale, args, gs)["weight_packed"]
+    assert torch.equal(direct, again)
+    assert torch.equal(direct[:, :4], torch.full_like(direct[:, :4], 0x88))  # two -0 codes per byte
+
+
 def test_mxfp8_round_trip():
     w = weight()
     args = preset("mxfp8").weights
