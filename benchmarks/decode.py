@@ -1,11 +1,12 @@
 """Batch-1 decode of a bf16 model and its int4 checkpoint on the CPU, side by side in one
 run, each against the memory-bandwidth ceiling.
 
-    python benchmarks/decode.py [--model smollm2-135m] [--int4 /tmp/rtn64] [--tokens 64] [--repeats 5] [--threads 1]
-                                [--dtype bfloat16|float32] [--isa native|avx2]
+    python benchmarks/decode.py [--model smollm2-135m] [--int4 /tmp/rtn64 [DIR ...]] [--tokens 64] [--repeats 5]
+                                [--threads 1] [--dtype bfloat16|float32] [--isa native|avx2]
 
---int4 names an int4 checkpoint; a missing folder is made first with RTN (w4a16, group 64,
-as `quantkit rtn -m MODEL --scheme w4a16 --group-size 64 -o DIR`). Both run through the
+--int4 names int4 checkpoints, each timed beside the float model in the same run (e.g. one
+with its float lm_head and one made with `--lm-head int8`); a missing first folder is made first
+with RTN (w4a16, group 64, as `quantkit rtn -m MODEL --scheme w4a16 --group-size 64 -o DIR`). Both run through the
 engine in --dtype (bf16; float32 is what the engine runs on CPUs without native bf16, such as
 AVX2-only EPYCs) (`LLM(..., max_num_seqs=1)`: one request, a 32-token prompt, --tokens
 greedy tokens); decode tokens/s is 1 / TPOT, the median of --repeats runs interleaved
@@ -37,7 +38,7 @@ from torch import nn
 
 from quantkit.perf.kernels import copy_bandwidth
 from quantkit.runtime.engine import LLM
-from quantkit.runtime.qlinear import Fp8Linear, PackedInt4Linear, PrepackedLinear
+from quantkit.runtime.qlinear import Fp8Linear, PackedInt4Linear, PackedInt8Linear, PrepackedLinear
 from quantkit.runtime.sequence import SamplingParams
 
 PROMPT = list(range(1000, 1032))
@@ -52,7 +53,7 @@ AVX2_ENV = {
 def linear_bytes(module: nn.Module) -> int:
     """Weight bytes one call of a (fused) linear reads."""
     tensors = []
-    if isinstance(module, PackedInt4Linear):
+    if isinstance(module, (PackedInt4Linear, PackedInt8Linear)):
         if module.runtime_weight is not None:
             return module.runtime_weight.nbytes
         tensors = [module.weight_packed, module.weight_scale]
@@ -85,7 +86,7 @@ def decode_tps(llm: LLM, tokens: int) -> tuple[float, float]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--int4", type=Path, default=Path("/tmp/rtn64"))
+    p.add_argument("--int4", type=Path, nargs="+", default=[Path("/tmp/rtn64")])
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -98,15 +99,14 @@ def main() -> None:
     dtype = getattr(torch, a.dtype)
     if a.threads:
         torch.set_num_threads(a.threads)
-    if not a.int4.exists():
+    if not a.int4[0].exists():
         from quantkit.pipeline.quantize import quantize
         from quantkit.scheme import preset
 
-        quantize(a.model, preset("w4a16").with_group_size(64), a.int4)
-    models = {
-        a.dtype: LLM(a.model, dtype=dtype, max_num_seqs=1),
-        "int4 (RTN w4a16 g64)": LLM(str(a.int4), dtype=dtype, max_num_seqs=1),
-    }
+        quantize(a.model, preset("w4a16").with_group_size(64), a.int4[0])
+    models = {a.dtype: LLM(a.model, dtype=dtype, max_num_seqs=1)}
+    for path in a.int4:
+        models[f"int4 {path.name}"] = LLM(str(path), dtype=dtype, max_num_seqs=1)
     for llm in models.values():
         decode_tps(llm, 4)  # warm up: builds the int4pack weights and fills caches
     samples = {name: [] for name in models}
@@ -123,8 +123,6 @@ def main() -> None:
             f"| {name} | {nbytes / 1e6:.1f} | {tps[name]:.1f} | {1e3 / tps[name]:.1f} | {1e3 / cpu[name]:.1f} "
             f"| {ceiling:.0f} | {100 * tps[name] / ceiling:.0f}% |"
         )
-    dense, int4 = tps.values()
-    dense_cpu, int4_cpu = cpu.values()
     isa = "forced AVX2 (a proxy)" if a.isa == "avx2" else "native ISA"
     print(
         f"{a.model}, batch 1, {a.tokens} tokens after a {len(PROMPT)}-token prompt, {a.dtype}, {isa}, "
@@ -138,7 +136,11 @@ def main() -> None:
     print(head)
     print("|---|---|---|---|---|---|---|")
     print("\n".join(rows))
-    print(f"\nint4 / {a.dtype} decode speed: {int4 / dense:.2f}x (by CPU time per token: {int4_cpu / dense_cpu:.2f}x)")
+    for name in list(models)[1:]:
+        print(
+            f"\n{name} / {a.dtype} decode speed: {tps[name] / tps[a.dtype]:.2f}x "
+            f"(by CPU time per token: {cpu[name] / cpu[a.dtype]:.2f}x)"
+        )
 
 
 if __name__ == "__main__":

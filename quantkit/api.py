@@ -31,6 +31,7 @@ def quantize(
     target_bits: float | None = RunOptions.target_bits,
     target_formats: list[str] | None = RunOptions.target_formats,
     target_estimate: str | None = RunOptions.target_estimate,
+    lm_head: str | None = RunOptions.lm_head,
     device: str = RunOptions.device,
     track: Track = no_progress,
     log: Callable[[str], None] | None = None,
@@ -51,7 +52,8 @@ def quantize(
     awq, gptq) gives each layer group its own format (int4 per group of 128/64/32, int8 per
     channel, float) from its measured sensitivity, averaging at most that many bits per weight;
     `target_formats` (e.g. ["int4", "float"]) limits the formats it chooses from; `target_estimate`
-    ("fisher", the default, or "exact") is how the sensitivities are found.
+    ("fisher", the default, or "exact") is how the sensitivities are found; `lm_head` ("int8") quantizes
+    the output projection too (per channel, round to nearest), untied from the input embeddings.
 
         quantkit.quantize("smollm2-135m", "out/awq", "awq", "w4a16-asym", group_size=64)
     """

@@ -29,6 +29,11 @@ TARGET_ESTIMATE_HELP = (
     "model, ~20x longer)."
 )
 
+LM_HEAD_HELP = (
+    "Also quantize the output projection (lm_head): int8 (per channel, round to nearest), untied from the "
+    "input embeddings; batch-1 decode of a small model reads less. Off by default, as in llm-compressor."
+)
+
 
 @dataclass(frozen=True)
 class RunOptions:
@@ -40,6 +45,7 @@ class RunOptions:
     target_bits: float | None = option(None, TARGET_BITS_HELP, kind="float", min=0)
     target_formats: str | None = option(None, TARGET_FORMATS_HELP, kind="text")
     target_estimate: str | None = option(None, TARGET_ESTIMATE_HELP, kind="text")
+    lm_head: str | None = option(None, LM_HEAD_HELP, kind="text")
     kv_cache: str | None = option(None, f"Also calibrate KV-cache scales: {' or '.join(KV_DTYPES)}.", kind="text")
     kv_per_head: bool = option(False, "One scale per KV head instead of per layer.")
     overwrite: bool = option(False, "Replace an existing output folder.")

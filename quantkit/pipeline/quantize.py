@@ -26,10 +26,11 @@ from quantkit.calibration.runner import run_blocks
 from quantkit.errors import QuantkitError
 from quantkit.formats import int_quantized
 from quantkit.formats.checkpoint import SHARD_BYTES, check_disk, check_output, parse_size
-from quantkit.formats.stored import entry_bytes, pack_entry
+from quantkit.formats.stored import entry_bytes, linear_bytes, pack_entry
 from quantkit.models import kv_cache
 from quantkit.models.arch import ArchSpec, arch_for, get_module
 from quantkit.models.loading import load_weights, open_float_model, release_weights
+from quantkit.pipeline.head import head_scheme, quantized_head
 from quantkit.pipeline.mixed import ESTIMATORS, FORMATS_NEED_BITS, allowed_formats, for_target_bits, listing
 from quantkit.pipeline.stream import BlockStream, PartialRun
 from quantkit.primitives import check_group_size
@@ -259,6 +260,7 @@ def quantize(
     target_bits: float | None = None,
     target_formats: tuple[str, ...] | None = None,
     target_estimate: str | None = None,
+    lm_head: str | None = None,
 ) -> dict:
     """Quantize `model_name` with `method` (a weight method of the registry: rtn, awq, gptq,
     fp8) and write the checkpoint to `out`. `options` are the method's (a dict or its
@@ -274,10 +276,11 @@ def quantize(
     With `target_bits`, each fusion group gets its own format (int4 per group of 128, 64 or
     32, int8 per channel, or float) chosen from its measured sensitivity so the average bits
     per weight stay at most `target_bits` (`pipeline.mixed`), among `target_formats` when given
-    (`mixed.allowed_formats`); the provenance records the choice."""
+    (`mixed.allowed_formats`); the provenance records the choice. `lm_head` ("int8") quantizes the
+    output projection too, untied from the input embeddings (`pipeline.head`)."""
     run = _Run(model_name, method, options, transforms, calibration, out, overwrite, device, track, log)
     scheme = run.validate(scheme, max_shard_size, target_bits, target_formats, target_estimate)
-    run.resolve(scheme)
+    run.resolve(scheme, lm_head, target_bits)
     run.open_output(resume, target_bits, target_formats)
     try:
         run.check_disk()
@@ -341,9 +344,9 @@ class _Run:
             )
         return scheme
 
-    def resolve(self, scheme: QuantScheme) -> None:
-        """The model, built empty; its group sizes fitted; the scheme of each of its linears;
-        the runner step."""
+    def resolve(self, scheme: QuantScheme, lm_head: str | None = None, target_bits=None) -> None:
+        """The model, built empty; its group sizes fitted; the scheme of each of its linears (and
+        of the output projection with `lm_head`); the runner step."""
         m, log = self.method, self.log
         self.model, self.tokenizer, self.source, self.weights, self.dtype = open_float_model(self.model_name, log)
         self.spec = spec = arch_for(self.model.config)
@@ -352,6 +355,8 @@ class _Run:
             from quantkit.calibration.guided import check_dense
 
             check_dense(spec, self.model_name)
+        scheme = head_scheme(lm_head, scheme, spec.lm_head, target_bits)
+        self.head = quantized_head(scheme, spec.lm_head)
         self.scheme = scheme = _fit_groups(self.model, spec, scheme, log)
         if log and spec.moe is not None and (note := vllm_moe_note(scheme)):
             log(note)
@@ -390,6 +395,8 @@ class _Run:
         pass) will not fit on the output's disk."""
         writer, model, c = self.partial.writer, self.model, self.calibration
         size = checkpoint_bytes(model, self.scheme.format, self.schemes, self.dtype)
+        if self.head is not None:  # packed, and no longer tied
+            size += linear_bytes(self.head.format, *model.get_output_embeddings().weight.shape, self.head.weights, 4)
         inputs = 0
         if self.calibrated:
             kept = len(get_module(model, self.spec.blocks)) if self.guided > 0 else 2
@@ -452,7 +459,7 @@ class _Run:
                 )
         step.finish()
         if not self.partial.tail_written:
-            self.io.write_tail()
+            self.io.write_tail(self.head)
 
     def finish(self, recipe: dict | None) -> dict:
         """Record the provenance and complete the checkpoint; returns the provenance."""
@@ -479,7 +486,10 @@ class _Run:
         }
         if not self.partial.started:
             provenance["resumed_at_block"] = self.io.start
-        config = checkpoint_config(self.model, scheme, set(self.schemes), self.dtype)
+        head = {self.spec.lm_head} if self.head is not None else set()
+        config = checkpoint_config(self.model, scheme, set(self.schemes) | head, self.dtype)
+        if head:
+            config["tie_word_embeddings"] = False
         self.partial.complete(config, provenance, self.source)
         return provenance
 

@@ -579,6 +579,7 @@ def run_recipe(
             target_bits=recipe.run.target_bits,
             target_formats=recipe.run.target_formats,
             target_estimate=recipe.run.target_estimate,
+            lm_head=recipe.run.lm_head,
         )
     if recipe.eval is not None:
         from quantkit.eval.gates import evaluate_gates

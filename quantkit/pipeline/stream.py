@@ -38,6 +38,7 @@ from quantkit.formats.stored import pack_entry
 from quantkit.models import kv_cache
 from quantkit.models.arch import get_module
 from quantkit.models.loading import load_weights, release_weights
+from quantkit.pipeline.head import head_qparams
 
 STATE = "quantkit-resume.json"
 COMMIT_SECONDS = 60.0  # calibration time between commits (0: after every block)
@@ -236,6 +237,21 @@ class BlockStream(InMemory):
         if last or self.run.due():
             self.run.commit(index + 1, None if last else outputs, self.carried())
 
-    def write_tail(self) -> None:
-        self._copy(self.tail)
+    def write_tail(self, head=None) -> None:
+        """The tensors after the blocks, then the last commit. `head`: the output projection's own
+        scheme (`pipeline.head`): its weight (the input embeddings' when tied) rounded to nearest
+        and packed, in place of the float one."""
+        if head is None:
+            self._copy(self.tail)
+        else:
+            key = f"{self.spec.lm_head}.weight"
+            self._copy([k for k in self.tail if k != key])
+            embed = self.model.get_input_embeddings()
+            source = (
+                key if key in self.weights else next(f"{n}.weight" for n, m in self.model.named_modules() if m is embed)
+            )
+            w = self.weights.read([source])[source].to(self.dtype)
+            qparams = {self.spec.lm_head: head_qparams(w, head, self.dtype)}
+            for name, packed in pack_entry(key, w, head.format, {self.spec.lm_head: head}, qparams, self.dtype).items():
+                self.run.writer.add(name, packed)
         self.run.commit(len(self.blocks), None, self.carried(), tail_written=True)

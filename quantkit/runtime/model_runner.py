@@ -277,7 +277,9 @@ class ModelRunner:
         self.embed = model.get_input_embeddings()
         self.final_norm = _Norm.of(get_module(model, self.spec.final_norm), self._like, self._pick)
         head = model.get_output_embeddings()
-        self.lm_head = self._linear(head, [] if head.weight is self.embed.weight else [head])  # tied: still looked up
+        self.lm_head = self._linear(
+            head, [] if getattr(head, "weight", None) is self.embed.weight else [head]
+        )  # tied: still looked up
         self.final_softcap = getattr(c, "final_logit_softcapping", None)
         self.argmax = self._pick("argmax", elementwise.ARGMAX)  # the greedy sampler's, on the logits
         shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
