@@ -1,5 +1,6 @@
-"""The output projection (lm_head) quantized too (`--lm-head int8`), opt-in: round to nearest,
-int8 per output channel, symmetric, weight-only, written `pack-quantized` as a config group of
+"""The output projection (lm_head) quantized too (`--lm-head int8|int4`), opt-in: round to nearest,
+int8 per output channel or int4 in groups of up to 128 (the kind vLLM's CPU build runs),
+symmetric, weight-only, written `pack-quantized` as a config group of
 its own whose target is the head's name (compressed-tensors' layout for a quantized lm_head, as
 llm-compressor writes it when `lm_head` is left out of `ignore`). A model whose head is tied to
 its input embeddings is untied in the checkpoint: the embeddings stay float, the head is stored
@@ -16,7 +17,11 @@ from quantkit.errors import QuantkitError
 from quantkit.primitives import compute_qparams
 from quantkit.scheme import QuantArgs, QuantScheme
 
-HEAD_ARGS = {"int8": QuantArgs(num_bits=8, type="int", symmetric=True, strategy="channel", group_size=None)}
+HEAD_ARGS = {
+    "int8": QuantArgs(num_bits=8, type="int", symmetric=True, strategy="channel", group_size=None),
+    # groups of 128, or the largest power of two below that divides the hidden size (`fit_group_size`)
+    "int4": QuantArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=128),
+}
 
 
 def head_scheme(kind: str | None, scheme: QuantScheme, name: str, target_bits) -> QuantScheme:
@@ -28,7 +33,7 @@ def head_scheme(kind: str | None, scheme: QuantScheme, name: str, target_bits) -
         raise QuantkitError(f"--lm-head {kind!r} is unknown; use {' or '.join(HEAD_ARGS)}.")
     if target_bits is not None:
         raise QuantkitError("--lm-head goes without --target-bits (mixed precision chooses the body's formats only).")
-    head = QuantScheme(name, HEAD_ARGS[kind], targets=(name,), ignore=())
+    head = QuantScheme(name, HEAD_ARGS[kind], targets=(name,), ignore=(), auto_group_size=kind == "int4")
     if scheme.format != head.format:
         raise QuantkitError(
             f"--lm-head {kind} stores the head {head.format}, and scheme {scheme.name!r} is {scheme.format}; "

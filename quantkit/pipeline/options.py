@@ -30,8 +30,9 @@ TARGET_ESTIMATE_HELP = (
 )
 
 LM_HEAD_HELP = (
-    "Also quantize the output projection (lm_head): int8 (per channel, round to nearest), untied from the "
-    "input embeddings; batch-1 decode of a small model reads less. Off by default, as in llm-compressor."
+    "Also quantize the output projection (lm_head), round to nearest: int8 (per channel) or int4 (groups of "
+    "128, or less to divide the hidden size), untied from the input embeddings; batch-1 decode of a small model "
+    "reads less. Off by default, as in llm-compressor."
 )
 
 

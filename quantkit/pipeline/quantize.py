@@ -356,8 +356,8 @@ class _Run:
 
             check_dense(spec, self.model_name)
         scheme = head_scheme(lm_head, scheme, spec.lm_head, target_bits)
-        self.head = quantized_head(scheme, spec.lm_head)
         self.scheme = scheme = _fit_groups(self.model, spec, scheme, log)
+        self.head = quantized_head(scheme, spec.lm_head)
         if log and spec.moe is not None and (note := vllm_moe_note(scheme)):
             log(note)
         self.schemes = linear_schemes(self.model, spec, scheme)  # group sizes checked before any work
@@ -529,6 +529,7 @@ def _fit_groups(model: nn.Module, spec: ArchSpec, scheme: QuantScheme, log) -> Q
         for i, block in enumerate(get_module(model, spec.blocks))
         for n in spec.for_block(block).linears
     }
+    widths[spec.lm_head] = model.get_output_embeddings().in_features  # counts only where the head is quantized
     scheme, notes = fit_group_size(scheme, widths)
     for note in notes:
         if log:

@@ -1,6 +1,7 @@
 """`--lm-head int8`: the output projection quantized too (round to nearest, int8 per channel),
 untied from the embeddings; quantkit and transformers (compressed-tensors) load it alike."""
 
+import dataclasses
 import json
 
 import pytest
@@ -13,14 +14,14 @@ from quantkit.models.arch import arch_for, get_module
 from quantkit.pipeline.head import HEAD_ARGS
 from quantkit.pipeline.quantize import quantize
 from quantkit.primitives import fake_quantize
-from quantkit.runtime.qlinear import PackedInt8Linear
+from quantkit.runtime.qlinear import PackedInt4Linear, PackedInt8Linear
 from quantkit.scheme import preset
 
 IDS = torch.randint(0, 320, (2, 20), generator=torch.Generator().manual_seed(0))
 
 
-def reference(path, scheme):
-    """The float model, untied, its block linears rounded as `scheme` and its head as int8 per channel."""
+def reference(path, scheme, head_args):
+    """The float model, untied, its block linears rounded as `scheme` and its head as `head_args`."""
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     spec = arch_for(model.config)
     for block in get_module(model, spec.blocks):
@@ -28,27 +29,30 @@ def reference(path, scheme):
             lin = get_module(block, name)
             lin.weight.data = fake_quantize(lin.weight.data, scheme.weights)
     head = model.get_output_embeddings()
-    head.weight = torch.nn.Parameter(fake_quantize(head.weight.data.clone(), HEAD_ARGS["int8"]))
+    head.weight = torch.nn.Parameter(fake_quantize(head.weight.data.clone(), head_args))
     return model
 
 
-@pytest.mark.parametrize("tie", [True, False])
-def test_int8_head_loads_to_the_fake_quantized_model(tmp_path, tie):
+@pytest.mark.parametrize("tie, kind", [(True, "int8"), (False, "int8"), (True, "int4")])
+def test_quantized_head_loads_to_the_fake_quantized_model(tmp_path, tie, kind):
     from conftest import make_tiny_model
 
     path = make_tiny_model(tmp_path / "m", model_type="qwen2", tie=tie)
     scheme = preset("w4a16").with_group_size(32)
-    quantize(str(path), scheme, tmp_path / "q", lm_head="int8")
+    quantize(str(path), scheme, tmp_path / "q", lm_head=kind)
     config = json.loads((tmp_path / "q" / "config.json").read_text())
     qc = config["quantization_config"]
     assert config["tie_word_embeddings"] is False and "lm_head" not in qc["ignore"]
     head_group = [g for g in qc["config_groups"].values() if g["targets"] == ["lm_head"]]
-    assert len(head_group) == 1 and head_group[0]["weights"]["num_bits"] == 8
-    assert head_group[0]["weights"]["strategy"] == "channel" and head_group[0]["format"] == "pack-quantized"
+    head_args = HEAD_ARGS[kind]
+    if kind == "int4":  # groups of 128 do not divide the hidden size 64: fitted to 64
+        head_args = dataclasses.replace(head_args, group_size=64)
+    assert len(head_group) == 1 and head_group[0]["weights"] == head_args.to_dict()
+    assert head_group[0]["format"] == "pack-quantized"
     model = quantkit.load(tmp_path / "q")
-    assert isinstance(model.lm_head, PackedInt8Linear)
+    assert isinstance(model.lm_head, PackedInt8Linear if kind == "int8" else PackedInt4Linear)
     assert model.model.embed_tokens.weight.dtype == torch.float32  # the embeddings stay float
-    ref = reference(path, scheme)
+    ref = reference(path, scheme, head_args)
     with torch.no_grad():
         ours = model(IDS).logits
         torch.testing.assert_close(ours, ref(IDS).logits, rtol=1e-5, atol=1e-5)
