@@ -11,7 +11,8 @@ loses speed, nothing else.
 The build is `torch.utils.cpp_extension.load` with the system compiler (`$CXX`, else `c++`)
 and ninja, `-O3 -march=native -fopenmp`, about a minute on two cores. It goes to
 `$QUANTKIT_CACHE/ext/<name>-<key>` (default `~/.cache/quantkit`), where the key hashes the
-source, the build flags, the torch, Python and compiler versions and the CPU's flags: a
+source and its path (two checkouts of one source build apart: ninja would rebuild each one's on
+the other's command), torch's path, the build flags, the torch, Python and compiler versions and the CPU's flags: a
 library built for one CPU is never loaded on another. Processes that start at once build
 once: an flock on `<dir>.lock` (dropped by the kernel if its holder dies) serialises them,
 and under it a `lock` file that torch's own build lock left behind, from a build that was
@@ -83,9 +84,13 @@ def _compiler_version(cxx: str) -> str:
 
 
 def build_key(cxx: str, source: Path) -> str:
-    """16 hex digits naming one build: source, flags, torch, Python, compiler and CPU."""
+    """16 hex digits naming one build: source (its text and where it lies), flags, torch (and
+    where it is installed), Python, compiler and CPU. Where the source and torch's headers lie
+    are in ninja's build command: two checkouts with the same source sharing one folder made
+    each one's ninja rebuild the other's library, minutes of CPU every time they alternated."""
     h = hashlib.sha256(source.read_bytes())
-    for part in (CFLAGS, LDFLAGS, torch.__version__, sys.version, _compiler_version(cxx), _cpu_flags()):
+    where = (str(source.resolve()), str(Path(torch.__file__).resolve().parent))
+    for part in (CFLAGS, LDFLAGS, torch.__version__, sys.version, _compiler_version(cxx), _cpu_flags(), where):
         h.update(repr(part).encode())
     return h.hexdigest()[:16]
 

@@ -391,6 +391,13 @@ def test_the_build_key_names_the_cpu(monkeypatch):
     assert cpu_ext.build_key("c++", cpu_ext.ATTENTION.source) != key
 
 
+def test_the_build_key_names_where_the_source_lies(tmp_path):
+    # ninja's command names the source's path: checkouts of one source must not share a folder
+    copy = tmp_path / "attention.cpp"
+    copy.write_bytes(cpu_ext.ATTENTION.source.read_bytes())
+    assert cpu_ext.build_key("c++", copy) != cpu_ext.build_key("c++", cpu_ext.ATTENTION.source)
+
+
 # --- the build lock --------------------------------------------------------------------------
 
 LOCKED = """
