@@ -3,9 +3,9 @@
 forward), in CPU seconds of this process, side by side. Three comparisons (`--before`):
 
 - `options` (the default, 2026-12-03 afternoon): the sensitivity quantizing each unit with the
-  method's own options (GPTQ's range search and refinement) against the options the sensitivity
-  uses (`mixed._search_options`: without them); both through `variants.shared` (GPTQ, RTN) or
-  `variants.alone` (AWQ).
+  method's own options against the same without GPTQ's range search and refinement passes
+  (`CHEAPER`; a cheaper sensitivity tried, not shipped: it changed the choice); both through
+  `variants.shared` (GPTQ, RTN) or `variants.alone` (AWQ).
 - `guided` (2026-12-03 afternoon): GPTQ's step with `--guided 4` (random loss weights: the work
   does not depend on them; the gradient pass is not timed), its Hessians accumulated by addmm
   against `guided.add_weighted_gram`; the uniform column is then plain GPTQ's step.
@@ -97,7 +97,7 @@ def main() -> None:
 
 
 HEADS = {
-    "options": ("the method's options (CPU s)", "the sensitivity's options (CPU s)"),
+    "options": ("the method's options (CPU s)", "without range search and refinement (CPU s)"),
     "copies": ("copies (CPU s)", "shared (CPU s)"),
     "guided": ("--guided 4, Hessians by addmm (CPU s)", "--guided 4, by upper blocks (CPU s)"),
 }
@@ -147,10 +147,15 @@ def _copies(name, args) -> tuple[float, float]:
     return before, after
 
 
+CHEAPER = {"range_search": False, "refine": 0}  # the options `--before options` leaves out
+
+
 def _options(name, args) -> tuple[float, float]:
-    """CPU s of the sensitivity's variants with the method's options and with the sensitivity's."""
+    """CPU s of the sensitivity's variants with the method's options and without `CHEAPER`'s."""
     make = variants.shared if name in variants.SHARED else variants.alone
-    cheap = (*args[:4], mixed._search_options(args[4]), *args[5:])
+    fields = {f.name for f in dataclasses.fields(args[4])}
+    cheaper = dataclasses.replace(args[4], **{k: v for k, v in CHEAPER.items() if k in fields})
+    cheap = (*args[:4], cheaper, *args[5:])
     with torch.no_grad():
         before, _ = cpu(lambda: list(make(*args)))
         after, _ = cpu(lambda: list(make(*cheap)))
