@@ -1,26 +1,37 @@
-"""Mixed precision's sensitivity, block by block: each unit × format quantized by the method on a
-copy of its block (`variants.alone`, the code before 2026-12-03) against the shared pass
-(`variants.shared`: one Hessian per unit, one factorisation for all formats; for AWQ, the copies
-reading the block's inputs captured once), beside the
-uniform run's step on the same block (the method on the CLI's default 128 × 512 calibration
-tokens, then the block's forward), in CPU seconds of this process, side by side.
+"""Mixed precision's sensitivity, block by block, beside the uniform run's step on the same block
+(the method on `--rows` × 512 calibration tokens, default the CLI's 128 × 512, then the block's
+forward), in CPU seconds of this process, side by side. Three comparisons (`--before`):
+
+- `options` (the default, 2026-12-03 afternoon): the sensitivity quantizing each unit with the
+  method's own options against the same without GPTQ's range search and refinement passes
+  (`CHEAPER`; a cheaper sensitivity tried, not shipped: it changed the choice); both through
+  `variants.shared` (GPTQ, RTN) or `variants.alone` (AWQ).
+- `guided` (2026-12-03 afternoon): GPTQ's step with `--guided 4` (random loss weights: the work
+  does not depend on them; the gradient pass is not timed), its Hessians accumulated by addmm
+  against `guided.add_weighted_gram`; the uniform column is then plain GPTQ's step.
+- `copies` (2026-12-03 morning): each unit × format quantized by the method on a copy of its
+  block (`variants.alone`) against the shared pass (`variants.shared`: one Hessian per unit, one
+  factorisation for all formats; for AWQ, the copies reading the block's inputs captured once),
+  the outputs checked equal bit for bit.
 
     OMP_NUM_THREADS=1 python benchmarks/mixed_speed.py [--model smollm2-135m] [--blocks 3]
-        [--methods gptq rtn]
+        [--methods gptq rtn] [--before options|guided|copies] [--rows 128]
 
 The sensitivity's windows are `mixed.SENSITIVITY_WINDOWS` (8 × 256), the scheme w4a16-asym
-(act-order static for GPTQ, as its command), calibration `news`, seed 0. Both paths' outputs are
-checked equal, bit for bit. The Fisher pass, the same for both, is not timed here.
+(act-order static for GPTQ, as its command), calibration `news`, seed 0. The Fisher pass, the
+same for both, is not timed here.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import time
 
 import torch
 
+from quantkit.calibration import guided
 from quantkit.calibration.datasets import calibration_samples, load_documents
 from quantkit.calibration.registry import METHODS
 from quantkit.calibration.runner import BlockInputs, capture_block_inputs
@@ -52,6 +63,8 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--blocks", type=int, default=3)
     parser.add_argument("--methods", nargs="+", default=["gptq"])
+    parser.add_argument("--before", choices=tuple(HEADS), default="options")
+    parser.add_argument("--rows", type=int, default=128, help="the uniform step's calibration rows of 512 tokens")
     a = parser.parse_args()
     model, tokenizer, _ = load_float_model(resolve_model(a.model), owned=True)
     dtype = model.dtype
@@ -59,8 +72,8 @@ def main() -> None:
     spec = arch_for(model.config)
     found = mixed.units(model, spec)
     small = block_inputs(model, spec, tokenizer, *mixed.SENSITIVITY_WINDOWS, a.blocks)
-    full = block_inputs(model, spec, tokenizer, 128, 512, a.blocks)
-    print("| method | block | uniform step, 128 × 512 (CPU s) | copies (CPU s) | shared (CPU s) | copies / shared |")
+    full = block_inputs(model, spec, tokenizer, a.rows, 512, a.blocks)
+    print(f"| method | block | uniform step, {a.rows} × 512 (CPU s) | {' | '.join(HEADS[a.before])} | before / after |")
     print("|---|---|---|---|---|---|")
     for name in a.methods:
         method = METHODS[name]
@@ -71,24 +84,82 @@ def main() -> None:
             mine = [u for u in found if u.block == i]
             wanted = [{n: x for n, x in cands.items() if x is not None and u.fits(x)} for u in mine]
             args = (model, spec, scheme, method, options, dtype, i, mine, wanted, small[0], small[1], None)
-            fast = variants.shared if name in variants.SHARED else variants.alone
-            with torch.no_grad():
-                kept, variants.CAPTURED = variants.CAPTURED, ()  # before: AWQ captures on every copy
-                before, old = cpu(lambda: [(u, f, o) for u, f, o in variants.alone(*args)])
-                variants.CAPTURED = kept
-                after, new = cpu(lambda: [(u, f, o) for u, f, o in fast(*args)])
-            assert [(u, f) for u, f, _ in old] == [(u, f) for u, f, _ in new]
-            assert all(torch.equal(x, y) for (_, _, a_), (_, _, b_) in zip(old, new) for x, y in zip(a_, b_))
-            block = copy.deepcopy(get_module(model, spec.blocks)[i])
-            inputs = BlockInputs(full[0][i], full[1][i])
-            step = method.make_step(spec, scheme, options, {}, dtype, None)
-            with torch.no_grad():
-                uniform, _ = cpu(lambda: (step(i, f"{spec.blocks}.{i}", block, inputs), inputs.run(block)))
+            uniform = _uniform(method, spec, scheme, options, dtype, model, i, full)
+            if a.before == "guided":
+                before, after = _guided(method, spec, scheme, options, dtype, model, i, full)
+            else:
+                before, after = (_copies if a.before == "copies" else _options)(name, args)
             for k, t in enumerate((uniform, before, after)):
                 totals[k] += t
             print(f"| {name} | {i} | {uniform:.1f} | {before:.1f} | {after:.1f} | {before / after:.2f} |", flush=True)
         u, b, s = totals
         print(f"| {name} | all {a.blocks} | {u:.1f} | {b:.1f} ({b / u:.2f}×) | {s:.1f} ({s / u:.2f}×) | {b / s:.2f} |")
+
+
+HEADS = {
+    "options": ("the method's options (CPU s)", "without range search and refinement (CPU s)"),
+    "copies": ("copies (CPU s)", "shared (CPU s)"),
+    "guided": ("--guided 4, Hessians by addmm (CPU s)", "--guided 4, by upper blocks (CPU s)"),
+}
+
+
+def _uniform(method, spec, scheme, options, dtype, model, i, full, guides=None) -> float:
+    """CPU s of the method's step on a copy of block i (its inputs `full`), then the block's forward."""
+    block = copy.deepcopy(get_module(model, spec.blocks)[i])
+    inputs = BlockInputs(full[0][i], full[1][i], guides)
+    step = method.make_step(spec, scheme, options, {}, dtype, None)
+    with torch.no_grad():
+        return cpu(lambda: (step(i, f"{spec.blocks}.{i}", block, inputs), inputs.run(block)))[0]
+
+
+def _guided(method, spec, scheme, options, dtype, model, i, full) -> tuple[float, float]:
+    """CPU s of GPTQ's step with 4 loss-guided Hessians per linear, the Hessians accumulated by
+    addmm (before) and by `guided.add_weighted_gram` (after). The loss weights are random: the
+    work does not depend on them, and the gradient pass (the same for both) is not timed."""
+    prefix, generator = f"{spec.blocks}.{i}", torch.Generator().manual_seed(0)
+    tokens = sum(h.shape[0] * h.shape[1] for h in full[0][i])
+    linears = spec.for_block(get_module(model, spec.blocks)[i]).linears
+    guides = {f"{prefix}.{n}": torch.rand(tokens, 4, generator=generator) + 0.5 for n in linears}
+    options = dataclasses.replace(options, guided=4)
+    kept = guided.add_weighted_gram
+
+    def addmm(H, x, w, beta, alpha):
+        H.mul_(beta).addmm_(x.T * w, x, alpha=alpha)
+
+    guided.add_weighted_gram = addmm
+    try:
+        before = _uniform(method, spec, scheme, options, dtype, model, i, full, guides)
+    finally:
+        guided.add_weighted_gram = kept
+    return before, _uniform(method, spec, scheme, options, dtype, model, i, full, guides)
+
+
+def _copies(name, args) -> tuple[float, float]:
+    """CPU s of `variants.alone` (capturing on every copy) and of the shared pass, outputs checked equal."""
+    fast = variants.shared if name in variants.SHARED else variants.alone
+    with torch.no_grad():
+        kept, variants.CAPTURED = variants.CAPTURED, ()  # before: AWQ captures on every copy
+        before, old = cpu(lambda: [(u, f, o) for u, f, o in variants.alone(*args)])
+        variants.CAPTURED = kept
+        after, new = cpu(lambda: [(u, f, o) for u, f, o in fast(*args)])
+    assert [(u, f) for u, f, _ in old] == [(u, f) for u, f, _ in new]
+    assert all(torch.equal(x, y) for (_, _, a_), (_, _, b_) in zip(old, new) for x, y in zip(a_, b_))
+    return before, after
+
+
+CHEAPER = {"range_search": False, "refine": 0}  # the options `--before options` leaves out
+
+
+def _options(name, args) -> tuple[float, float]:
+    """CPU s of the sensitivity's variants with the method's options and without `CHEAPER`'s."""
+    make = variants.shared if name in variants.SHARED else variants.alone
+    fields = {f.name for f in dataclasses.fields(args[4])}
+    cheaper = dataclasses.replace(args[4], **{k: v for k, v in CHEAPER.items() if k in fields})
+    cheap = (*args[:4], cheaper, *args[5:])
+    with torch.no_grad():
+        before, _ = cpu(lambda: list(make(*args)))
+        after, _ = cpu(lambda: list(make(*cheap)))
+    return before, after
 
 
 if __name__ == "__main__":

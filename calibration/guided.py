@@ -262,10 +262,14 @@ def _sampled_gradient(h, final_norm, head, softcap, draws, generator):
     return torch.stack(grads, 1)
 
 
+GRAM_BLOCKS = 4  # column blocks of a guided Hessian: the products above the diagonal, 5/8 of the full one
+
+
 def hessians(weights: list[torch.Tensor]):
     """The reducer `state = add(state, x, n)` of `hooks.reduce_inputs` for linears that read
     one input: state is, per linear (its w [tokens, groups] in `weights`), the list of its
-    groups' H_k = 2/n·Σ_t w_tk·x_t·x_tᵀ [in, in] over the n tokens seen so far."""
+    groups' H_k = 2/n·Σ_t w_tk·x_t·x_tᵀ [in, in] over the n tokens seen so far, each
+    updated by `add_weighted_gram`."""
 
     def add(state, x, n):
         x = x.reshape(-1, x.shape[-1]).float()  # x [t, in]
@@ -278,7 +282,21 @@ def hessians(weights: list[torch.Tensor]):
             if wt.shape[0] != t:
                 raise ValueError(f"{t} tokens at offset {n}, but the loss gradients cover {w.shape[0]}")
             for k, H in enumerate(hs):
-                H.mul_(n / total).addmm_(x.T * wt[:, k], x, alpha=2 / total)
+                add_weighted_gram(H, x, wt[:, k], n / total, 2 / total)
         return state, total
 
     return add
+
+
+def add_weighted_gram(H: torch.Tensor, x: torch.Tensor, w: torch.Tensor, beta: float, alpha: float) -> None:
+    """In place: H ← beta·H + alpha·(x·w)ᵀx for a symmetric H [in, in], x [t, in], w [t]
+    (`H.mul_(beta).addmm_(x.T * w, x, alpha=alpha)`, whose reference it is). The product is
+    symmetric, so only the blocks on and above the diagonal of `GRAM_BLOCKS` × `GRAM_BLOCKS`
+    are multiplied (5/8 of the products at 4 blocks) and the rest mirrored from them."""
+    d = x.shape[1]
+    edges = [d * k // GRAM_BLOCKS for k in range(GRAM_BLOCKS + 1)]
+    for a, b in zip(edges, edges[1:]):
+        if a < b:  # rows a:b, columns a: (the diagonal block and those right of it)
+            H[a:b, a:].mul_(beta).addmm_((x[:, a:b] * w[:, None]).T, x[:, a:], alpha=alpha)
+    for a, b in zip(edges, edges[1:]):
+        H[b:, a:b] = H[a:b, b:].T

@@ -397,15 +397,20 @@ def _extra_passes(config, b, cost_model, tokens, seq_len, group_size, block_forw
     """What `--guided` and `--target-bits` add: the float model's gradient pass (forward,
     then each block run again and back; the blocks' inputs spilled to disk) and guided
     Hessians (GUIDED_GROUPS per linear instead of one per group of linears that share an
-    input); the sensitivity (`pipeline.mixed`, on its SENSITIVITY_WINDOWS: the float pass,
-    the Fisher pass with FISHER_DRAWS labels, and per block each unit × format quantized by
-    the method and the block run once more)."""
+    input, each the products of its blocks on and above the diagonal, `guided.GRAM_BLOCKS`);
+    the sensitivity (`pipeline.mixed`, on its SENSITIVITY_WINDOWS: the float pass, the Fisher
+    pass with FISHER_DRAWS labels, and per block each unit × format quantized by the method
+    and the block run once more)."""
+    from quantkit.calibration.guided import GRAM_BLOCKS
     from quantkit.pipeline.mixed import FISHER_DRAWS, SENSITIVITY_WINDOWS
 
     layers, h, vocab = config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]
     rate = gflops * 1e9 * cost_model(b["groups"], tokens, group_size, b["sparse_input"])["efficiency"]
     head = 2 * tokens * h * vocab
-    hessians = sum(2 * tokens * t * i * i * (GUIDED_GROUPS * n - 1) for (i, _, t), n in zip(b["groups"], b["sizes"]))
+    share = (GRAM_BLOCKS + 1) / (2 * GRAM_BLOCKS)  # of a guided Hessian's products
+    hessians = sum(
+        2 * tokens * t * i * i * (GUIDED_GROUPS * n * share - 1) for (i, _, t), n in zip(b["groups"], b["sizes"])
+    )
     gradient = layers * (4 * block_forward / 2 + hessians) + 3 * head
     rows, seq = SENSITIVITY_WINDOWS
     few = rows * seq

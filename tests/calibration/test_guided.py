@@ -114,6 +114,21 @@ def test_weighted_hessian_is_the_formula_over_batches():
             torch.testing.assert_close(H.double(), want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("width", [3, 13, 64])
+def test_weighted_gram_by_upper_blocks_is_addmm(width):
+    """`add_weighted_gram` multiplies only the blocks on and above the diagonal and mirrors the
+    rest: the same H as its reference `mul_(beta).addmm_(x.T * w, x, alpha)` up to fp32 sums
+    of another shape, widths that the blocks do not divide included (3 < GRAM_BLOCKS)."""
+    torch.manual_seed(0)
+    x, w = torch.randn(200, width), torch.rand(200)
+    H = torch.randn(width, width)
+    H = H + H.T
+    want = H.clone().mul_(0.25).addmm_(x.T * w, x, alpha=0.75)
+    guided.add_weighted_gram(H, x, w, 0.25, 0.75)
+    torch.testing.assert_close(H, want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(H, H.T, rtol=1e-5, atol=1e-4)
+
+
 def test_gptq_under_a_guided_hessian_lowers_the_guided_error():
     """Rows quantized under the Hessian of tokens weighted like the loss's: their weighted
     output error is lower than GPTQ's under the plain Hessian (same grid, same options)."""

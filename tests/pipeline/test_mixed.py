@@ -5,6 +5,7 @@ the checkpoint loads in quantkit and transformers to the same logits."""
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import json
 import random
@@ -363,12 +364,19 @@ def test_shape_rows_equal_the_units_of_the_built_model(tmp_path, family):
 
 
 def test_an_impossible_budget_is_refused_before_measuring(tmp_path, monkeypatch, tiny_corpus):
+    """Refused from config.json alone: before the model is opened or any sensitivity measured
+    (on smollm2 the refusal takes the CLI's start-up, ~4 CPU-s, where measuring took minutes)."""
+    pipeline = importlib.import_module("quantkit.pipeline.quantize")  # the module, not its function
     path = make_tiny_model(tmp_path / "m")
 
     def measured(*args, **kwargs):
         raise AssertionError("sensitivity was measured for an impossible budget")
 
+    def opened(*args, **kwargs):
+        raise AssertionError("the model was opened for an impossible budget")
+
     monkeypatch.setattr(mixed, "sensitivity", measured)
+    monkeypatch.setattr(pipeline, "open_float_model", opened)
     calib = Calibration(dataset=str(tiny_corpus), samples=4, seq_len=32)
     with pytest.raises(QuantkitError, match=r"--target-bits 1.5 is below what the smallest formats take \(4\.\d{3}"):
         quantize(str(path), preset("w4a16"), tmp_path / "out", "rtn", calibration=calib, target_bits=1.5)
