@@ -81,12 +81,12 @@ def test_w4afp8_quantizes_activations_per_token_in_fp8(bf16_llama, tiny_corpus, 
 
 
 @pytest.mark.parametrize("name", ["w4afp8", "w3a16"])
-@pytest.mark.parametrize("family", ["llama", "mixtral"])
+@pytest.mark.parametrize("family", ["llama3", "mixtral"])
 def test_engine_greedy_equals_transformers(tmp_path, tiny_corpus, name, family):
     path = make_family_model(tmp_path / "m", family, dtype=torch.bfloat16, hidden_size=128, intermediate_size=256)
     out = tmp_path / "q"
     calibration = Calibration(str(tiny_corpus), 8, 32, min_expert_tokens=1)
-    quantize(str(path), preset(name), out, "gptq" if family == "llama" else "rtn", calibration)
+    quantize(str(path), preset(name), out, "gptq" if family == "llama3" else "rtn", calibration)
     llm = LLM(str(out), dtype="float32", block_size=16, num_blocks=32)
     note = "fake-quantized per token" if name == "w4afp8" else "dequantized to float32 at load"
     assert any(note in n for n in llm.notes), llm.notes
