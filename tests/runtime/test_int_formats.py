@@ -78,7 +78,7 @@ def test_w4afp8_quantizes_activations_per_token_in_fp8(bf16_llama, tiny_corpus, 
     assert isinstance(fp8.model.layers[0].self_attn.q_proj, PackedInt4Linear)
     assert fp8.model.layers[0].self_attn.q_proj.acts == preset("w4afp8").input_activations
     a, b = logits(fp8), logits(quantkit.load(tmp_path / "w4a16", torch.float32))
-    assert not torch.equal(a, b) and (a - b).abs().max() < 0.1 * b.abs().max()
+    assert not torch.equal(a, b) and (a - b).pow(2).mean() < 0.1 * b.pow(2).mean()  # fp8 rounding, not garbage
 
 
 @pytest.mark.parametrize("name", ["w4afp8", "w3a16"])
