@@ -148,7 +148,9 @@ class QuantScheme:
             return "mxfp8-quantized"
         if self.weights.type == "float":
             return "float-quantized"
-        if self.input_activations is None:
+        if self.input_activations is None or self.input_activations.type == "float":
+            # int weights on fp8 activations (w4afp8): packed, as vLLM's W4A8Fp8 reads them
+            # (compressed-tensors 0.20.1 would infer int-quantized, one int8 per weight)
             return "pack-quantized"
         return "int-quantized"
 
@@ -226,6 +228,7 @@ _W4 = QuantArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_
 _FP8_CHANNEL = QuantArgs(num_bits=8, type="float", strategy="channel", group_size=None)
 _FP8_TENSOR = QuantArgs(num_bits=8, type="float", strategy="tensor", group_size=None)
 
+_FP8_TOKEN = QuantArgs(num_bits=8, type="float", strategy="token", group_size=None, dynamic=True)
 _FP8_BLOCK = QuantArgs(8, "float", strategy="block", group_size=None, block_structure=(128, 128))
 _NVFP4 = QuantArgs(4, "float", strategy="tensor_group", group_size=16, scale_dtype="float8_e4m3fn")
 _MXFP4 = QuantArgs(4, "float", strategy="group", group_size=32, scale_dtype="uint8")
@@ -234,6 +237,7 @@ _MXFP8 = QuantArgs(8, "float", strategy="group", group_size=32, scale_dtype="uin
 PRESETS: dict[str, QuantScheme] = {
     "w4a16": QuantScheme("w4a16", _W4),
     "w4a16-asym": QuantScheme("w4a16-asym", dataclasses.replace(_W4, symmetric=False)),
+    "w3a16": QuantScheme("w3a16", dataclasses.replace(_W4, num_bits=3)),
     "w8a16": QuantScheme(
         "w8a16", QuantArgs(num_bits=8, type="int", symmetric=True, strategy="channel", group_size=None)
     ),
@@ -245,7 +249,7 @@ PRESETS: dict[str, QuantScheme] = {
     "fp8-dynamic": QuantScheme(
         "fp8-dynamic",
         _FP8_CHANNEL,
-        input_activations=QuantArgs(num_bits=8, type="float", strategy="token", group_size=None, dynamic=True),
+        input_activations=_FP8_TOKEN,
     ),
     "fp8": QuantScheme("fp8", _FP8_TENSOR, input_activations=_FP8_TENSOR),
     "fp8-block": QuantScheme(
@@ -257,6 +261,7 @@ PRESETS: dict[str, QuantScheme] = {
     "nvfp4": QuantScheme("nvfp4", _NVFP4, input_activations=dataclasses.replace(_NVFP4, dynamic="local")),
     "mxfp4a16": QuantScheme("mxfp4a16", _MXFP4),
     "mxfp4": QuantScheme("mxfp4", _MXFP4, input_activations=dataclasses.replace(_MXFP4, dynamic=True)),
+    "w4afp8": QuantScheme("w4afp8", _W4, input_activations=_FP8_TOKEN),
     "mxfp8": QuantScheme("mxfp8", _MXFP8, input_activations=dataclasses.replace(_MXFP8, dynamic=True)),
     "kv-fp8": QuantScheme("kv-fp8", None, kv_cache=_FP8_TENSOR),
     "kv-int8": QuantScheme(

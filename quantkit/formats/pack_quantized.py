@@ -1,12 +1,15 @@
-"""compressed-tensors `pack-quantized`: int4 (or int2/int8) weights packed into int32.
+"""compressed-tensors `pack-quantized`: int4 (or int3/int8, any of 1..8 bits) weights packed into int32.
 
 Per quantized linear `<name>`:
 
 | tensor | dtype | shape | content |
 |---|---|---|---|
-| `<name>.weight_packed` | int32 | [out, in * bits / 32] | values + 2^(bits-1) (int4: +8), element j of a row in bits [bits*(j % (32/bits)), ...) of word j // (32/bits): little-end first |
+| `<name>.weight_packed` | int32 | [out, ceil(in * bits / 32)] | values + 2^(bits-1) (int4: +8), one dense bit stream per row: element j in bits [bits*j, bits*(j+1)), little-end first; 3 bits: a value may straddle two words (`quantkit.packing`) |
 | `<name>.weight_scale` | float (model dtype) | [out, ceil(in / group)] (group), [out, 1] (channel) | |
 | `<name>.weight_zero_point` | int32 | [ceil(out * bits / 32), ceil(in / group)] | asymmetric only; signed zero points packed like the weights but along the output dimension |
+
+The config group's `input_activations` are null (w4a16, w3a16, w8a16) or fp8 e4m3 per token,
+dynamic (`w4afp8`, vLLM's `CompressedTensorsW4A8Fp8`: no activation tensor is stored).
 | `<name>.weight_shape` | int64 | [2] | [out, in] |
 | `<name>.weight_g_idx` | int32 | [in] | only with act-order "group": the group of each input column |
 """
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from quantkit.packing import pack, unpack
+from quantkit.packing import pack, packed_words, unpack
 from quantkit.primitives import quantize
 from quantkit.scheme import QuantArgs
 
@@ -56,12 +59,12 @@ def param_info(out_features: int, in_features: int, args: QuantArgs, dtype: torc
     """Shapes and dtypes of the packed tensors of one [out, in] linear."""
     n_groups = -(-in_features // args.group_size) if args.strategy == "group" else 1  # a last, partial group
     info = {
-        "weight_packed": ((out_features, in_features * args.num_bits // 32), torch.int32),
+        "weight_packed": ((out_features, packed_words(in_features, args.num_bits)), torch.int32),
         "weight_scale": ((out_features, n_groups), dtype),
         "weight_shape": ((2,), torch.int64),
     }
     if not args.symmetric:
-        info["weight_zero_point"] = ((-(-out_features * args.num_bits // 32), n_groups), torch.int32)
+        info["weight_zero_point"] = ((packed_words(out_features, args.num_bits), n_groups), torch.int32)
     if args.actorder == "group":
         info["weight_g_idx"] = ((in_features,), torch.int32)
     return info

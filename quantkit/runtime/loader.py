@@ -34,7 +34,7 @@ from quantkit.runtime.qlinear import Fp8Linear, Int8Linear, PackedInt4Linear, Pa
 from quantkit.scheme import CheckpointConfig, from_quantization_config
 
 SUPPORTED = (
-    "compressed-tensors pack-quantized (int4, int8)",
+    "compressed-tensors pack-quantized (int4, int8; int4 on fp8 activations, w4afp8; other widths dequantized at load)",
     "compressed-tensors float-quantized (fp8)",
     "compressed-tensors int-quantized (W8A8 int8)",
     "compressed-tensors float-quantized block (fp8 128x128), nvfp4-pack-quantized, mxfp4-pack-quantized, "
@@ -87,8 +87,8 @@ def _quantized_linear(linear: nn.Linear, scheme, dtype: torch.dtype, path: Path)
     shape = (linear.in_features, linear.out_features, linear.bias is not None)
     if w.type == "float":
         return Fp8Linear(*shape, w, acts is not None and not acts.dynamic, dtype)
-    if w.num_bits == 4 and acts is None:
-        return PackedInt4Linear(*shape, w, dtype)
+    if w.num_bits == 4 and (acts is None or _fp8_per_token(acts)):
+        return PackedInt4Linear(*shape, w, dtype, acts)
     if w.num_bits == 8 and acts is None:
         return PackedInt8Linear(*shape, w, dtype)
     if w.type == "int" and acts is not None:
@@ -103,6 +103,11 @@ def _quantized_linear(linear: nn.Linear, scheme, dtype: torch.dtype, path: Path)
         f"{path} quantizes weights to int{w.num_bits}"
         f"{' with quantized activations' if acts else ''}; quantkit loads {', '.join(SUPPORTED)}."
     )
+
+
+def _fp8_per_token(acts) -> bool:
+    """w4afp8's activations: fp8 per token, taken at run time."""
+    return acts.type == "float" and acts.num_bits == 8 and acts.strategy == "token" and acts.dynamic is True
 
 
 def load(path: str | os.PathLike, dtype: torch.dtype | None = None) -> nn.Module:
@@ -131,6 +136,7 @@ def load(path: str | os.PathLike, dtype: torch.dtype | None = None) -> nn.Module
             _replace(model, name, _quantized_linear(module, scheme, dtype, path))
     _dequantize(tensors, dequantized, dtype, path)
     model.load_notes = qlinear_float.load_notes(Counter(map(qlinear_float.kind, dequantized.values())), dtype)
+    model.load_notes += _fp8_activation_notes(model)
     kv_tensors = {k: tensors.pop(k) for k in list(tensors) if k.endswith((".k_scale", ".v_scale"))}
     missing, unexpected = missing_and_unexpected(model, tensors)
     for k in [k for k in unexpected if k.endswith(".bias") and not tensors[k].any()]:  # older AutoGPTQ saves these
@@ -147,12 +153,25 @@ def load(path: str | os.PathLike, dtype: torch.dtype | None = None) -> nn.Module
     return model.eval()
 
 
+def _fp8_activation_notes(model: nn.Module) -> list[str]:
+    n = sum(isinstance(m, PackedInt4Linear) and m.acts is not None for m in model.modules())
+    if not n:
+        return []
+    return [
+        f"{n} w4afp8 linears run the int4 kernels on fp8 (e4m3) activations fake-quantized per token as "
+        "compressed-tensors does (no fp8 x int4 kernel on the CPU)."
+    ]
+
+
 def _dequantize(tensors: dict, schemes: dict, dtype: torch.dtype, path: Path) -> None:
     """Replace the stored tensors of each linear of `schemes` (name -> scheme) by its weight
     dequantized to `dtype` (`qlinear_float`); bias and input global scale stay."""
     for name, scheme in schemes.items():
         parts = {}
-        for suffix in ("weight", "weight_packed", "weight_scale", "weight_global_scale"):
+        for suffix in (
+            "weight", "weight_packed", "weight_scale", "weight_global_scale", "weight_shape", "weight_zero_point",
+            "weight_g_idx",
+        ):  # fmt: skip
             if f"{name}.{suffix}" in tensors:
                 parts[suffix] = tensors.pop(f"{name}.{suffix}")
         try:

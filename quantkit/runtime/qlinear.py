@@ -10,6 +10,7 @@ from quantkit import ops, packing
 from quantkit.formats import float_quantized, int_quantized, pack_quantized
 from quantkit.kernels import choice, fp8, int4, int8
 from quantkit.kernels.choice import Choice, Problem
+from quantkit.runtime.qlinear_float import fake_quantize_input
 from quantkit.scheme import QuantArgs
 
 
@@ -52,13 +53,22 @@ def _plus_bias(run, bias: torch.Tensor):
 
 class PackedInt4Linear(_Prepared):
     """A linear with compressed-tensors `pack-quantized` int4 weights (buffers named
-    as in the checkpoint, so its state dict loads as is)."""
+    as in the checkpoint, so its state dict loads as is). With `acts` (w4afp8: fp8 per token,
+    dynamic) the input is fake-quantized as compressed-tensors does before the int4 GEMM."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, args: QuantArgs, dtype: torch.dtype):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        args: QuantArgs,
+        dtype: torch.dtype,
+        acts: QuantArgs | None = None,
+    ):
         super().__init__()
         if args.num_bits != 4:
             raise ValueError("PackedInt4Linear holds 4-bit weights only")
-        self.in_features, self.out_features, self.args = in_features, out_features, args
+        self.in_features, self.out_features, self.args, self.acts = in_features, out_features, args, acts
         info = pack_quantized.param_info(out_features, in_features, args, dtype)
         for name, (shape, dt) in info.items():
             self.register_buffer(name, torch.empty(shape, dtype=dt, device="meta"))
@@ -82,13 +92,25 @@ class PackedInt4Linear(_Prepared):
         every call. `self.kernel` says which, and why."""
         group = self.args.group_size if self.args.strategy == "group" else None
         weight = (self.weight_packed, self.weight_scale, self.zeros(), group, self.weight_g_idx)
-        return self._choose("int4 GEMM", int4.CANDIDATES, Problem(device, dtype, backend, weight=weight))
+        kernel = self._choose("int4 GEMM", int4.CANDIDATES, Problem(device, dtype, backend, weight=weight))
+        if self.acts is not None:
+            self.run = _on_fake_quantized_input(self.run, self.acts)
+        return kernel
 
     def extra_repr(self) -> str:
         a = self.args
+        acts = ", fp8 per-token activations" if self.acts is not None else ""
         return (
             f"in={self.in_features}, out={self.out_features}, int4 {a.strategy} {a.group_size or ''} sym={a.symmetric}"
+            + acts
         )
+
+
+def _on_fake_quantized_input(run, acts: QuantArgs):
+    def run_on_fake_quantized(x: torch.Tensor) -> torch.Tensor:
+        return run(fake_quantize_input(x, acts, None))
+
+    return run_on_fake_quantized
 
 
 class PackedInt8Linear(_Prepared):
@@ -202,6 +224,7 @@ def fuse_linears(linears: list[nn.Module]) -> nn.Module | None:
             bias is not None,
             first.args,
             first.weight_scale.dtype,
+            first.acts,
         )
         for name in ("weight_packed", "weight_scale"):
             setattr(fused, name, _concat_and_share(linears, name))
@@ -250,6 +273,7 @@ def _same_int4_layout(linears: list[PackedInt4Linear]) -> bool:
     g = first.weight_g_idx
     return all(
         m.args == first.args
+        and m.acts == first.acts
         and m.weight_scale.dtype == first.weight_scale.dtype
         and (g is None) == (m.weight_g_idx is None)
         and (g is None or torch.equal(g, m.weight_g_idx))

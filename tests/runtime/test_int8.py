@@ -128,7 +128,12 @@ def test_inspect_shows_w8a8(w8a8):
 @pytest.mark.parametrize(
     "method, scheme, transforms, match",
     [
-        ("awq", "w8a8", [], "does not fit awq; use w4a16 or w4a16-asym or w8a16 or nvfp4a16 .* .or rtn or gptq"),
+        (
+            "awq",
+            "w8a8",
+            [],
+            "does not fit awq; use w4a16 or w4a16-asym or w3a16 or w8a16 or nvfp4a16 .* .or rtn or gptq",
+        ),
         ("rtn", "w4a16", [("smooth", {})], "'w4a16' keeps activations in float; use w8a8"),
         ("fp8", "w8a8", [], "does not fit fp8; use fp8-dynamic or fp8"),
     ],
