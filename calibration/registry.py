@@ -71,6 +71,16 @@ class GPTQOptions:
 
 
 @dataclass(frozen=True)
+class AutoRoundOptions:
+    iters: int = option(200, "Signed-gradient steps per block (0: round to nearest).", min=0)
+    lr: float | None = option(
+        None, "Step size of the rounding offsets, decayed linearly to 0 (default 1/iters).", kind="float", min=0
+    )
+    clip_lr: float | None = option(None, "Step size of the clip factors (default: --lr).", kind="float", min=0)
+    batch: int = option(8, "Calibration rows per step (drawn from one forward batch).", min=1)
+
+
+@dataclass(frozen=True)
 class FP8Options:
     """FP8 has no options of its own (smoothing is the `smooth` method, run before it)."""
 
@@ -135,6 +145,18 @@ METHODS: dict[str, Method] = {
             actorder=True,
             default_actorder="static",
             plan="quantkit.calibration.gptq:plan_cost",
+        ),
+        Method(
+            "autoround",
+            "AutoRound INT4, NVFP4 or MXFP4 (Cheng et al.): per block, learn each weight's rounding and each "
+            "group's clipping by signed gradient descent on the block's output error.",
+            AutoRoundOptions,
+            "weights",
+            "quantkit.calibration.autoround:autoround_step",
+            "pack-quantized",
+            formats=FP4_FORMATS,
+            default_scheme="w4a16",
+            plan="quantkit.calibration.autoround:plan_cost",
         ),
         Method(
             "fp8",

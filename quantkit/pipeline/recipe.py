@@ -88,8 +88,11 @@ ACTIVATION_ARGS: dict[str, Kind] = {
 
 
 def _kind(meta: dict) -> Kind:
-    """The recipe check of an option declared with `calibration.method.option`."""
+    """The recipe check of an option declared with `calibration.method.option` (null allowed
+    when the default is None)."""
     kind, low = meta["kind"], meta["min"]
+    if meta["default"] is None and kind != "text":
+        return _optional(_kind({**meta, "default": 0}))
     if kind == "choice":
         return _choice(*meta["choices"])
     if kind == "bool":

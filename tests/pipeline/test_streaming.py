@@ -171,6 +171,7 @@ quantize(sys.argv[3], s, sys.argv[4], sys.argv[5], Calibration(sys.argv[6], 8, 3
         ("commit", 4, "gptq", "qwen3-moe", 0),  # the expert token counts of the blocks done are carried
         ("add", 40, "gptq", None, math.inf),  # killed blocks after the last commit (the first one's)
         ("add", 30, "awq", None, math.inf),
+        ("commit", 3, "autoround", None, 0),  # the float stream of its targets is carried
     ],
 )
 def test_killed_run_resumes_byte_identical(tmp_path, tiny_corpus, where, n, method, family, every):
@@ -178,10 +179,11 @@ def test_killed_run_resumes_byte_identical(tmp_path, tiny_corpus, where, n, meth
     resumed run writes what an uninterrupted one does, byte for byte."""
     src = source(tmp_path / "src", family, num_hidden_layers=4)
     options = {"save_search": str(tmp_path / "search-{}.safetensors")} if method == "awq" else {}
+    options = {"iters": 3, "batch": 2} if method == "autoround" else options
     s = scheme(kv=True)
 
     def opts(name):
-        return {k: v.format(name) for k, v in options.items()}
+        return {k: v.format(name) if isinstance(v, str) else v for k, v in options.items()}
 
     straight = quantize(
         str(src), s, tmp_path / "straight", method, calibration(tiny_corpus), opts("a"), max_shard_size="40KB"
