@@ -162,3 +162,17 @@ def _calibration(corpus):
     from quantkit.calibration.method import Calibration
 
     return Calibration(str(corpus), samples=4, seq_len=32, batch_size=4)
+
+
+def test_the_rotate_flag_is_a_recipe_step_with_its_kind():
+    from typer.testing import CliRunner
+
+    from quantkit.cli import build_app
+
+    runner = CliRunner()
+    result = runner.invoke(build_app(), ["gptq", "--rotate", "random-hadamard", "--print-recipe", "-o", "out/x"])
+    assert result.exit_code == 0, result.output
+    assert "steps:\n- rotate:\n    kind: random-hadamard\n    seed: 0\n- gptq:" in result.stdout
+    result = runner.invoke(build_app(), ["rtn", "--rotate", "givens", "--print-recipe", "-o", "out/x"])
+    assert result.exit_code == 2
+    assert "'givens' is not allowed; use hadamard or random-hadamard" in " ".join(result.output.split())
