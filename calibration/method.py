@@ -85,7 +85,8 @@ class Method:
     (`runner.Step`) that quantizes (or transforms) one block in place and records a
     `QParams` per quantized linear in `results`. `role` is "weights" (one per run: it
     quantizes the weights into `format`), "transform" (runs on each block before the
-    weight method: `before` names the weight methods it may precede) or "kv" (the
+    weight method, or with `reads` on the float weights as they are read: `before` names the
+    weight methods it may precede) or "kv" (the
     KV-cache scales, observed on the calibration pass; no step of its own)."""
 
     name: str
@@ -103,6 +104,10 @@ class Method:
     needs_activations: bool = False  # only for schemes that quantize activations
     before: tuple[str, ...] = ()
     plan: str | None = None  # "module:function": its cost model for `quantkit plan --calibrate` (None: not planned)
+    # a transform applied to the float weights as they are read, instead of a runner step:
+    # "module:function" of `reads(model, spec, weights, options) -> (weights, how)` (rotate)
+    reads: str | None = None
+    flag: str | None = None  # the option its commands' --NAME VALUE flag sets (None: a plain switch)
 
     def makes(self, fmt: str) -> bool:
         """Whether the method's weights can take the on-disk format `fmt` (a scheme's `format`)."""
@@ -110,5 +115,13 @@ class Method:
 
     @property
     def make_step(self) -> Callable:
-        module, _, name = self.step.partition(":")
-        return getattr(importlib.import_module(module), name)
+        return _imported(self.step)
+
+    @property
+    def make_reader(self) -> Callable:
+        return _imported(self.reads)
+
+
+def _imported(where: str) -> Callable:
+    module, _, name = where.partition(":")
+    return getattr(importlib.import_module(module), name)

@@ -90,6 +90,22 @@ class SmoothOptions:
     grid: int = option(10, "Points of the α grid in [0, 1] (s = 1, no smoothing, is always tried).", min=1)
 
 
+ROTATIONS = ("hadamard", "random-hadamard")
+
+
+@dataclass(frozen=True)
+class RotateOptions:
+    kind: str = option(
+        "hadamard",
+        "The orthogonal matrices: normalized Hadamard (Sylvester/Paley Kronecker products), or with random "
+        "signs per row drawn from seed.",
+        choices=ROTATIONS,
+    )
+    seed: int = option(
+        0, "Seed of random-hadamard's signs (and of a random orthogonal factor an odd size needs).", min=0
+    )
+
+
 @dataclass(frozen=True)
 class KVOptions:
     dtype: str = option("fp8", "KV-cache type.", choices=KV_DTYPES)
@@ -179,6 +195,18 @@ METHODS: dict[str, Method] = {
             folds_scales=True,
             needs_activations=True,
             before=("fp8", "rtn", "gptq"),
+        ),
+        Method(
+            "rotate",
+            "Rotations fused into the weights (QuaRot; SpinQuant's R1 and R2): the residual stream and each "
+            "head's values rotated by Hadamard matrices, the norms folded, a tied LM head untied; the float "
+            "function is unchanged and outliers spread out.",
+            RotateOptions,
+            "transform",
+            needs_data=lambda scheme, o: False,
+            before=("rtn", "awq", "gptq", "fp8"),
+            reads="quantkit.calibration.rotate:rotated_weights",
+            flag="kind",
         ),
         Method(
             "kv",

@@ -25,6 +25,7 @@ def quantize(
     kv_cache: str | None = RunOptions.kv_cache,
     kv_per_head: bool = RunOptions.kv_per_head,
     smooth: bool = False,
+    rotate: str | None = None,
     overwrite: bool = RunOptions.overwrite,
     resume: bool = RunOptions.resume,
     max_shard_size: int | str = RunOptions.max_shard_size,
@@ -44,7 +45,8 @@ def quantize(
     power of two below it that divides every quantized layer's input width; `actorder` (GPTQ:
     "static", "group" or "none") defaults to the method's ("static" for gptq); `options` are the
     method's own (e.g. grid=10 for awq, damp=0.05 for gptq; see `quantkit.calibration.registry`);
-    `smooth` runs SmoothQuant first (fp8, w8a8). The run options are `RunOptions`'
+    `smooth` runs SmoothQuant first (fp8, w8a8); `rotate` ("hadamard" or "random-hadamard")
+    fuses rotations into the weights first (`quantkit.calibration.rotate`). The run options are `RunOptions`'
     (`quantkit.pipeline.options`): `kv_cache` ("fp8"/"int8") also calibrates KV-cache scales;
     the model streams block by block from its files; `resume` continues a run that was
     interrupted (same arguments) from its last finished block; the checkpoint is written in
@@ -73,7 +75,7 @@ def quantize(
         group=group_size,
         actorder=actorder,
         calibration=calibration,
-        transforms=["smooth"] if smooth else [],
+        transforms=([{"rotate": {"kind": rotate}}] if rotate else []) + (["smooth"] if smooth else []),
         options=options,
         run=run,
     )

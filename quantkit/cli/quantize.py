@@ -90,7 +90,26 @@ def _flags(options: type, decls: dict | None = None, keep=lambda name: True) -> 
 def _transform_help(t: Method) -> str:
     acts = [n for n, s in PRESETS.items() if s.input_activations is not None]
     only = f"; for schemes that quantize activations: {', '.join(acts)}" if t.needs_activations else ""
+    if t.flag:
+        choices = describe(t.options)[t.flag]["choices"]
+        return f"First {t.name}: {t.summary.rstrip('.')}. Its {t.flag}: {_words(list(choices))}."
     return f"First run {t.name}, {t.summary.rstrip('.')} (its default options, on --calib{only})."
+
+
+def _transform_flag(t: Method) -> tuple:
+    """(name, type, typer option) of a transform's flag: a switch, or --NAME VALUE for its `flag` option."""
+    if t.flag:
+        return (t.name, Optional[str], typer.Option(None, help=_transform_help(t)))
+    return (t.name, bool, typer.Option(False, help=_transform_help(t)))
+
+
+def _transforms(entry: Method, flags: dict) -> list:
+    """The transform steps the flags ask for: a name, or {name: {flag option: value}}."""
+    return [
+        {t.name: {t.flag: flags[t.name]}} if t.flag else t.name
+        for t in run_options.transforms_for(entry)
+        if flags[t.name]
+    ]
 
 
 def _parameters(entry: Method) -> list[inspect.Parameter]:
@@ -104,7 +123,7 @@ def _parameters(entry: Method) -> list[inspect.Parameter]:
         flags.append(("group_size", str, GROUP))
     if entry.actorder:
         flags.append(("act_order", str, typer.Option(entry.default_actorder or "none", help=ACT_ORDER_HELP)))
-    flags += [(t.name, bool, typer.Option(False, help=_transform_help(t))) for t in run_options.transforms_for(entry)]
+    flags += [_transform_flag(t) for t in run_options.transforms_for(entry)]
     flags += _flags(Calibration, CALIBRATION_FLAGS)
     flags += _flags(entry.options)
     flags += _flags(run_options.RunOptions, keep=lambda name: run_options.applies(name, entry))
@@ -136,7 +155,7 @@ def _recipe(entry: Method, flags: dict) -> dict:
         group=flags.get("group_size", "auto"),
         actorder=act_order,
         calibration=Calibration(**given(Calibration)),
-        transforms=[t.name for t in run_options.transforms_for(entry) if flags[t.name]],
+        transforms=_transforms(entry, flags),
         options=given(entry.options),
         run=run_options.RunOptions(**given(run_options.RunOptions)),
     )

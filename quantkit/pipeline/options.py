@@ -97,13 +97,14 @@ def quantize_recipe(
     group: int | str = "auto",
     actorder: str | None = None,
     calibration: Calibration | None = None,
-    transforms: tuple[str, ...] | list[str] = (),
+    transforms: tuple[str | dict, ...] | list[str | dict] = (),
     options: dict | None = None,
     run: RunOptions | None = None,
 ) -> dict:
     """The recipe dict (for `recipe.from_dict`) of quantizing `model` with the weight method
     `name`: its `options`, after `transforms`, with the run options `run`; `scheme` defaults
-    to the method's, `actorder` ("none" for none) to the method's."""
+    to the method's, `actorder` ("none" for none) to the method's; a transform is its name
+    (default options) or {name: options}."""
     entry, run = method(name), run or RunOptions()
     if run.kv_cache is not None and run.kv_cache not in KV_DTYPES:
         raise QuantkitError(f"KV-cache type {run.kv_cache!r} is unknown; use {' or '.join(KV_DTYPES)}.")
@@ -117,7 +118,7 @@ def quantize_recipe(
     return {
         "model": str(model),
         "scheme": {"preset": scheme or entry.default_scheme} | weights,
-        "steps": [*({t: {}} for t in transforms), {entry.name: dict(options or {})}, *kv],
+        "steps": [*({t: {}} if isinstance(t, str) else t for t in transforms), {entry.name: dict(options or {})}, *kv],
         "calibration": dataclasses.asdict(calibration or Calibration()),
         "output": None if output is None else str(output),
     } | {key: value for key, value in values.items() if value is not None}

@@ -228,7 +228,7 @@ def _make_step(
 ):
     """The runner step: each transform's step, then the method's (which quantizes each
     linear with its own scheme: the scheme's, or a per-module override's)."""
-    steps = [t.make_step(spec, scheme, o, results, dtype, log) for t, o in transforms]
+    steps = [t.make_step(spec, scheme, o, results, dtype, log) for t, o in transforms if t.step]
     steps.append(method.make_step(spec, scheme, options, results, dtype, log))
 
     def step(index, prefix, block, inputs):
@@ -327,6 +327,12 @@ class _Run:
         self.start = time.perf_counter()
         if target_formats is not None and target_bits is None:
             raise QuantkitError(FORMATS_NEED_BITS)
+        rewrites = [t.name for t, _ in self.transforms if t.reads]
+        if target_bits is not None and rewrites:
+            raise QuantkitError(
+                f"--target-bits measures the sensitivity of the model before {rewrites[0]}; "
+                f"drop one of {rewrites[0]} and --target-bits."
+            )
         self.formats, self.mixed = None, None
         if target_bits is not None:
             self.formats = allowed_formats(target_formats)
@@ -350,6 +356,10 @@ class _Run:
         m, log = self.method, self.log
         self.model, self.tokenizer, self.source, self.weights, self.dtype = open_float_model(self.model_name, log)
         self.spec = spec = arch_for(self.model.config)
+        self.rewritten = {}  # transform -> how it rewrote the float weights as they are read (rotate)
+        for t, o in self.transforms:
+            if t.reads:
+                self.weights, self.rewritten[t.name] = t.make_reader(self.model, spec, self.weights, o)
         self.guided = getattr(self.options, "guided", 0)  # loss-guided Hessians: groups of output channels per linear
         if self.guided:
             from quantkit.calibration.guided import check_dense
@@ -475,7 +485,7 @@ class _Run:
             "kv_cache": dataclasses.asdict(kv) if kv else None,
             "calibration": self.partial.args["calibration"],
             "options": dataclasses.asdict(options),
-            "transforms": {t.name: dataclasses.asdict(o) for t, o in self.transforms},
+            "transforms": {t.name: dataclasses.asdict(o) | self.rewritten.get(t.name, {}) for t, o in self.transforms},
             "quantized_linears": len(self.schemes),
             **({"mixed_precision": self.mixed} if self.mixed else {}),
             **({"expert_tokens": self.expert_tokens} if self.expert_tokens else {}),
