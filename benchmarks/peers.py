@@ -177,7 +177,7 @@ class Run:
 
     def __init__(self, a: argparse.Namespace):
         self.a = a
-        self.out = (a.out / a.model).resolve()
+        self.out = (a.out / Path(a.model).name).resolve()
         self.out.mkdir(parents=True, exist_ok=True)
         self.results_path = self.out / "results.json"
         self.qk = str(Path(sys.executable).with_name("quantkit"))
@@ -260,10 +260,10 @@ def quantize(run: Run, case: str) -> None:
     log = stem.with_suffix(".log")
     adopted = time_v(report) if report.exists() and (folder / "config.json").exists() else None
     if adopted is None or adopted["rc"] != 0:
-        shown = [c if len(c) < 200 else "SCRIPT" for c in cmd]
+        shown = [c if c not in (LLMC, GPTQMODEL, AUTOROUND) else "SCRIPT" for c in cmd]
         print(f"{case}: {' '.join(shown)}", flush=True)
         timed(["/usr/bin/time", "-v", "-o", str(report), *cmd], log, env, cwd=run.out)
-    result = time_v(report) | {"cmd": [c if len(c) < 200 else "SCRIPT" for c in cmd]}
+    result = time_v(report) | {"cmd": [c if c not in (LLMC, GPTQMODEL, AUTOROUND) else "SCRIPT" for c in cmd]}
     line = next((s for s in log.read_text().splitlines() if s.startswith("PEER_RESULT ")), None)
     if line:
         result |= json.loads(line.removeprefix("PEER_RESULT "))
