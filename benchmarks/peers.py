@@ -326,6 +326,14 @@ def label(case: str) -> str:
     return f"{tool} {scheme} g{group}"
 
 
+def started(run: Run, case: str) -> str:
+    """'not run', or when a run without a result yet began (its time report is made at its start)."""
+    report = (run.out / case.replace(":", "-")).with_suffix(".time")
+    if not report.exists():
+        return "not run"
+    return f"unfinished (started {datetime.datetime.fromtimestamp(report.stat().st_mtime):%H:%M})"
+
+
 def table(run: Run, cases: list[str]) -> str:
     r, w = run.results, run.a.windows
     base = (r.get(f"eval {w}/float") or {}).get("ppl")
@@ -340,7 +348,7 @@ def table(run: Run, cases: list[str]) -> str:
         _, scheme, group = parse_case(case)
         rtn = (r.get(f"eval {w}/quantkit-rtn:{scheme}:{group}") or {}).get("ppl")
         if q.get("rc", 1) != 0:
-            lines.append(f"| {label(case)} | not made: {q.get('error', 'not run')} | | | | | | | |")
+            lines.append(f"| {label(case)} | not made: {q.get('error', started(run, case))} | | | | | | | |")
             continue
         cost = f"{q['wall_s']:.0f} s | {q['cpu_s']:.0f} s | {q['peak_rss_mib']} MiB"
         if e is None or "error" in e:
