@@ -130,59 +130,61 @@ def _wsum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x * w).sum(-1)
 
 
-def search_symmetric(x: torch.Tensor, w: torch.Tensor, lo: int, hi: int, steps: int = 8) -> torch.Tensor:
+def search_symmetric(x: torch.Tensor, w: torch.Tensor, lo: int, hi: int, steps: int = 4) -> torch.Tensor:
     """Scale d [N] of each row of x [N, g] on the levels lo..hi (lo < 0 < hi): candidates map
     the largest-magnitude weight to near either end, each refit by weighted least squares
-    (d = Σ w x L / Σ w L²); the one with the least Σ w (x − d L)² wins."""
+    (d = Σ w x L / Σ w L², whose error is Σ w x² − (Σ w x L)² / Σ w L²); the one with the
+    least error wins."""
     idx = x.abs().argmax(-1, keepdim=True)
     peak = x.gather(-1, idx).squeeze(-1)
     safe = torch.where(peak == 0, torch.ones_like(peak), peak)
+    xw = x * w
     best_d = torch.zeros_like(peak)
-    best_err = torch.full_like(peak, float("inf"))
+    best_gain = torch.full_like(peak, -1.0)
     for end in (lo, hi):
         for k in range(-steps, steps + 1):
             level = end + 0.1 * k * (1 if end < 0 else -1)
-            if level == 0:
-                continue
-            L = torch.round(x * (level / safe).unsqueeze(-1)).clamp(lo, hi)
-            den = _wsum(L * L, w)
-            d = torch.where(den > 0, _wsum(x * L, w) / den.clamp_min(1e-30), torch.zeros_like(den))
-            err = _wsum((x - d.unsqueeze(-1) * L) ** 2, w)
-            better = err < best_err
-            best_d = torch.where(better, d, best_d)
-            best_err = torch.where(better, err, best_err)
+            L = torch.round(x * (level / safe).unsqueeze(-1)).clamp_(lo, hi)
+            num = (xw * L).sum(-1)
+            den = (L.mul_(L).mul_(w)).sum(-1).clamp_min(1e-30)
+            gain = num * num / den  # the error is Σ w x² − gain
+            better = gain > best_gain
+            best_d = torch.where(better, num / den, best_d)
+            best_gain = torch.where(better, gain, best_gain)
     return torch.where(peak == 0, torch.zeros_like(best_d), best_d)
 
 
 def search_asymmetric(
-    x: torch.Tensor, w: torch.Tensor, nmax: int, min_le_zero: bool, steps: int = 20
+    x: torch.Tensor, w: torch.Tensor, nmax: int, min_le_zero: bool, steps: int = 10
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale s ≥ 0 and offset m [N] of each row of x [N, g] on levels 0..nmax (x ≈ s L + m),
     as llama.cpp's make_qkx: candidate steps around (max − min)/nmax, each refit by weighted
-    least squares for (s, m); m ≤ 0 when `min_le_zero` (the K-quants store −m)."""
+    least squares for (s, m); m ≤ 0 when `min_le_zero` (the K-quants store −m). The error
+    Σ w (x − s L − m)² comes from the weighted sums, not from the residuals."""
     lo = x.min(-1).values
     if min_le_zero:
         lo = lo.clamp(max=0)
     hi = x.max(-1).values
     span = (hi - lo).clamp_min(1e-30)
-    best_s, best_m = span / nmax, lo
-    best_err = _wsum(
-        (x - (torch.round((x - lo[:, None]) / best_s[:, None]).clamp(0, nmax) * best_s[:, None] + lo[:, None])) ** 2, w
-    )
-    sw, swx = w.sum(-1), _wsum(x, w)
-    for k in range(steps + 1):
-        iscale = (nmax - 1.0 + 0.1 * k) / span
-        L = torch.round((x - lo[:, None]) * iscale[:, None]).clamp(0, nmax)
-        swl, swl2, swlx = _wsum(L, w), _wsum(L * L, w), _wsum(L * x, w)
+    sw, xw = w.sum(-1), x * w
+    swx, swx2 = xw.sum(-1), (xw * x).sum(-1)
+    best_s, best_m, best_err = span / nmax, lo, torch.full_like(lo, float("inf"))
+    shifted = x - lo[:, None]
+    for k in range(-1, steps + 1):
+        iscale = (nmax - 0.5 + 0.1 * k) / span if k >= 0 else nmax / span  # k = −1: plain min-max
+        L = torch.round(shifted * iscale[:, None]).clamp_(0, nmax)
+        swl, swlx = (w * L).sum(-1), (xw * L).sum(-1)
+        swl2 = (L.mul_(L).mul_(w)).sum(-1)
         det = sw * swl2 - swl * swl
         ok = det > 0
-        s = torch.where(ok, (sw * swlx - swl * swx) / det.where(ok, torch.ones_like(det)), best_s)
-        m = torch.where(ok, (swl2 * swx - swl * swlx) / det.where(ok, torch.ones_like(det)), best_m)
+        det = det.where(ok, torch.ones_like(det))
+        s = torch.where(ok, (sw * swlx - swl * swx) / det, best_s)
+        m = torch.where(ok, (swl2 * swx - swl * swlx) / det, best_m)
         if min_le_zero:
             pos = m > 0
             s = torch.where(pos, swlx / swl2.clamp_min(1e-30), s)
             m = torch.where(pos, torch.zeros_like(m), m)
-        err = _wsum((x - (s[:, None] * L + m[:, None])) ** 2, w)
+        err = swx2 - 2 * s * swlx - 2 * m * swx + s * s * swl2 + 2 * s * m * swl + m * m * sw
         better = (err < best_err) & (s > 0)
         best_s, best_m, best_err = best_s.where(~better, s), best_m.where(~better, m), best_err.where(~better, err)
     flat = hi == lo
@@ -211,7 +213,7 @@ def choose(w: torch.Tensor, t: BlockType, importance: torch.Tensor | None = None
     elif t.name == "q6_k":
         b = _q6k_params(x, weight, t, rows)
     else:
-        d = search_symmetric(x, weight, t.qmin - t.zero, t.qmax - t.zero)
+        d = search_symmetric(x, weight, t.qmin - t.zero, t.qmax - t.zero, steps=1 if t.qmax > 100 else 4)
         b = Blocks(t, torch.zeros(0), fp16(d).reshape(rows, -1))
     return replace(b, q=codes(w, b))
 
