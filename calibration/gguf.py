@@ -50,6 +50,15 @@ def quantize_blocks(W: torch.Tensor, H: torch.Tensor, t: BlockType, damp: float 
     importance += 1e-6 * importance.mean().clamp_min(1e-30)
     if not gptq:
         return choose(W, t, importance)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one column at a time: vectors too small to share between threads
+    try:
+        return _column_loop(W, H, importance, t, damp)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _column_loop(W: torch.Tensor, H: torch.Tensor, importance: torch.Tensor, t: BlockType, damp: float) -> Blocks:
     rows, cols = W.shape
     W[:, torch.diag(H) == 0] = 0
     Hinv = _factor(H, damp)

@@ -157,3 +157,17 @@ def test_llama_cpp_generates_from_our_file(wide_llama, tmp_path):
     done = subprocess.run([str(tool), "-m", str(path), "-n", "8", "hello"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "hello" in done.stdout
+
+
+def test_the_cli_writes_a_calibrated_file(wide_llama, tiny_corpus, tmp_path):
+    from typer.testing import CliRunner
+
+    from quantkit.cli import build_app
+
+    out = tmp_path / "m.gguf"
+    args = ["export", str(wide_llama), "--format", "gguf", "--type", "q4_k_m", "-o", str(out)]
+    r = CliRunner().invoke(build_app(), [*args, "--calib", str(tiny_corpus), "--samples", "4", "--seq-len", "32"])
+    assert r.exit_code == 0, r.output
+    assert "gptq" in r.output and out.is_file()
+    r = CliRunner().invoke(build_app(), [*args, "--method", "awq"])
+    assert r.exit_code == 2 and "unknown GGUF method 'awq'" in r.output
