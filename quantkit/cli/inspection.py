@@ -13,7 +13,6 @@ from quantkit.calibration.method import Calibration
 from quantkit.cli.common import (
     CALIB,
     JSON,
-    OUTPUT,
     SEED,
     command,
     console,
@@ -31,15 +30,42 @@ from quantkit.pipeline.options import RunOptions
 
 @command
 def export(
-    checkpoint: Path = typer.Argument(..., help="An int4 checkpoint: compressed-tensors pack-quantized, AWQ or GPTQ."),
-    format: str = typer.Option(..., "--format", help="awq (AutoAWQ GEMM), gptq (GPTQ v1) or compressed-tensors."),
-    output: Path = OUTPUT,
+    checkpoint: str = typer.Argument(
+        ..., help="An int4 checkpoint (compressed-tensors pack-quantized, AWQ or GPTQ); for gguf: a float model."
+    ),
+    format: str = typer.Option(..., "--format", help="awq (AutoAWQ GEMM), gptq (GPTQ v1), compressed-tensors or gguf."),
+    output: Path = typer.Option(..., "--output", "-o", help="Folder (a .gguf file for gguf) to write."),
+    type: str = typer.Option(
+        "q4_k_m", "--type", help="gguf: f32, q8_0, q4_0, q4_1, q4_k_m, q5_k_m or q6_k (llama.cpp's file types)."
+    ),
+    method: str = typer.Option(
+        "gptq",
+        help="gguf: gptq (GPTQ rounding on the type's grid, block parameters searched under the calibration's "
+        "importance), imatrix (the importance-weighted search alone) or rtn (the search, no calibration).",
+    ),
+    calib: str = CALIB,
+    samples: int = typer.Option(64, help="gguf: calibration rows."),
+    seq_len: int = typer.Option(512, help="gguf: tokens per calibration row."),
+    seed: int = SEED,
     overwrite: bool = registry_option(RunOptions, "overwrite"),
 ):
-    """Convert an int4 checkpoint between the compressed-tensors, AWQ and GPTQ layouts."""
+    """Convert an int4 checkpoint between the compressed-tensors, AWQ and GPTQ layouts, or
+    write a float model as a calibrated GGUF file for llama.cpp (--format gguf)."""
+    if format == "gguf":
+        from quantkit.pipeline.gguf import export_gguf
+
+        calibration = Calibration(dataset=calib, samples=samples, seq_len=seq_len, seed=seed)
+        with progress() as track:
+            chosen = export_gguf(checkpoint, output, type, method, calibration, overwrite, track)
+        counts: dict[str, int] = {}
+        for t in chosen.values():
+            counts[t] = counts.get(t, 0) + 1
+        mix = ", ".join(f"{n} {t}" for t, n in sorted(counts.items()))
+        out.print(f"wrote {output} (gguf {type}, {method}: {mix} tensors)")
+        return
     from quantkit.formats import interop
 
-    interop.export(checkpoint, output, format, overwrite)
+    interop.export(Path(checkpoint), output, format, overwrite)
     out.print(f"wrote {output} ({format})")
 
 

@@ -250,7 +250,7 @@ def export(src: str | Path, out: str | Path, fmt: str, overwrite: bool = False) 
     """Write `src` (compressed-tensors pack-quantized, AWQ or GPTQ) to `out` in layout `fmt`,
     atomically, with its tokenizer files and unquantized tensors."""
     if fmt not in WRITERS:
-        raise QuantkitError(f"export format {fmt!r} is unknown; use awq, gptq or compressed-tensors.")
+        raise QuantkitError(f"export format {fmt!r} is unknown; use awq, gptq, compressed-tensors or gguf.")
     src, out = Path(src), Path(out)
     check_output(out, overwrite)
     ck = read_int4(src)

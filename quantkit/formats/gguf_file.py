@@ -1,0 +1,229 @@
+"""What a GGUF file for llama.cpp holds besides the blocks: the family's metadata, tensor
+names and row order as llama.cpp's convert_hf_to_gguf.py writes them, the tokenizer
+(tokenizer.ggml.*) and chat template, and llama.cpp's per-tensor type choice of a file
+type (`tensor_type`, after llama-quant.cpp's rules); `write` puts them in one file through
+the `gguf` package's writer (written beside the target and renamed over it when complete).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.formats.gguf import TYPES, BlockType
+
+FILE_TYPES = {"f32": 0, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q4_k_m": 15, "q5_k_m": 17, "q6_k": 18}
+BASE = {"q4_0": "q4_0", "q4_1": "q4_1", "q8_0": "q8_0", "q4_k_m": "q4_k", "q5_k_m": "q5_k", "q6_k": "q6_k"}
+FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}  # rows that do not fill 256-weight super-blocks
+FAMILIES = {"llama": "llama", "mistral": "llama"}  # HF model_type -> llama.cpp architecture
+LINEARS = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+
+
+def check_family(config) -> str:
+    """llama.cpp's architecture name for a transformers config, or a one-sentence refusal."""
+    arch = FAMILIES.get(config.model_type)
+    if arch is None:
+        raise QuantkitError(
+            f"GGUF export supports the Llama family (model types {', '.join(FAMILIES)}) so far, "
+            f"not {config.model_type!r}; export a compressed-tensors checkpoint instead."
+        )
+    return arch
+
+
+def gguf_name(hf: str) -> str | None:
+    """llama.cpp's name of a Llama-family parameter (None: not written)."""
+    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    if hf in fixed:
+        return fixed[hf]
+    if hf == "lm_head.weight":
+        return "output.weight"
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", hf)
+    if m:
+        short = LINEARS.get(m.group(2)) or NORMS.get(m.group(2))
+        if short:
+            return f"blk.{m.group(1)}.{short}.weight"
+    return None
+
+
+def rope_rows(rows: int, heads: int) -> torch.Tensor:
+    """Row order of q/k in llama.cpp: within each head, HF's two halves (x₀…x_{d/2−1},
+    y₀…y_{d/2−1}) become interleaved pairs (x₀ y₀ x₁ y₁ …), as convert_hf_to_gguf.py permutes."""
+    dim = rows // heads
+    return torch.arange(rows).reshape(heads, 2, dim // 2).transpose(1, 2).reshape(rows)
+
+
+def _more_bits(i: int, n: int) -> bool:
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def tensor_type(file_type: str, name: str, cols: int, n_layer: int, tied: bool, imatrix: bool) -> str:
+    """The block type llama.cpp's quantizer gives tensor `name` (llama.cpp's name) of a
+    `file_type` file: the output (or a tied token embedding) in Q6_K, attn_v and ffn_down of
+    the layers `use_more_bits` picks in Q6_K for *_k_m, Q4_1 for the first eighth of ffn_down
+    in a Q4_0 file calibrated with an importance matrix, then the fallback of a row that does
+    not fill 256-weight super-blocks (Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0)."""
+    if file_type == "f32":
+        return "f32"
+    new = BASE[file_type]
+    layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
+    if name == "output.weight" or (tied and name == "token_embd.weight"):
+        if cols % TYPES[new].block:
+            new = "q8_0"
+        elif new != "q8_0":
+            new = "q6_k"
+    elif name.endswith("attn_v.weight") and file_type in ("q4_k_m", "q5_k_m") and _more_bits(layer, n_layer):
+        new = "q6_k"
+    elif name.endswith("ffn_down.weight"):
+        if file_type in ("q4_k_m", "q5_k_m") and _more_bits(layer, n_layer):
+            new = "q6_k"
+        elif file_type == "q4_0" and imatrix and layer < n_layer // 8:
+            new = "q4_1"
+    if cols % TYPES[new].block:
+        new = FALLBACK.get(new, new)
+    if cols % TYPES[new].block:
+        return "f32"
+    return new
+
+
+def llama_metadata(config, arch: str) -> dict:
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    rope = (getattr(config, "rope_parameters", None) or {}).get("rope_theta") or getattr(config, "rope_theta", 10000.0)
+    if (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default") != "default":
+        raise QuantkitError("GGUF export writes plain RoPE so far; this model scales its rotary embedding.")
+    return {
+        f"{arch}.vocab_size": ("uint32", config.vocab_size),
+        f"{arch}.context_length": ("uint32", config.max_position_embeddings),
+        f"{arch}.embedding_length": ("uint32", config.hidden_size),
+        f"{arch}.block_count": ("uint32", config.num_hidden_layers),
+        f"{arch}.feed_forward_length": ("uint32", config.intermediate_size),
+        f"{arch}.rope.dimension_count": ("uint32", head_dim),
+        f"{arch}.attention.head_count": ("uint32", heads),
+        f"{arch}.attention.head_count_kv": ("uint32", config.num_key_value_heads or heads),
+        f"{arch}.attention.layer_norm_rms_epsilon": ("float32", config.rms_norm_eps),
+        f"{arch}.rope.freq_base": ("float32", float(rope)),
+    }
+
+
+def _pre_tokenizer(spec: dict | None) -> str | None:
+    """llama.cpp's pre-tokenizer name (tokenizer.ggml.pre) of a tokenizer.json pre_tokenizer, when known."""
+    if not spec:
+        return None
+    parts = spec.get("pretokenizers") if spec.get("type") == "Sequence" else [spec]
+    kinds = [(p.get("type"), p.get("individual_digits"), p.get("use_regex")) for p in parts]
+    if kinds == [("ByteLevel", None, True)]:
+        return "gpt2"
+    if kinds == [("Digits", True, None), ("ByteLevel", None, True)]:
+        return "smollm"
+    return None
+
+
+def tokenizer_metadata(folder: Path, tokenizer, pre: str | None = None) -> dict:
+    """tokenizer.ggml.* and tokenizer.chat_template of a byte-level BPE tokenizer (the
+    tokenizer.json of `folder`): tokens in id order, their types (3 control: a special added
+    token; 4 user-defined: another added token; 1 normal), merges, special ids. `pre`
+    overrides the pre-tokenizer name read from tokenizer.json."""
+    path = Path(folder) / "tokenizer.json"
+    if not path.is_file():
+        raise QuantkitError(f"{folder} has no tokenizer.json; GGUF export needs a fast (byte-level BPE) tokenizer.")
+    spec = json.loads(path.read_text())
+    model = spec.get("model", {})
+    pre = pre or _pre_tokenizer(spec.get("pre_tokenizer"))
+    if model.get("type") != "BPE" or pre is None:
+        raise QuantkitError(
+            f"GGUF export writes byte-level BPE tokenizers with a GPT-2 or SmolLM pre-tokenizer so far; "
+            f"{folder}'s is a {model.get('type')} tokenizer with pre-tokenizer "
+            f"{json.dumps(spec.get('pre_tokenizer'))[:80]}."
+        )
+    vocab = dict(model["vocab"])
+    types = dict.fromkeys(vocab.values(), 1)
+    for added in spec.get("added_tokens", []):
+        vocab[added["content"]] = added["id"]
+        types[added["id"]] = 3 if added.get("special") else 4
+    size = max(len(tokenizer), max(vocab.values()) + 1)
+    tokens = [f"[PAD{i}]" for i in range(size)]
+    for text, i in vocab.items():
+        tokens[i] = text
+    token_types = [types.get(i, 5) for i in range(size)]  # 5: unused (padding ids)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    meta = {
+        "tokenizer.ggml.model": ("string", "gpt2"),
+        "tokenizer.ggml.pre": ("string", pre),
+        "tokenizer.ggml.tokens": ("strings", tokens),
+        "tokenizer.ggml.token_type": ("int32s", token_types),
+        "tokenizer.ggml.merges": ("strings", merges),
+        "tokenizer.ggml.add_bos_token": ("bool", _adds_bos(tokenizer)),
+        "tokenizer.ggml.add_space_prefix": ("bool", False),
+    }
+    for key, value in (("bos", tokenizer.bos_token_id), ("eos", tokenizer.eos_token_id)):
+        if value is not None:
+            meta[f"tokenizer.ggml.{key}_token_id"] = ("uint32", value)
+    for key, value in (("unknown", tokenizer.unk_token_id), ("padding", tokenizer.pad_token_id)):
+        if value is not None:
+            meta[f"tokenizer.ggml.{key}_token_id"] = ("uint32", value)
+    if getattr(tokenizer, "chat_template", None):
+        meta["tokenizer.chat_template"] = ("string", tokenizer.chat_template)
+    return meta
+
+
+def _adds_bos(tokenizer) -> bool:
+    ids = tokenizer("a")["input_ids"]
+    return bool(ids) and tokenizer.bos_token_id is not None and ids[0] == tokenizer.bos_token_id
+
+
+def write(path: Path, arch: str, name: str, file_type: str, metadata: dict, tensors) -> None:
+    """One GGUF file: general.* and `metadata` (key -> (kind, value)), then `tensors`, an
+    iterable of (name, array, block type or None for float32). Written beside `path`
+    under a hidden name and renamed over it when complete."""
+    import gguf
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.partial")
+    writer = gguf.GGUFWriter(str(tmp), arch)
+    try:
+        writer.add_name(name)
+        writer.add_type("model")
+        writer.add_file_type(FILE_TYPES[file_type])
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        for key, (kind, value) in metadata.items():
+            _add(writer, gguf, key, kind, value)
+        for tname, array, btype in tensors:
+            _add_tensor(writer, gguf, tname, array, btype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file(progress=False)
+        writer.close()
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _add(writer, gguf, key: str, kind: str, value) -> None:
+    v = gguf.GGUFValueType
+    simple = {"uint32": v.UINT32, "float32": v.FLOAT32, "bool": v.BOOL, "string": v.STRING}
+    if kind in simple:
+        writer.add_key_value(key, value, simple[kind])
+    else:
+        writer.add_key_value(key, value, v.ARRAY, sub_type=v.STRING if kind == "strings" else v.INT32)
+
+
+def _add_tensor(writer, gguf, name: str, array: np.ndarray, btype: BlockType | None) -> None:
+    if btype is None:
+        writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+    else:
+        writer.add_tensor(name, array, raw_dtype=gguf.GGMLQuantizationType(btype.ggml))

@@ -1,0 +1,130 @@
+"""`quantkit export --format gguf`: a float model to one GGUF file for llama.cpp.
+
+Load the float model, choose each tensor's block type by llama.cpp's rules for the file
+type (`formats.gguf_file.tensor_type`), calibrate (method "gptq": GPTQ rounding on the
+type's grid with importance-weighted block parameters, block by block on the calibration
+text; "imatrix": the importance-weighted parameter search alone, what llama-quantize does
+with an importance matrix; "rtn": the search without calibration), pack and write.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from quantkit.calibration.method import Calibration
+from quantkit.errors import QuantkitError
+from quantkit.formats import gguf_file
+from quantkit.formats.gguf import TYPES, Blocks, choose
+from quantkit.formats.gguf_pack import pack
+from quantkit.progress import Track, no_progress
+
+METHODS = ("gptq", "imatrix", "rtn")
+
+
+def export_gguf(
+    model_name: str,
+    output: Path,
+    file_type: str,
+    method: str = "gptq",
+    calibration: Calibration | None = None,
+    overwrite: bool = False,
+    track: Track = no_progress,
+) -> dict:
+    """Write `output` and return {llama.cpp tensor name: block type} of what was written."""
+    from quantkit.models.loading import load_float_model
+
+    if file_type not in gguf_file.FILE_TYPES:
+        raise QuantkitError(f"unknown GGUF type {file_type!r}; choose one of {', '.join(gguf_file.FILE_TYPES)}.")
+    if method not in METHODS:
+        raise QuantkitError(f"unknown GGUF method {method!r}; choose one of {', '.join(METHODS)}.")
+    output = Path(output)
+    if output.exists() and not overwrite:
+        raise QuantkitError(f"{output} exists; pass --overwrite to replace it.")
+    model, tokenizer, folder = load_float_model(model_name, owned=True)
+    model.float()
+    arch = gguf_file.check_family(model.config)
+    metadata = gguf_file.llama_metadata(model.config, arch)
+    metadata.update(gguf_file.tokenizer_metadata(folder, tokenizer, _source_pre(model_name)))
+    calibrated = method != "rtn" and file_type != "f32"
+    types = _type_rule(model, file_type, calibrated)
+    results: dict[str, Blocks] = {}
+    if calibrated:
+        _calibrate(model, tokenizer, types, results, method, calibration or Calibration(), track)
+    chosen: dict[str, str] = {}
+    tensors = _tensors(model, types, results, chosen)
+    gguf_file.write(output, arch, _name(model_name), file_type, metadata, tensors)
+    return chosen
+
+
+def _name(model_name: str) -> str:
+    return Path(str(model_name)).name or str(model_name)
+
+
+def _source_pre(model_name: str) -> str | None:
+    """A built-in model's pre-tokenizer, read from the GGUF file it was converted from (the
+    converted tokenizer.json no longer says it)."""
+    from quantkit import assets
+    from quantkit.models.loading import BUILTIN_MODELS
+
+    if str(model_name) not in BUILTIN_MODELS:
+        return None
+    from gguf import GGUFReader
+
+    field = GGUFReader(assets.fetch(BUILTIN_MODELS[str(model_name)])).fields.get("tokenizer.ggml.pre")
+    return None if field is None else field.contents()
+
+
+def _type_rule(model, file_type: str, imatrix: bool):
+    """full HF module name -> its BlockType (None: float32)."""
+    config = model.config
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    n_layer = config.num_hidden_layers
+    modules = dict(model.named_modules())
+
+    def types(full: str):
+        name = gguf_file.gguf_name(f"{full}.weight")
+        if name is None:
+            return None
+        cols = modules[full].weight.shape[1]
+        chosen = gguf_file.tensor_type(file_type, name, cols, n_layer, tied, imatrix)
+        return None if chosen == "f32" else TYPES[chosen]
+
+    return types
+
+
+def _calibrate(model, tokenizer, types, results, method: str, c: Calibration, track: Track) -> None:
+    from quantkit.calibration.datasets import calibration_samples, load_documents
+    from quantkit.calibration.gguf import gguf_step
+    from quantkit.calibration.runner import run_blocks
+    from quantkit.models.arch import arch_for
+
+    spec = arch_for(model.config)
+    samples = calibration_samples(tokenizer, load_documents(c.dataset, "calib"), c.samples, c.seq_len, c.seed)
+    step = gguf_step(spec, types, results, gptq=method == "gptq")
+    run_blocks(model, spec, step, samples, c.batch_size, track=track)
+
+
+def _tensors(model, types, results: dict, chosen: dict):
+    """(llama.cpp name, array, BlockType or None) of every tensor, in the model's order."""
+    config = model.config
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads or config.num_attention_heads}
+    state = model.state_dict()
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    for hf, weight in state.items():
+        name = gguf_file.gguf_name(hf)
+        if name is None or (tied and name == "output.weight"):
+            continue
+        full = hf.removesuffix(".weight")
+        t = types(full) if weight.dim() == 2 else None
+        short = name.split(".")[-2]
+        perm = gguf_file.rope_rows(weight.shape[0], heads[short]) if short in heads else None
+        chosen[name] = "f32" if t is None else t.name
+        if t is None:
+            array = weight.float()
+            yield name, (array[perm] if perm is not None else array).numpy(), None
+            continue
+        b = results.get(full)
+        if b is None:  # not calibrated (the embedding, or --method rtn): the search without importance
+            b = choose(weight.float(), t)
+        data = pack(b)
+        yield name, data[perm.numpy()] if perm is not None else data, t

@@ -1,0 +1,173 @@
+"""GGUF export end to end: the file the `gguf` package's reader and transformers' GGUF loader
+(both independent of our packer) read back holds our block values under llama.cpp's names,
+q/k rows in llama.cpp's order; the per-tensor types follow llama.cpp's rules; the
+tokenizer keys match the built-in model's source GGUF; a model llama.cpp can be given
+(QUANTKIT_LLAMA_CPP) loads and its logits agree."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.formats import gguf, gguf_file
+from quantkit.pipeline.gguf import export_gguf
+from tests.conftest import make_tiny_model
+
+pytest.importorskip("gguf", reason="the gguf package (llama.cpp's gguf-py) is not installed")
+
+
+@pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory):
+    # rows of 256 weights, so the K-quants fill their super-blocks
+    return make_tiny_model(tmp_path_factory.mktemp("m") / "wide", hidden_size=256, intermediate_size=512)
+
+
+def test_rope_rows_interleave_each_heads_halves():
+    assert gguf_file.rope_rows(8, 2).tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
+
+
+def test_q4_k_m_types_follow_llama_cpp():
+    t = lambda name, cols=576: gguf_file.tensor_type("q4_k_m", name, cols, 32, True, False)  # noqa: E731
+    assert t("token_embd.weight") == "q8_0"  # tied output, rows not a multiple of 256
+    assert t("token_embd.weight", 512) == "q6_k"
+    assert t("blk.0.attn_v.weight", 512) == "q6_k" and t("blk.5.attn_v.weight", 512) == "q4_k"
+    assert t("blk.6.ffn_down.weight", 512) == "q6_k" and t("blk.7.ffn_down.weight", 512) == "q4_k"
+    assert t("blk.7.attn_q.weight") == "q5_0"  # Q4_K's fallback
+    assert gguf_file.tensor_type("q4_0", "blk.0.ffn_down.weight", 512, 32, True, True) == "q4_1"
+    assert gguf_file.tensor_type("q4_0", "blk.0.ffn_down.weight", 512, 32, True, False) == "q4_0"
+
+
+@pytest.mark.parametrize("file_type", ["q4_k_m", "q4_0", "q8_0", "f32"])
+def test_the_file_holds_our_values_under_llama_cpp_names(wide_llama, tmp_path, file_type):
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / "m.gguf"
+    chosen = export_gguf(str(wide_llama), path, file_type, method="rtn")
+    source = AutoModelForCausalLM.from_pretrained(wide_llama, dtype=torch.float32)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+    state = loaded.state_dict()
+    for name, w in source.state_dict().items():
+        gname = gguf_file.gguf_name(name)
+        if gname is None or gname not in chosen:
+            continue
+        kind = chosen[gname]
+        want = w if kind == "f32" else gguf.dequantize(gguf.choose(w, gguf.TYPES[kind]))
+        assert torch.equal(state[name], want), name
+    if file_type == "q4_k_m":
+        assert chosen["blk.1.ffn_down.weight"] == "q6_k" and chosen["blk.0.ffn_down.weight"] == "q4_k"
+        assert chosen["blk.1.attn_q.weight"] == "q4_k"
+
+
+def test_calibrated_export_is_closer_to_the_float_model(wide_llama, tiny_corpus, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.calibration.datasets import calibration_samples, load_documents
+    from quantkit.calibration.method import Calibration
+    from quantkit.models.loading import load_float_model
+
+    calib = Calibration(dataset=str(tiny_corpus), samples=8, seq_len=64)
+    tokenizer = load_float_model(str(wide_llama))[1]
+    ids = calibration_samples(tokenizer, load_documents(calib.dataset, "calib"), 8, 64)  # the text calibrated on
+    base = AutoModelForCausalLM.from_pretrained(wide_llama, dtype=torch.float32)(ids).logits.log_softmax(-1)
+    kl = {}
+    for method in ("rtn", "gptq"):
+        path = tmp_path / f"{method}.gguf"
+        export_gguf(str(wide_llama), path, "q4_0", method=method, calibration=calib)
+        got = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+        kl[method] = torch.nn.functional.kl_div(got(ids).logits.log_softmax(-1), base, log_target=True).item()
+    assert kl["gptq"] < kl["rtn"]
+
+
+def test_refusals(tmp_path, wide_llama):
+    with pytest.raises(QuantkitError, match="unknown GGUF type"):
+        export_gguf(str(wide_llama), tmp_path / "a.gguf", "q3_k_s")
+    (tmp_path / "b.gguf").write_bytes(b"x")
+    with pytest.raises(QuantkitError, match="exists"):
+        export_gguf(str(wide_llama), tmp_path / "b.gguf", "q8_0", method="rtn")
+    qwen = make_tiny_model(tmp_path / "qwen", "qwen2")
+    with pytest.raises(QuantkitError, match="Llama family"):
+        export_gguf(str(qwen), tmp_path / "c.gguf", "q8_0", method="rtn")
+    assert not list(tmp_path.glob(".*partial"))
+
+
+@pytest.mark.smollm2
+def test_tokenizer_keys_match_the_source_gguf():
+    from gguf import GGUFReader
+
+    from quantkit import assets
+    from quantkit.models.loading import load_tokenizer, resolve_model
+    from quantkit.pipeline.gguf import _source_pre
+
+    folder = resolve_model("smollm2-135m")
+    ours = gguf_file.tokenizer_metadata(folder, load_tokenizer(folder), _source_pre("smollm2-135m"))
+    source = GGUFReader(assets.fetch("smollm2-135m.gguf")).fields
+    for key, (_, value) in ours.items():
+        assert source[key].contents() == value, key
+    assert {k for k in source if k.startswith("tokenizer.")} == set(ours)
+
+
+def _llama_cpp(name: str) -> Path:
+    folder = os.environ.get("QUANTKIT_LLAMA_CPP")
+    if not folder or not (Path(folder) / name).is_file():
+        pytest.skip(f"llama.cpp's {name} is not built here; set QUANTKIT_LLAMA_CPP to its folder to run this.")
+    return Path(folder) / name
+
+
+@pytest.mark.parametrize("file_type", ["f32", "q8_0", "q4_k_m"])
+def test_llama_cpp_perplexity_agrees_with_transformers_on_our_values(wide_llama, tiny_corpus, tmp_path, file_type):
+    # llama-perplexity scores the second half of each window of --ctx tokens (no BOS: the
+    # tokenizer adds none); the same windows in transformers, from the same file's values.
+    # llama.cpp rounds activations to 8 bits for quantized weights: 2% on the perplexity.
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.models.loading import load_tokenizer
+
+    tool = _llama_cpp("llama-perplexity")
+    path = tmp_path / "m.gguf"
+    export_gguf(str(wide_llama), path, file_type, method="rtn")
+    text = tiny_corpus.read_text()
+    ctx, chunks = 64, 4
+    done = subprocess.run(
+        [str(tool), "-m", str(path), "-f", str(tiny_corpus), "-c", str(ctx), "--chunks", str(chunks), "-t", "1"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    theirs = float(re.search(r"Final estimate: PPL = ([\d.]+)", done.stdout + done.stderr).group(1))
+    ids = torch.tensor(load_tokenizer(wide_llama)(text)["input_ids"][: ctx * chunks]).reshape(chunks, ctx)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+    with torch.no_grad():
+        logp = model(ids).logits.log_softmax(-1)
+    first = ctx // 2
+    nll = -logp[:, first - 1 : -1].gather(-1, ids[:, first:, None]).mean()
+    assert theirs == pytest.approx(math.exp(nll.item()), rel=0.02 if file_type != "f32" else 1e-3)
+
+
+def test_llama_cpp_generates_from_our_file(wide_llama, tmp_path):
+    tool = _llama_cpp("llama-simple")
+    path = tmp_path / "m.gguf"
+    export_gguf(str(wide_llama), path, "q4_k_m", method="rtn")
+    done = subprocess.run([str(tool), "-m", str(path), "-n", "8", "hello"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "hello" in done.stdout
+
+
+def test_the_cli_writes_a_calibrated_file(wide_llama, tiny_corpus, tmp_path):
+    from typer.testing import CliRunner
+
+    from quantkit.cli import build_app
+
+    out = tmp_path / "m.gguf"
+    args = ["export", str(wide_llama), "--format", "gguf", "--type", "q4_k_m", "-o", str(out)]
+    r = CliRunner().invoke(build_app(), [*args, "--calib", str(tiny_corpus), "--samples", "4", "--seq-len", "32"])
+    assert r.exit_code == 0, r.output
+    assert "gptq" in r.output and out.is_file()
+    r = CliRunner().invoke(build_app(), [*args, "--method", "awq"])
+    assert r.exit_code == 2 and "unknown GGUF method 'awq'" in r.output
