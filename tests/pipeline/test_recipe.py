@@ -38,8 +38,6 @@ def same_tensors(a, b) -> bool:
         (
             {"steps": ["awq", "gptq"]},
             "steps: [awq, gptq] cannot run; a recipe has one weight step (rtn, awq, gptq, autoround, fp8), "
-            "optionally after smooth and before kv, or kv alone.",
-            "steps: [awq, gptq] cannot run; a recipe has one weight step (rtn, awq, gptq, fp8), "
             "optionally after smooth or rotate and before kv, or kv alone.",
         ),
         ({"steps": ["smooth", "awq"]}, "steps: smooth runs before fp8, rtn or gptq, not before awq."),
@@ -49,8 +47,10 @@ def same_tensors(a, b) -> bool:
             "in float; use w8a8 or nvfp4 or mxfp4 or mxfp8.",
         ),
         ({"steps": ["kv", "rtn"]}, "steps: [kv, rtn] cannot run"),
-        ({"steps": ["awqq"]}, "steps[0]: 'awqq' is not allowed; use one of rtn, awq, gptq, autoround, fp8, smooth, kv"),
-        ({"steps": ["awqq"]}, "steps[0]: 'awqq' is not allowed; use one of rtn, awq, gptq, fp8, smooth, rotate, kv"),
+        (
+            {"steps": ["awqq"]},
+            "steps[0]: 'awqq' is not allowed; use one of rtn, awq, gptq, autoround, fp8, smooth, rotate, kv",
+        ),
         ({"steps": [{"awq": {"gird": 3}}]}, "steps[0].awq: unknown key 'gird'; allowed keys are grid, duo, clip"),
         ({"steps": [{"gptq": {"damp": "lots"}}]}, "steps[0].gptq.damp: 'lots' is not allowed; use a number ≥ 0."),
         ({"steps": ["rtn", {"kv": {"dtype": "fp4"}}]}, "steps[1].kv.dtype: 'fp4' is not allowed; use fp8 or int8."),
