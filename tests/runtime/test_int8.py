@@ -48,7 +48,9 @@ def test_w8a8_checkpoint_loads_in_quantkit_and_transformers(tiny_llama, tiny_cor
     float_model = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
     with torch.no_grad():
         a, b, f = ours(IDS).logits, theirs(IDS).logits, float_model(IDS).logits
-        assert (up.kernel.name, up.kernel.why) == ("oneDNN int8 GEMM (torch CPU)", None)
+        # oneDNN where the CPU has AMX-INT8, quantkit's AVX2/VNNI kernel elsewhere: both sum in int32.
+        assert up.kernel.name in ("oneDNN int8 GEMM (torch CPU)", "W8A8 AVX2/AVX-512 VNNI (quantkit C++)")
+        assert up.kernel.why is None or "without AMX-INT8" in up.kernel.why
         for m in ours.modules():
             if isinstance(m, Int8Linear):
                 m.prepare(torch.float32, "cpu", "torch")
