@@ -325,7 +325,7 @@ def test_the_sensitivity_command_and_refusals(tmp_path, tiny_corpus, monkeypatch
     worst = max(rows, key=lambda x: max(v for k, v in x["kld"].items() if k.startswith("int4")))["label"]
     assert r.output.index(worst) < min(r.output.index(x["label"]) for x in rows if x["label"] != worst)
     r = CliRunner().invoke(app, ["sensitivity", str(path), "--method", "fp8", *calib], env={"COLUMNS": "250"})
-    assert r.exit_code == 2 and "by rtn, awq or gptq, not fp8" in r.output
+    assert r.exit_code == 2 and "by rtn, awq, gptq or autoround, not fp8" in r.output
     r = CliRunner().invoke(app, ["fp8", "-m", str(path), "-o", str(tmp_path / "f"), "--target-bits", "5"])
     assert r.exit_code == 2 and "No such option" in r.output
     r = CliRunner().invoke(app, ["rtn", "-m", str(path), "-o", str(tmp_path / "r"), "--target-bits", "3", *calib])

@@ -44,7 +44,7 @@ def same_tensors(a, b) -> bool:
         (
             {"scheme": "w4a16", "steps": ["smooth", "rtn"]},
             "scheme: smooth balances activation against weight quantization, but 'w4a16' keeps activations "
-            "in float; use w8a8 or nvfp4 or mxfp4 or mxfp8.",
+            "in float; use w8a8 or nvfp4 or mxfp4 or w4afp8 or mxfp8.",
         ),
         ({"steps": ["kv", "rtn"]}, "steps: [kv, rtn] cannot run"),
         (
