@@ -127,7 +127,7 @@ def _pre_tokenizer(spec: dict | None) -> str | None:
     parts = spec.get("pretokenizers") if spec.get("type") == "Sequence" else [spec]
     kinds = [(p.get("type"), p.get("individual_digits"), p.get("use_regex")) for p in parts]
     if kinds == [("ByteLevel", None, True)]:
-        return "gpt2"
+        return "gpt-2"  # llama-vocab.cpp spells the GPT-2 pre-tokenizer with a hyphen
     if kinds == [("Digits", True, None), ("ByteLevel", None, True)]:
         return "smollm"
     return None
