@@ -79,8 +79,8 @@ def score(gguf: Path, wiki: Path, base: Path, args, first: bool) -> dict:
     cmd += ["--kl-divergence-base", str(base)] + ([] if first else ["--kl-divergence"])
     text = run(cmd, gguf.with_suffix(".ppl.log"))
     if first:
-        m = re.search(r"Final estimate: PPL = ([\d.]+)", text)
-        return {"ppl": float(m.group(1)), "kld": 0.0}
+        # the running estimate after the last chunk: the "Final estimate" line is not always flushed
+        return {"ppl": float(re.findall(r"\[\d+\]([\d.]+),", text)[-1]), "kld": 0.0}
     ppl = re.search(r"Mean PPL\(Q\)\s*:\s*([\d.]+)", text)
     kld = re.search(r"Mean\s+KLD:\s*([\d.]+)", text)
     top = re.search(r"Same top p:\s*([\d.]+)", text)
