@@ -6,11 +6,11 @@ import json
 
 import pytest
 import torch
+from test_quantize import fake_quantized_reference
 from transformers import AutoModelForCausalLM
 
 import quantkit
 from quantkit.errors import QuantkitError
-from quantkit.models.arch import arch_for, get_module
 from quantkit.pipeline.head import HEAD_ARGS
 from quantkit.pipeline.quantize import quantize
 from quantkit.primitives import fake_quantize
@@ -22,12 +22,7 @@ IDS = torch.randint(0, 320, (2, 20), generator=torch.Generator().manual_seed(0))
 
 def reference(path, scheme, head_args):
     """The float model, untied, its block linears rounded as `scheme` and its head as `head_args`."""
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
-    spec = arch_for(model.config)
-    for block in get_module(model, spec.blocks):
-        for name in spec.linears:
-            lin = get_module(block, name)
-            lin.weight.data = fake_quantize(lin.weight.data, scheme.weights)
+    model = fake_quantized_reference(path, scheme)
     head = model.get_output_embeddings()
     head.weight = torch.nn.Parameter(fake_quantize(head.weight.data.clone(), head_args))
     return model
