@@ -5,12 +5,17 @@
     (the index's torchvision, torchaudio and torchcodec are built for another torch, and
     transformers imports them when they are there, which breaks vLLM's import)
     python benchmarks/vs_vllm.py --vllm-python /tmp/vllm-env/bin/python [--model smollm2-135m] [--rounds 2]
+        [--isa native|avx2]
 
 One workload file (seeded random prompt token ids, EOS ignored, greedy) is written once and
 both engines run it offline (all requests at once), alternately, `--rounds` times each, each in
 its own process: quantkit through `quantkit bench --workload`, vLLM through `LLM.generate` in
 its own virtual environment (never a dependency). Both are timed from the first request to the
 last token, model load excluded. Prints output tokens/s per round, the medians and their ratio.
+
+--isa avx2 is a proxy for an AVX2-only CPU on an AVX-512 one: torch's kernels in both engines are
+forced to AVX2 (ATEN_CPU_CAPABILITY, MKL_ENABLE_INSTRUCTIONS, ONEDNN_MAX_CPU_ISA) and quantkit's
+own kernels to their AVX2 code (QUANTKIT_ISA); vLLM's compiled kernels keep the machine's vectors.
 """
 
 from __future__ import annotations
@@ -47,8 +52,17 @@ if __name__ == "__main__":
 """
 
 
+AVX2_ENV = {
+    "QUANTKIT_ISA": "avx2",
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+}
+ISA_ENV: dict = {}
+
+
 def one_thread_env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", **ISA_ENV)
     env.update(VLLM_CPU_OMP_THREADS_BIND="0", VLLM_CPU_KVCACHE_SPACE="2")  # vLLM: one core, 2 GiB of KV cache
     return env
 
@@ -81,7 +95,10 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--json", type=Path, help="write the rounds and medians here")
+    p.add_argument("--isa", choices=("native", "avx2"), default="native", help="avx2: the forced-AVX2 proxy")
     a = p.parse_args()
+    if a.isa == "avx2":
+        ISA_ENV.update(AVX2_ENV)
 
     from quantkit.models.loading import load_tokenizer, resolve_model
     from quantkit.perf.bench import synthetic_workload
@@ -111,6 +128,7 @@ def main() -> None:
             flush=True,
         )
     med = {k: statistics.median(r[k]["output_tokens_per_s"] for r in rounds) for k in ("quantkit", "vllm")}
+    print(f"\nISA: {'forced AVX2 (a proxy)' if a.isa == 'avx2' else 'native'}")
     print(f"\n| | output tokens/s (median of {a.rounds}) |\n|---|---|")
     print(f"| quantkit ({a.quantkit_model or a.model}, {a.dtype}) | {med['quantkit']:.1f} |")
     print(f"| vLLM CPU ({a.model}, {a.dtype}) | {med['vllm']:.1f} |")
