@@ -101,7 +101,7 @@ def bench_shape(
         x = torch.randn(m, k, dtype=torch.bfloat16)
         impls = {
             "bf16": timer(
-                (lambda: cpu.bf16_linear(x, next(bf16s))) if prepacked is not None else (lambda: x @ dense.t())
+                (lambda: cpu.packed_linear(x, next(bf16s))) if prepacked is not None else (lambda: x @ dense.t())
             ),
             "ours": timer(lambda: cpu_int4.gemm(x, next(ourss))),
         }

@@ -54,7 +54,7 @@ def candidates(k: int, n: int) -> dict:
         )
 
     found = {
-        "bf16": lambda x: cpu.bf16_linear(x, bf16),
+        "bf16": lambda x: cpu.packed_linear(x, bf16),
         "int_mm": int_mm,
         "onednn+torch": lambda x: onednn.w8a8_gemm_cpu(x, plain),
     }

@@ -5,7 +5,10 @@ bf16: oneDNN's matmul on a weight reordered once into its blocked layout
   (`mkldnn._reorder_linear_weight` / `_linear_pointwise`, what torch.compile's CPU
   freezing uses), where `F.linear` hands oneDNN the plain layout on every call. Bit-identical to
   `F.linear` in bf16 (tested); smollm2's shapes, one thread: 1.8× at one token, 1.1× at
-  64, 1.06× at 2048. Not for fp32, whose oneDNN path rounds differently from `F.linear`.
+  64, 1.06× at 2048.
+fp32: the same reorder and matmul (`prepack_fp32`), a candidate of `kernels/dense`'s float linear
+  for engines that batch sequences: on the Zen 4 EPYC 1.2-2.2× MKL's `F.linear` at 8-64 rows, but
+  0.76-1.06× at one row; its sums run in another order than MKL's (fp32 rounding, ~1e-5 relative).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ _HAS_PREPACK = (
     and torch.backends.mkldnn.is_available()
     and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 )
+_HAS_FP32_PREPACK = hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available()
 
 
 def native_bf16() -> bool:
@@ -32,7 +36,7 @@ def native_bf16() -> bool:
 
 
 def prepack_bf16(weight: torch.Tensor) -> torch.Tensor | None:
-    """A bf16 CPU weight [N, K] reordered for `bf16_linear`, or None where torch cannot."""
+    """A bf16 CPU weight [N, K] reordered for `packed_linear`, or None where torch cannot."""
     if not _HAS_PREPACK or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
         return None
     try:
@@ -41,8 +45,23 @@ def prepack_bf16(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def bf16_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [..., K] bf16 and `prepack_bf16(weight)`."""
+def prepack_fp32(weight: torch.Tensor) -> torch.Tensor | None:
+    """An fp32 CPU weight [N, K] reordered for `packed_linear`, or None where torch cannot."""
+    if not _HAS_FP32_PREPACK or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+    except RuntimeError:
+        return None
+
+
+def fp32_prepack_available() -> bool:
+    """Whether this torch reorders fp32 linear weights for oneDNN (`prepack_fp32`)."""
+    return _HAS_FP32_PREPACK
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [..., K] and `prepack_bf16(weight)` or `prepack_fp32(weight)`."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 

@@ -125,7 +125,7 @@ def float_gemm_cpu(x, weight, bias=None) -> torch.Tensor:
     """F.linear in bf16 on the CPU with a `float_cpu_weight`."""
     from quantkit.kernels import cpu
 
-    return cpu.bf16_linear(x, weight, bias)
+    return cpu.packed_linear(x, weight, bias)
 
 
 def _elementwise(op: str, candidates: list, x: torch.Tensor, backend: str, *others: torch.Tensor):

@@ -59,7 +59,7 @@ class DraftModel:
         model = load(path, llm.runner.dtype)
         check_supported(model)
         bm = llm.block_manager
-        return cls(ModelRunner(model, bm.num_blocks, bm.block_size, llm.runner.backend))
+        return cls(ModelRunner(model, bm.num_blocks, bm.block_size, llm.runner.backend, llm.runner.max_num_seqs))
 
     def plan(self, seq, k: int) -> int:
         return k

@@ -128,7 +128,7 @@ class LLM:
         num_blocks = num_blocks or num_blocks_for(
             self.model.config, kv_cache_memory, block_size, kv_cache_dtype(self.model)
         )
-        self.runner = ModelRunner(self.model, num_blocks, block_size, backend)
+        self.runner = ModelRunner(self.model, num_blocks, block_size, backend, max_num_seqs)
         self.notes += self.runner.kernel_notes()
         if self.runner.device.type == "cpu":
             keep_freed_memory()

@@ -254,9 +254,12 @@ class ModelRunner:
     linears on the CPU are reordered once for oneDNN (`prepack`; their weights in the model
     become meta tensors, so the model's own forward no longer runs)."""
 
-    def __init__(self, model: nn.Module, num_blocks: int, block_size: int = 16, backend: str = "auto"):
+    def __init__(
+        self, model: nn.Module, num_blocks: int, block_size: int = 16, backend: str = "auto", max_num_seqs: int = 1
+    ):
         choice.check_backend(backend)
         self.model, self.config, self.backend = model, model.config, backend
+        self.max_num_seqs = max_num_seqs  # sequences a step may batch (the fp32 float linear's choice reads it)
         self.spec = arch_for(model.config)
         blocks = list(get_module(model, self.spec.blocks))
         c = self.config
@@ -291,11 +294,14 @@ class ModelRunner:
         """The callable chosen for `op` (`quantkit.kernels.choice.choose`) on the runner's device,
         dtype and backend with `shapes`; each distinct problem is chosen once, and kept for the
         notes."""
+        return self._chosen(op, candidates, **shapes).fn
+
+    def _chosen(self, op: str, candidates: list, **shapes) -> Choice:
         key = (op, tuple(sorted(shapes.items())))
         if key not in self._choices:
             problem = Problem(self.device, self.dtype, self.backend, **shapes)
             self._choices[key] = choice.choose(op, candidates, problem)
-        return self._choices[key].fn
+        return self._choices[key]
 
     def _linear(self, module, originals: list[nn.Module]) -> Callable[[torch.Tensor], torch.Tensor]:
         """`module` as the runner calls it: a quantized linear's chosen kernel (its `prepare`), a
@@ -309,8 +315,11 @@ class ModelRunner:
         if isinstance(module, nn.Module):
             self.linears.append(module)
         if type(module) is nn.Linear and module.weight.dtype == torch.float32 and self.device.type == "cpu":
-            fn, weight, bias = self._pick("float linear", dense.LINEAR), module.weight, module.bias
-            return lambda x: fn(x, weight, bias)
+            chosen = self._chosen("float linear", dense.LINEAR, max_num_seqs=self.max_num_seqs)
+            fn = chosen.fn(module.weight, module.bias)
+            if chosen.name == dense.PACKED:  # its copy replaces the plain weights (a tied head's embedding stays)
+                dense.release([module, *originals])
+            return fn
         return module
 
     @property

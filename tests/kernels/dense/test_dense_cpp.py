@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import built
 
-from quantkit.kernels import dense
+from quantkit.kernels import cpu, dense
 from quantkit.kernels.choice import Problem, choose
 from quantkit.kernels.dense import cpp as cpu_dense
 from quantkit.kernels.dense import twin as dense_twin
@@ -58,10 +58,33 @@ def test_gemv_refuses_what_it_does_not_take(k):
         k.gemv(torch.randn(1, 8), torch.randn(3, 9))
 
 
-def test_the_candidate_takes_fp32_on_the_cpu(k):
-    chosen = choose("float linear", dense.LINEAR, Problem("cpu", torch.float32))
-    assert chosen.name.startswith("fp32 GEMV") and chosen.fn is cpu_dense.linear
+def test_the_candidates_take_fp32_on_the_cpu(k):
+    x, w, b = torch.randn(3, 40), torch.randn(24, 40), torch.randn(24)
+    chosen = choose("float linear", dense.LINEAR, Problem("cpu", torch.float32, max_num_seqs=1))
+    assert chosen.name.startswith("fp32 GEMV") and "one sequence" in chosen.why
+    assert torch.equal(chosen.fn(w, b)(x), cpu_dense.linear(x, w, b))
     bf16 = choose("float linear", dense.LINEAR, Problem("cpu", torch.bfloat16))
     assert bf16.name == "F.linear" and "it takes float32" in bf16.why
-    forced = choose("float linear", dense.LINEAR, Problem("cpu", torch.float32, "torch"))
-    assert forced.fn is dense_twin.linear
+    forced = choose("float linear", dense.LINEAR, Problem("cpu", torch.float32, "torch", max_num_seqs=64))
+    assert torch.equal(forced.fn(w, b)(x), dense_twin.linear(x, w, b))
+    if cpu.fp32_prepack_available():
+        batched = choose("float linear", dense.LINEAR, Problem("cpu", torch.float32, max_num_seqs=64))
+        assert batched.name == dense.PACKED and batched.why is None
+
+
+@pytest.mark.skipif(not cpu.fp32_prepack_available(), reason="this torch build has no oneDNN")
+@pytest.mark.parametrize("shape", [(1, 576), (2, 576), (5, 576), (64, 576), (2, 3, 576), (7, 17)])
+def test_the_reordered_fp32_weight_matches_the_twin(shape):
+    """oneDNN's fp32 GEMM on the reordered weight: within the same fp64 bound as F.linear."""
+    g = torch.Generator().manual_seed(shape[0])
+    x, w, b = torch.randn(*shape, generator=g), torch.randn(96, shape[-1], generator=g), torch.randn(96, generator=g)
+    fn = choose("float linear", dense.LINEAR, Problem("cpu", torch.float32, max_num_seqs=8)).fn(w, b)
+    got = fn(x)
+    assert got.shape == (*shape[:-1], 96)
+    close_to_fp64(got.reshape(-1, 96), x.reshape(-1, shape[-1]), w, b)
+
+
+def test_release_frees_the_plain_weights():
+    linear = torch.nn.Linear(8, 4)
+    dense.release([linear])
+    assert linear.weight.device.type == "meta" and linear.weight.shape == (4, 8)
