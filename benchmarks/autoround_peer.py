@@ -1,15 +1,17 @@
 """quantkit autoround against AutoRound's own tool (intel/auto-round 0.16), side by side.
 
     OMP_NUM_THREADS=1 python benchmarks/autoround_peer.py [--iters 200] [--samples 64] [--seq-len 512]
-        [--batch 8] [--group-size 64] [--windows 8] [--out out/autoround-peer]
+        [--batch 8] [--group-size 64] [--grids full,minmax] [--windows 8] [--out out/autoround-peer]
         [--peer-python /work/peers/auto-round/bin/python] [--no-peer] [--parallel]
 
 One run, in this order:
 1. the inputs, once: the built-in smollm2-135m float folder and the calibration rows exactly as
    `quantkit autoround --calib news --samples N --seq-len L` draws them (`calibration_samples`,
    seed 0), written to OUT/calib.json for the peer;
-2. three checkpoints, w4a16 symmetric at --group-size: `quantkit rtn`, `quantkit autoround
-   --iters I --batch B`, and AutoRound's (its own virtual environment, run as a subprocess:
+2. the checkpoints, w4a16 symmetric at --group-size: `quantkit rtn`, `quantkit autoround
+   --iters I --batch B --grid G` for each of --grids (row `autoround` for full, AutoRound's own
+   symmetric grid and the default; `autoround-minmax` for compressed-tensors' grid), and
+   AutoRound's (its own virtual environment, run as a subprocess:
    `AutoRound(model, tokenizer, bits=4, group_size=G, sym=True, iters=I, nsamples=N, seqlen=L,
    batch_size=B, dataset=<the same rows>, device_map="cpu", amp=False)` then
    `quantize_and_save(format="auto_gptq")`, a GPTQ v1 folder quantkit reads); wall and CPU time
@@ -72,6 +74,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--grids", default="full,minmax", help="quantkit autoround's --grid values, one row each")
     p.add_argument("--windows", type=int, default=8)
     p.add_argument("--out", type=Path, default=Path("out/autoround-peer"))
     p.add_argument("--peer-python", default="/work/peers/auto-round/bin/python")
@@ -106,13 +109,21 @@ def prepare_inputs(run: Run) -> tuple[Path, Path]:
     return model_dir, calib
 
 
-def quantkit_cmd(run: Run, method: str) -> list[str]:
+def quantkit_cmd(run: Run, method: str, grid: str = "full") -> list[str]:
     a = run.a
     cmd = [run.qk, method, "--model", "smollm2-135m", "--scheme", "w4a16", "--group-size", str(a.group_size)]
     cmd += ["--calib", "news", "--samples", str(a.samples), "--seq-len", str(a.seq_len)]
     if method == "autoround":
-        cmd += ["--iters", str(a.iters), "--batch", str(a.batch)]
-    return [*cmd, "-o", str(run.out / method), "--overwrite"]
+        cmd += ["--iters", str(a.iters), "--batch", str(a.batch), "--grid", grid]
+    return [*cmd, "-o", str(run.out / row_key(method, grid)), "--overwrite"]
+
+
+def row_key(method: str, grid: str = "full") -> str:
+    return method if method == "rtn" or grid == "full" else f"{method}-{grid}"
+
+
+def autoround_keys(run: Run) -> list[str]:
+    return [row_key("autoround", g) for g in run.a.grids.split(",")]
 
 
 def peer_cmd(run: Run, model_dir: Path, calib: Path) -> list[str]:
@@ -123,17 +134,19 @@ def peer_cmd(run: Run, model_dir: Path, calib: Path) -> list[str]:
 
 
 def quantize_all(run: Run, model_dir: Path, calib: Path) -> None:
-    """The three checkpoints (skipping any already made), the peer beside quantkit with --parallel."""
-    jobs = {"rtn": quantkit_cmd(run, "rtn"), "autoround": quantkit_cmd(run, "autoround")}
+    """The checkpoints (skipping any already made), the peer beside quantkit's first autoround with --parallel."""
+    jobs = {"rtn": quantkit_cmd(run, "rtn")}
+    jobs |= {row_key("autoround", g): quantkit_cmd(run, "autoround", g) for g in run.a.grids.split(",")}
     if not run.a.no_peer:
         jobs["peer"] = peer_cmd(run, model_dir, calib)
     todo = {k: c for k, c in jobs.items() if run.results.get(k, {}).get("rc") != 0}
-    if run.a.parallel and {"autoround", "peer"} <= todo.keys():
+    first = autoround_keys(run)[0]
+    if run.a.parallel and {first, "peer"} <= todo.keys():
         env = dict(os.environ, OMP_NUM_THREADS="1")
         log = run.out / "peer.log"
         with open(log, "w") as f:
             peer = subprocess.Popen(todo.pop("peer"), stdout=f, stderr=subprocess.STDOUT, env=env)
-        run.results["autoround"] = timed(todo.pop("autoround"), run.out / "autoround.log", env)
+        run.results[first] = timed(todo.pop(first), run.out / f"{first}.log", env)
         peer.wait()
         run.results["peer"] = {"rc": peer.returncode, "wall_s": None, "cpu_s": None}
         _peer_result(run)
@@ -183,10 +196,10 @@ def main() -> None:
     run = Run(a)
     model_dir, calib = prepare_inputs(run)
     quantize_all(run, model_dir, calib)
-    keys = ["rtn", "autoround"] + ([] if a.no_peer else ["peer"])
+    keys = ["rtn", *autoround_keys(run)] + ([] if a.no_peer else ["peer"])
     evals = {k: evaluate(run, k) for k in keys if run.results.get(k, {}).get("rc") == 0}
     print(f"\n{datetime.date.today()}, {cpu_model()}, load {os.getloadavg()[0]:.2f}")
-    print(f"smollm2-135m w4a16 sym g{a.group_size}")
+    print(f"smollm2-135m w4a16 sym g{a.group_size}; quantkit autoround grids: {a.grids}")
     print(f"{a.samples} x {a.seq_len} news rows, {a.iters} steps of {a.batch} rows; wiki, {a.windows} windows\n")
     print("| run | wiki ppl | Δ / Δ(RTN) | KL | top-1 | quantize wall s | CPU s |\n|---|---|---|---|---|---|---|")
     for k, e in evals.items():

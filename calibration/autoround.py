@@ -8,10 +8,17 @@ gradient descent on the block's output error against the float block:
 with ⌊·⌉ passed straight through (STE), the loss the MSE of the quantized block's output
 against the float block's, `iters` steps of size lr (default 1/iters, decayed linearly to 0)
 on sign(∇), `batch` calibration rows per step, and the iterate with the lowest step loss
-kept. It starts at V = 0, α = β = 1: round-to-nearest, bit for bit (`iters` 0 returns it).
+kept. It starts at V = 0, α = β = 1: round-to-nearest on its grid (`iters` 0 returns it).
 
-The grid is the one of `quantkit.primitives` (min-max qparams, round-half-to-even); the
-final weights are `primitives.dequantize` of the learned integer codes. FP4 / MX groups
+The symmetric int grid is the reference's by default ("full range", as llama.cpp's Q4_0):
+s = m / qmin with m the end of [β · min W, α · max W] of larger magnitude (the max on a
+tie), so m lands exactly on the lowest code (−8 at 4 bits) and s is negative when m is the
+max; codes −8..7 and W' = s · q as compressed-tensors' symmetric format stores them. Its
+step is max|W| / 8 where the min-max grid of `quantkit.primitives` (`grid="minmax"`, quantkit
+rtn's, bit for bit at `iters` 0) has max|W| / 7.5: on smollm2's linears (g64) the full grid's
+round-to-nearest has 16% less weight error. Asymmetric grids are the primitives' (min-max
+qparams); rounding is half-to-even; the final weights are `primitives.dequantize` of the
+learned integer codes. FP4 / MX groups
 (nvfp4a16, mxfp4a16) learn V only: their scales are cast to fp8 or a power of two, which
 has no gradient to follow.
 
@@ -47,6 +54,16 @@ from quantkit.scheme import QuantArgs, QuantScheme
 CLIP_MIN = 0.5  # the clip factors α, β stay in [CLIP_MIN, 1]
 
 
+def full_range_scale(lo: torch.Tensor, hi: torch.Tensor, args: QuantArgs, scale_dtype=torch.float32) -> torch.Tensor:
+    """The reference's symmetric int scale per group (its `quant_tensor_sym`, llama.cpp's Q4_0
+    `d = max / -8`): the end of [min(lo, 0), max(hi, 0)] of larger magnitude (hi on a tie)
+    over qmin, so that end quantizes to qmin exactly (negative when it is hi); a scale
+    below `scale_dtype`'s tiny becomes 1. Differentiable in lo and hi; shaped like them."""
+    lo, hi = lo.clamp(max=0), hi.clamp(min=0)
+    scale = torch.where(hi < -lo, lo, hi) / args.qmin
+    return torch.where(scale.abs() > torch.finfo(scale_dtype).tiny, scale, torch.ones_like(scale))
+
+
 def _ste(y: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
     """`rounded` forward, identity backward (straight-through)."""
     return y + (rounded - y).detach()
@@ -54,7 +71,8 @@ def _ste(y: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
 
 class Rounding:
     """One linear's learnable rounding: its float weight W [out, in] (fp32), V [out, in] and
-    the clip factors α, β (shaped like the scale; fixed at 1 for the FP4 / MX grids)."""
+    the clip factors α, β (shaped like the scale; fixed at 1 for the FP4 / MX grids). `full`:
+    a symmetric int grid is `full_range_scale`'s, else the primitives' min-max one."""
 
     def __init__(
         self,
@@ -62,6 +80,7 @@ class Rounding:
         args: QuantArgs,
         global_scale: torch.Tensor | None = None,
         scale_dtype: torch.dtype = torch.float32,
+        full: bool = False,
     ):
         self.W, self.args, self.global_scale = weight.detach().float(), args, global_scale
         self.scale_dtype = scale_dtype
@@ -70,6 +89,7 @@ class Rounding:
         self.clips = args.type == "int" and not args.is_mx
         self.alpha = torch.ones_like(self.hi, requires_grad=self.clips)
         self.beta = torch.ones_like(self.lo, requires_grad=self.clips)
+        self.full = full and self.clips and args.symmetric
 
     def params(self) -> list[torch.Tensor]:
         return [self.V, self.alpha, self.beta] if self.clips else [self.V]
@@ -81,8 +101,11 @@ class Rounding:
             with torch.no_grad():
                 return qparams_from_minmax(self.lo, self.hi, a, torch.float32, self.global_scale)[0], None
         lo, hi = (self.beta * self.lo).clamp(max=0), (self.alpha * self.hi).clamp(min=0)
-        scale = torch.maximum(-lo, hi) / ((a.qmax - a.qmin) / 2) if a.symmetric else (hi - lo) / (a.qmax - a.qmin)
-        scale = torch.where(scale > torch.finfo(self.scale_dtype).tiny, scale, torch.ones_like(scale))
+        if self.full:
+            scale = full_range_scale(lo, hi, a, self.scale_dtype)
+        else:
+            scale = torch.maximum(-lo, hi) / ((a.qmax - a.qmin) / 2) if a.symmetric else (hi - lo) / (a.qmax - a.qmin)
+            scale = torch.where(scale > torch.finfo(self.scale_dtype).tiny, scale, torch.ones_like(scale))
         scale = _ste(scale, scale.to(self.scale_dtype).float())  # the stored scale's rounding
         if a.symmetric:
             return scale, None
@@ -121,10 +144,13 @@ class Rounding:
     @torch.no_grad()
     def final(self, dtype: torch.dtype):
         """(fake-quantized weight in `dtype`, scale, zero point or None): the learned codes
-        on the grid of `primitives`, with qparams from the clipped ranges (scale in the
-        `scale_dtype` given at construction)."""
+        on the grid of `primitives` (or the full-range one), with qparams from the clipped
+        ranges (scale in the `scale_dtype` given at construction)."""
         a, lo, hi = self.args, self.beta * self.lo, self.alpha * self.hi
-        scale, zero = qparams_from_minmax(lo, hi, a, self.scale_dtype, self.global_scale)
+        if self.full:
+            scale, zero = full_range_scale(lo, hi, a, self.scale_dtype).to(self.scale_dtype), None
+        else:
+            scale, zero = qparams_from_minmax(lo, hi, a, self.scale_dtype, self.global_scale)
         y = self.W / _expand(scale.float(), self.W, a, None)  # as `primitives.quantize`, plus V
         if a.is_fp4:
             q = round_e2m1(y + self.V)
@@ -284,8 +310,11 @@ def autoround_step(
         shared = fp4.weight_global_scales(block_spec, scheme, prefix, block, names)
         outputs = _float_outputs(block, stream.inputs(index, inputs.hidden), inputs.kwargs)
         stream.advance(index, outputs)
+        full = options.grid == "full"
         roundings = {
-            n: Rounding(get_module(block, n).weight.data, weight_args(scheme, prefix, n), shared.get(n), scale_dtype)
+            n: Rounding(
+                get_module(block, n).weight.data, weight_args(scheme, prefix, n), shared.get(n), scale_dtype, full
+            )
             for n in names
         }
         data = BlockData(inputs.hidden, inputs.kwargs, outputs)

@@ -70,6 +70,9 @@ class GPTQOptions:
     guided: int = option(0, GUIDED_HELP, min=0)
 
 
+AUTOROUND_GRIDS = ("full", "minmax")
+
+
 @dataclass(frozen=True)
 class AutoRoundOptions:
     iters: int = option(200, "Signed-gradient steps per block (0: round to nearest).", min=0)
@@ -78,6 +81,13 @@ class AutoRoundOptions:
     )
     clip_lr: float | None = option(None, "Step size of the clip factors (default: --lr).", kind="float", min=0)
     batch: int = option(8, "Calibration rows per step (drawn from one forward batch).", min=1)
+    grid: str = option(
+        "full",
+        "Symmetric int grid: full (the reference's and llama.cpp Q4_0's: scale = the group's signed "
+        "largest-magnitude value / -2^(bits-1), so that value lands on the lowest code) or minmax "
+        "(compressed-tensors' and quantkit rtn's: scale = max|W| / 7.5 at 4 bits).",
+        choices=AUTOROUND_GRIDS,
+    )
 
 
 @dataclass(frozen=True)

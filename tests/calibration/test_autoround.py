@@ -17,7 +17,7 @@ from quantkit.calibration.runner import capture_block_inputs, run_blocks
 from quantkit.cli import app
 from quantkit.models.arch import arch_for
 from quantkit.pipeline.quantize import pack_model
-from quantkit.primitives import compute_qparams, quantize
+from quantkit.primitives import compute_qparams, fake_quantize, quantize
 from quantkit.scheme import preset
 
 torch.set_num_threads(1)
@@ -42,7 +42,7 @@ def run(path, algorithm, scheme, **options):
     return model, results
 
 
-def block_data(path, name):
+def block_data(path, name, full=False):
     """Block 0 of the tiny model, its captured inputs and its float outputs, and a Rounding per linear."""
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     spec = arch_for(model.config)
@@ -50,14 +50,16 @@ def block_data(path, name):
     block = model.model.layers[0]
     targets = autoround._float_outputs(block, hidden, kwargs[0])
     args = scheme_of(name).weights
-    roundings = {n: Rounding(block.get_submodule(n).weight.data, args) for n in spec.for_block(block).linears}
+    roundings = {
+        n: Rounding(block.get_submodule(n).weight.data, args, full=full) for n in spec.for_block(block).linears
+    }
     return block, roundings, BlockData(hidden, kwargs[0], targets)
 
 
 @pytest.mark.parametrize("name", SCHEMES)
 def test_no_steps_is_round_to_nearest_bit_for_bit(tiny_llama, name):
     scheme = scheme_of(name)
-    ar_model, ar = run(tiny_llama, "autoround", scheme, iters=0)
+    ar_model, ar = run(tiny_llama, "autoround", scheme, iters=0, grid="minmax")
     rtn_model, rtn = run(tiny_llama, "rtn", scheme)
     assert ar.keys() == rtn.keys() and len(ar) == 14
     for key in ar:
@@ -68,9 +70,37 @@ def test_no_steps_is_round_to_nearest_bit_for_bit(tiny_llama, name):
         assert torch.equal(a, b), k
 
 
-@pytest.mark.parametrize("name", SCHEMES)
-def test_learned_rounding_never_loses_to_round_to_nearest(tiny_llama, name):
-    block, roundings, data = block_data(tiny_llama, name)
+def reference_full_range(W, group_size):
+    """The reference's symmetric int4 round to nearest (auto-round's `quant_tensor_sym` at v = 0,
+    min_scale = max_scale = 1), written out: scale = ±max(wmax, |wmin|) / 8, + when |wmin| is
+    strictly larger; codes round(W / scale) clamped to [-8, 7]."""
+    g = W.reshape(W.shape[0], -1, group_size)
+    wmax, wmin_abs = g.amax(-1).clamp(min=0), -g.amin(-1).clamp(max=0)
+    scale = (2 * (wmax < wmin_abs).int() - 1) * torch.maximum(wmax, wmin_abs) / 8
+    return (torch.round(g / scale[..., None]).clamp(-8, 7) * scale[..., None]).reshape(W.shape), scale
+
+
+def test_no_steps_on_the_full_grid_is_the_references_round_to_nearest(tiny_llama):
+    """The default grid at `iters` 0: every linear's weights and scales are the reference's
+    formula's (some scales negative), and quantkit rtn's min-max grid has more weight error."""
+    float_model = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
+    model, results = run(tiny_llama, "autoround", scheme_of("w4a16"), iters=0)
+    assert len(results) == 14
+    err = {"full": 0.0, "minmax": 0.0}
+    for name, q in results.items():
+        W = float_model.get_submodule(name).weight.data
+        ref, ref_scale = reference_full_range(W, 32)
+        torch.testing.assert_close(q.scale, ref_scale, rtol=0, atol=0)
+        torch.testing.assert_close(model.get_submodule(name).weight.data, ref, rtol=0, atol=0)
+        assert q.zero_point is None and (q.scale < 0).any() and (q.scale > 0).any()
+        err["full"] += (ref - W).pow(2).sum().item()
+        err["minmax"] += (fake_quantize(W, scheme_of("w4a16").weights) - W).pow(2).sum().item()
+    assert err["full"] < 0.95 * err["minmax"]
+
+
+@pytest.mark.parametrize("name, full", [(n, False) for n in SCHEMES] + [("w4a16", True)])
+def test_learned_rounding_never_loses_to_round_to_nearest(tiny_llama, name, full):
+    block, roundings, data = block_data(tiny_llama, name, full)
     found = learn_block(block, roundings, data, iters=30, batch=2)
     assert len(found.losses) == 30 and found.losses[0] == pytest.approx(found.rtn_loss, rel=0.5)
     assert found.loss <= found.rtn_loss
@@ -80,15 +110,15 @@ def test_learned_rounding_never_loses_to_round_to_nearest(tiny_llama, name):
     assert autoround._full_loss(block, weights, data) == pytest.approx(found.loss, rel=1e-4)
 
 
-@pytest.mark.parametrize("name", SCHEMES)
-def test_the_straight_through_weight_is_the_exact_codes(name):
+@pytest.mark.parametrize("name, full", [(n, False) for n in SCHEMES] + [("w4a16", True)])
+def test_the_straight_through_weight_is_the_exact_codes(name, full):
     """`Rounding.weight` (differentiable, STE) against `final` (codes on the primitives' grid)
     for random offsets and clips: equal to a few ulps; each code moves at most one step from
     round-to-nearest's on the int grids."""
     g = torch.Generator().manual_seed(1)
     W = torch.randn(16, 64, generator=g) * (1 + 3 * torch.rand(16, 64, generator=g))
     args = scheme_of(name).weights
-    r = Rounding(W, args)
+    r = Rounding(W, args, full=full)
     with torch.no_grad():
         r.V.copy_(torch.rand(W.shape, generator=g) - 0.5)
         if r.clips:
@@ -101,7 +131,7 @@ def test_the_straight_through_weight_is_the_exact_codes(name):
         with torch.no_grad():
             r.alpha.fill_(1.0), r.beta.fill_(1.0)
         exact, scale, zero = r.final(torch.float32)
-        rtn_scale, rtn_zero = compute_qparams(W, args)
+        rtn_scale, rtn_zero = (reference_full_range(W, 32)[1], None) if full else compute_qparams(W, args)
         assert torch.equal(scale, rtn_scale)
         moved = quantize(exact, scale, zero, args).int() - quantize(W, rtn_scale, rtn_zero, args).int()
         assert moved.abs().max() == 1 and 0.1 < (moved != 0).float().mean() < 0.9
@@ -130,6 +160,8 @@ def test_checkpoint_loads_to_the_calibrated_model(tiny_llama, tmp_path, name):
 
     scheme = scheme_of(name)
     model, results = run(tiny_llama, "autoround", scheme, iters=5)
+    if name == "w4a16":  # the full-range grid: negative scales survive packing and loading
+        assert any((q.scale < 0).any() for q in results.values())
     tensors = pack_model(model, scheme, results, torch.float32)
     save_checkpoint(tmp_path / "q", tensors, checkpoint_config(model, scheme, results, torch.float32), {}, tiny_llama)
     loaded = quantkit.load(tmp_path / "q")
@@ -159,4 +191,4 @@ def test_command_end_to_end(tiny_llama, tiny_corpus, tmp_path, family):
 
 def test_options_have_the_papers_defaults():
     o = METHODS["autoround"].options()
-    assert dataclasses.asdict(o) == {"iters": 200, "lr": None, "clip_lr": None, "batch": 8}
+    assert dataclasses.asdict(o) == {"iters": 200, "lr": None, "clip_lr": None, "batch": 8, "grid": "full"}
