@@ -2,10 +2,11 @@
 (the method on `--rows` × 512 calibration tokens, default the CLI's 128 × 512, then the block's
 forward), in CPU seconds of this process, side by side. Three comparisons (`--before`):
 
-- `options` (the default, 2026-12-03 afternoon): the sensitivity quantizing each unit with the
-  method's own options against the same without GPTQ's range search and refinement passes
-  (`CHEAPER`; a cheaper sensitivity tried, not shipped: it changed the choice); both through
-  `variants.shared` (GPTQ, RTN) or `variants.alone` (AWQ).
+- `options` (the default, 2026-12-03 afternoon and evening): the sensitivity quantizing each unit
+  with the method's own options against the same with `--cheaper`'s settings (default `CHEAPER`:
+  GPTQ without range search and refinement passes, tried, not shipped: it changed the choice,
+  and its perplexity is `mixed_choice.py`'s question; for AWQ e.g. `--cheaper grid=10 clip=false`);
+  both through `variants.shared` (GPTQ, RTN) or `variants.alone` (AWQ).
 - `guided` (2026-12-03 afternoon): GPTQ's step with `--guided 4` (random loss weights: the work
   does not depend on them; the gradient pass is not timed), its Hessians accumulated by addmm
   against `guided.add_weighted_gram`; the uniform column is then plain GPTQ's step.
@@ -15,7 +16,7 @@ forward), in CPU seconds of this process, side by side. Three comparisons (`--be
   the outputs checked equal bit for bit.
 
     OMP_NUM_THREADS=1 python benchmarks/mixed_speed.py [--model smollm2-135m] [--blocks 3]
-        [--methods gptq rtn] [--before options|guided|copies] [--rows 128]
+        [--methods gptq rtn] [--before options|guided|copies] [--rows 128] [--cheaper KEY=VALUE ...]
 
 The sensitivity's windows are `mixed.SENSITIVITY_WINDOWS` (8 × 256), the scheme w4a16-asym
 (act-order static for GPTQ, as its command), calibration `news`, seed 0. The Fisher pass, the
@@ -65,7 +66,9 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=["gptq"])
     parser.add_argument("--before", choices=tuple(HEADS), default="options")
     parser.add_argument("--rows", type=int, default=128, help="the uniform step's calibration rows of 512 tokens")
+    parser.add_argument("--cheaper", nargs="*", default=None, help="`--before options`: the options left out")
     a = parser.parse_args()
+    cheaper = CHEAPER if a.cheaper is None else dict(map(_setting, a.cheaper))
     model, tokenizer, _ = load_float_model(resolve_model(a.model), owned=True)
     dtype = model.dtype
     model.float()
@@ -87,8 +90,10 @@ def main() -> None:
             uniform = _uniform(method, spec, scheme, options, dtype, model, i, full)
             if a.before == "guided":
                 before, after = _guided(method, spec, scheme, options, dtype, model, i, full)
+            elif a.before == "copies":
+                before, after = _copies(name, args)
             else:
-                before, after = (_copies if a.before == "copies" else _options)(name, args)
+                before, after = _options(name, args, cheaper)
             for k, t in enumerate((uniform, before, after)):
                 totals[k] += t
             print(f"| {name} | {i} | {uniform:.1f} | {before:.1f} | {after:.1f} | {before / after:.2f} |", flush=True)
@@ -97,7 +102,7 @@ def main() -> None:
 
 
 HEADS = {
-    "options": ("the method's options (CPU s)", "without range search and refinement (CPU s)"),
+    "options": ("the method's options (CPU s)", "with --cheaper's (CPU s)"),
     "copies": ("copies (CPU s)", "shared (CPU s)"),
     "guided": ("--guided 4, Hessians by addmm (CPU s)", "--guided 4, by upper blocks (CPU s)"),
 }
@@ -147,14 +152,23 @@ def _copies(name, args) -> tuple[float, float]:
     return before, after
 
 
-CHEAPER = {"range_search": False, "refine": 0}  # the options `--before options` leaves out
+CHEAPER = {"range_search": False, "refine": 0}  # the settings `--before options` tries by default
 
 
-def _options(name, args) -> tuple[float, float]:
-    """CPU s of the sensitivity's variants with the method's options and without `CHEAPER`'s."""
+def _setting(text: str) -> tuple[str, object]:
+    """ "grid=10" -> ("grid", 10); true/false -> bool."""
+    key, value = text.split("=", 1)
+    words = {"true": True, "false": False}
+    if value.lower() in words:
+        return key, words[value.lower()]
+    return key, float(value) if "." in value else int(value)
+
+
+def _options(name, args, settings: dict) -> tuple[float, float]:
+    """CPU s of the sensitivity's variants with the method's options and with `settings` (those it has)."""
     make = variants.shared if name in variants.SHARED else variants.alone
     fields = {f.name for f in dataclasses.fields(args[4])}
-    cheaper = dataclasses.replace(args[4], **{k: v for k, v in CHEAPER.items() if k in fields})
+    cheaper = dataclasses.replace(args[4], **{k: v for k, v in settings.items() if k in fields})
     cheap = (*args[:4], cheaper, *args[5:])
     with torch.no_grad():
         before, _ = cpu(lambda: list(make(*args)))
