@@ -2,20 +2,25 @@
 (the method on `--rows` × 512 calibration tokens, default the CLI's 128 × 512, then the block's
 forward), in CPU seconds of this process, side by side. Three comparisons (`--before`):
 
-- `options` (the default, 2026-12-03 afternoon): the sensitivity quantizing each unit with the
-  method's own options against the same without GPTQ's range search and refinement passes
-  (`CHEAPER`; a cheaper sensitivity tried, not shipped: it changed the choice); both through
-  `variants.shared` (GPTQ, RTN) or `variants.alone` (AWQ).
+- `options` (the default, 2026-12-03 afternoon and evening): the sensitivity quantizing each unit
+  with the method's own options against the same with `--cheaper`'s settings (default `CHEAPER`:
+  GPTQ without range search and refinement passes, tried, not shipped: it changed the choice,
+  and its perplexity is `mixed_choice.py`'s question; for AWQ e.g. `--cheaper grid=10 clip=false`);
+  both through `variants.shared` (GPTQ, RTN) or `variants.alone` (AWQ).
 - `guided` (2026-12-03 afternoon): GPTQ's step with `--guided 4` (random loss weights: the work
   does not depend on them; the gradient pass is not timed), its Hessians accumulated by addmm
   against `guided.add_weighted_gram`; the uniform column is then plain GPTQ's step.
+- `rows` (2026-12-03 evening): GPTQ's per-linear work (`gptq.quantize_weight`: factorisation,
+  column loop, and with `full` the range search and 2 refinement passes) at smollm2's shapes on
+  random weights and inputs (4,096 tokens), one call over all rows under one Hessian against 4
+  row groups each under its own (what `--guided 4` runs per linear); no model is loaded.
 - `copies` (2026-12-03 morning): each unit × format quantized by the method on a copy of its
   block (`variants.alone`) against the shared pass (`variants.shared`: one Hessian per unit, one
   factorisation for all formats; for AWQ, the copies reading the block's inputs captured once),
   the outputs checked equal bit for bit.
 
     OMP_NUM_THREADS=1 python benchmarks/mixed_speed.py [--model smollm2-135m] [--blocks 3]
-        [--methods gptq rtn] [--before options|guided|copies] [--rows 128]
+        [--methods gptq rtn] [--before options|guided|rows|copies] [--rows 128] [--cheaper KEY=VALUE ...]
 
 The sensitivity's windows are `mixed.SENSITIVITY_WINDOWS` (8 × 256), the scheme w4a16-asym
 (act-order static for GPTQ, as its command), calibration `news`, seed 0. The Fisher pass, the
@@ -65,7 +70,11 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=["gptq"])
     parser.add_argument("--before", choices=tuple(HEADS), default="options")
     parser.add_argument("--rows", type=int, default=128, help="the uniform step's calibration rows of 512 tokens")
+    parser.add_argument("--cheaper", nargs="*", default=None, help="`--before options`: the options left out")
     a = parser.parse_args()
+    cheaper = CHEAPER if a.cheaper is None else dict(map(_setting, a.cheaper))
+    if a.before == "rows":
+        return _rows()
     model, tokenizer, _ = load_float_model(resolve_model(a.model), owned=True)
     dtype = model.dtype
     model.float()
@@ -87,8 +96,10 @@ def main() -> None:
             uniform = _uniform(method, spec, scheme, options, dtype, model, i, full)
             if a.before == "guided":
                 before, after = _guided(method, spec, scheme, options, dtype, model, i, full)
+            elif a.before == "copies":
+                before, after = _copies(name, args)
             else:
-                before, after = (_copies if a.before == "copies" else _options)(name, args)
+                before, after = _options(name, args, cheaper)
             for k, t in enumerate((uniform, before, after)):
                 totals[k] += t
             print(f"| {name} | {i} | {uniform:.1f} | {before:.1f} | {after:.1f} | {before / after:.2f} |", flush=True)
@@ -97,8 +108,9 @@ def main() -> None:
 
 
 HEADS = {
-    "options": ("the method's options (CPU s)", "without range search and refinement (CPU s)"),
+    "options": ("the method's options (CPU s)", "with --cheaper's (CPU s)"),
     "copies": ("copies (CPU s)", "shared (CPU s)"),
+    "rows": ("one call, all rows (CPU s)", "4 row groups, 4 Hessians (CPU s)"),
     "guided": ("--guided 4, Hessians by addmm (CPU s)", "--guided 4, by upper blocks (CPU s)"),
 }
 
@@ -134,6 +146,33 @@ def _guided(method, spec, scheme, options, dtype, model, i, full) -> tuple[float
     return before, _uniform(method, spec, scheme, options, dtype, model, i, full, guides)
 
 
+ROW_SHAPES = {"q": (576, 576), "k, v": (192, 576), "o": (576, 576), "gate, up": (1536, 576), "down": (576, 1536)}
+ROW_SHAPES_PLAIN = {"q+k+v": (960, 576), "gate+up": (3072, 576)}  # what plain GPTQ quantizes in one call
+
+
+def _rows() -> None:
+    """CPU s of GPTQ's per-linear work, all rows under one Hessian against 4 row groups under 4."""
+    from quantkit.calibration import gptq
+    from quantkit.scheme import QuantArgs
+
+    args = QuantArgs(num_bits=4, type="int", symmetric=False, strategy="group", group_size=64, actorder="static")
+    g = torch.Generator().manual_seed(0)
+    print(f"| linear [out, in] | work | {' | '.join(HEADS['rows'])} | 4 groups / one |")
+    print("|---|---|---|---|---|")
+    for name, (out, n) in {**ROW_SHAPES, **ROW_SHAPES_PLAIN}.items():
+        x = torch.randn(4096, n, generator=g) * torch.rand(n, generator=g) * 3  # x [tokens, in]
+        hessians = [2 * (x.T * (torch.rand(len(x), generator=g) + 0.5)) @ x / len(x) for _ in range(5)]
+        w = torch.randn(out, n, generator=g) * 0.05
+        for work, kw in (("full", {"range_search": True, "refine": 2}), ("column loop", {})):
+            one = cpu(lambda: gptq.quantize_weight(w, hessians[4], args, 128, 0.05, **kw))[0]
+            rows = [slice(k * out // 4, (k + 1) * out // 4) for k in range(4)]
+            if name in ROW_SHAPES_PLAIN:
+                print(f"| {name} [{out}, {n}] | {work} | {one:.3f} | — | — |", flush=True)
+                continue
+            four = cpu(lambda: [gptq.quantize_weight(w[r], h, args, 128, 0.05, **kw) for r, h in zip(rows, hessians)])
+            print(f"| {name} [{out}, {n}] | {work} | {one:.3f} | {four[0]:.3f} | {four[0] / one:.2f} |", flush=True)
+
+
 def _copies(name, args) -> tuple[float, float]:
     """CPU s of `variants.alone` (capturing on every copy) and of the shared pass, outputs checked equal."""
     fast = variants.shared if name in variants.SHARED else variants.alone
@@ -147,14 +186,23 @@ def _copies(name, args) -> tuple[float, float]:
     return before, after
 
 
-CHEAPER = {"range_search": False, "refine": 0}  # the options `--before options` leaves out
+CHEAPER = {"range_search": False, "refine": 0}  # the settings `--before options` tries by default
 
 
-def _options(name, args) -> tuple[float, float]:
-    """CPU s of the sensitivity's variants with the method's options and without `CHEAPER`'s."""
+def _setting(text: str) -> tuple[str, object]:
+    """ "grid=10" -> ("grid", 10); true/false -> bool."""
+    key, value = text.split("=", 1)
+    words = {"true": True, "false": False}
+    if value.lower() in words:
+        return key, words[value.lower()]
+    return key, float(value) if "." in value else int(value)
+
+
+def _options(name, args, settings: dict) -> tuple[float, float]:
+    """CPU s of the sensitivity's variants with the method's options and with `settings` (those it has)."""
     make = variants.shared if name in variants.SHARED else variants.alone
     fields = {f.name for f in dataclasses.fields(args[4])}
-    cheaper = dataclasses.replace(args[4], **{k: v for k, v in CHEAPER.items() if k in fields})
+    cheaper = dataclasses.replace(args[4], **{k: v for k, v in settings.items() if k in fields})
     cheap = (*args[:4], cheaper, *args[5:])
     with torch.no_grad():
         before, _ = cpu(lambda: list(make(*args)))

@@ -52,6 +52,11 @@ FLOAT = "float"
 FORMATS = ("int4-g128", "int4-g64", "int4-g32", "int8", FLOAT)  # what `candidates` offers, by name
 ESTIMATORS = ("fisher", "exact")  # how `sensitivity` measures a unit's cost; the first is the default
 FISHER_DRAWS = 4  # labels drawn per token from the float model for the Fisher estimate
+# settings the sensitivity puts in place of the method's own (those the method's options have):
+# none. GPTQ without range search and refinement ({"range_search": False, "refine": 0}) halves
+# the sensitivity but changes 9 of 120 choices on smollm2; whether the final perplexity shows it
+# is measured by benchmarks/mixed_choice.py (docs/benchmarks.md, "Accuracy features' cost")
+SENSITIVITY_CHEAPER: dict[str, object] = {}
 FORMATS_NEED_BITS = (  # the refusal of target_formats without target_bits (recipe and pipeline)
     "target_formats (--target-formats) goes with target_bits (--target-bits): "
     "it limits the formats mixed precision chooses from."
@@ -200,10 +205,11 @@ def _cache_dir() -> Path:
 
 
 def _search_options(options):
-    """The method's options without those that read or write a saved search: each unit's
-    measurement searches afresh."""
+    """The method's options without those that read or write a saved search (each unit's
+    measurement searches afresh) and with `SENSITIVITY_CHEAPER`'s settings where it has them."""
     names = {f.name for f in dataclasses.fields(options)}
-    return dataclasses.replace(options, **{n: None for n in ("save_search", "load_search") if n in names})
+    cheaper = {n: v for n, v in SENSITIVITY_CHEAPER.items() if n in names}
+    return dataclasses.replace(options, **{n: None for n in ("save_search", "load_search") if n in names}, **cheaper)
 
 
 def _cache_key(path: Path, scheme: QuantScheme, calibration, method: str, options, estimator: str) -> str:

@@ -29,6 +29,7 @@ from quantkit.scheme import preset
 
 torch.set_num_threads(1)
 IDS = torch.tensor([list(range(3, 43)), list(range(100, 140))])
+CHEAPER = {"range_search": False, "refine": 0}  # GPTQ's sensitivity without range search and refinement
 
 
 def random_rows(rng: random.Random, n: int) -> list[dict]:
@@ -116,10 +117,16 @@ def test_sensitivity_equals_a_direct_computation(tmp_path, tiny_corpus):
     assert mixed.sensitivity(str(path), scheme, calib, cache=tmp_path / "cache", estimator="exact") == result
 
 
-@pytest.mark.parametrize("method, options", [("awq", {}), ("gptq", {}), ("gptq", {"guided": 2})])
-def test_sensitivity_by_the_method_equals_quantizing_that_group_alone(tmp_path, tiny_corpus, method, options):
+@pytest.mark.parametrize(
+    "method, options, cheaper",
+    [("awq", {}, {}), ("gptq", {}, {}), ("gptq", {"guided": 2}, {}), ("gptq", {}, CHEAPER)],
+)
+def test_sensitivity_by_the_method_equals_quantizing_that_group_alone(
+    tmp_path, tiny_corpus, monkeypatch, method, options, cheaper
+):
     """A unit's cost by AWQ or GPTQ (guided Hessians too) is that of a checkpoint the pipeline
-    made with only that unit quantized (the same windows calibrate both), read back by transformers."""
+    made with only that unit quantized (the same windows and options, `SENSITIVITY_CHEAPER`'s
+    settings in place, calibrate both), read back by transformers."""
     from quantkit.calibration.datasets import calibration_samples, load_documents
     from quantkit.calibration.registry import METHODS
     from quantkit.models.loading import load_tokenizer
@@ -128,6 +135,7 @@ def test_sensitivity_by_the_method_equals_quantizing_that_group_alone(tmp_path, 
     calib = Calibration(str(tiny_corpus), 4, 32)
     scheme = preset("w4a16")  # symmetric: transformers reads it
     opts = METHODS[method].options(**options)
+    monkeypatch.setattr(mixed, "SENSITIVITY_CHEAPER", cheaper)
     cache = tmp_path / "cache"
     result = mixed.sensitivity(str(path), scheme, calib, cache=cache, method=method, options=opts, estimator="exact")
     assert result["method"] == method
@@ -139,7 +147,8 @@ def test_sensitivity_by_the_method_equals_quantizing_that_group_alone(tmp_path, 
     row = next(r for r in result["units"] if r["label"] == "model.layers.1.mlp.gate_proj+up_proj")
     others = tuple(n for r in result["units"] for n in r["linears"] if n not in row["linears"])
     alone = scheme.replace(weights=mixed.candidates(scheme)["int4-g32"], ignore=scheme.ignore + others)
-    quantize(str(path), alone, tmp_path / "q", method, calib, options)
+    replaced = {k: v for k, v in cheaper.items() if hasattr(opts, k)}
+    quantize(str(path), alone, tmp_path / "q", method, calib, {**options, **replaced})
     ids = calibration_samples(load_tokenizer(path), load_documents(str(tiny_corpus), "calib"), 4, 32, 0)
     with torch.no_grad():
         base = AutoModelForCausalLM.from_pretrained(path).eval()(ids).logits.log_softmax(-1)
@@ -175,6 +184,20 @@ def test_shared_variants_equal_each_unit_quantized_on_a_copy(
     assert len(shared["units"]) == 8 and all(len(r["kld"]) >= 4 for r in shared["units"])
     for target in (4.6, 5.0, 6.0):
         assert mixed.choose(shared["units"], target) == mixed.choose(alone["units"], target)
+
+
+def test_the_sensitivity_options_take_the_cheaper_settings_the_method_has(monkeypatch):
+    """`SENSITIVITY_CHEAPER` (GPTQ without range search and refinement here) replaces only the
+    options a method has, keeps the others, and a saved search is never read or written."""
+    from quantkit.calibration.registry import METHODS
+
+    assert mixed._search_options(METHODS["gptq"].options()) == METHODS["gptq"].options()  # none by default
+    monkeypatch.setattr(mixed, "SENSITIVITY_CHEAPER", CHEAPER)
+    gptq = mixed._search_options(METHODS["gptq"].options(guided=2, damp=0.1))
+    assert (gptq.range_search, gptq.refine, gptq.guided, gptq.damp) == (False, 0, 2, 0.1)
+    awq = mixed._search_options(METHODS["awq"].options(gptq=True, save_search="s.safetensors"))
+    assert awq == METHODS["awq"].options(gptq=True)
+    assert mixed._search_options(METHODS["rtn"].options()) == METHODS["rtn"].options()
 
 
 def test_awq_reads_each_blocks_inputs_captured_once(tmp_path, tiny_corpus, monkeypatch):
