@@ -21,7 +21,15 @@ from torch import nn
 
 from quantkit.calibration.awq import fold_scales, search_scales
 from quantkit.calibration.gptq import accumulate_hessian
-from quantkit.calibration.hooks import mapping_input, mapping_inputs, mappings, reduce_each, scaled_inputs
+from quantkit.calibration.hooks import (
+    Replay,
+    mapping_input,
+    mapping_inputs,
+    mappings,
+    reduce_each,
+    reduce_inputs,
+    scaled_inputs,
+)
 from quantkit.formats.gguf import Blocks, BlockType, choose, dequantize, grid, round_codes
 from quantkit.models.arch import ArchSpec, get_module
 from quantkit.scheme import QuantArgs
@@ -223,9 +231,19 @@ def gguf_step(
         if o.awq:
             names = [n for n in bspec.linears if types(f"{prefix}.{n}") is not None]
             fold_awq(bspec, block, names, inputs, o.awq_tokens, prefix, o.outliers)
+        attention = [n for n in bspec.linears if n.startswith(bspec.attention + ".")]
+        done, replay = set(), None
         for stage in bspec.stages:
-            firsts = {names[0]: get_module(block, names[0]) for names in stage}
-            hessians = reduce_each(block, firsts, inputs, add, prefix)
+            if replay is None and all(n in done for n in attention):  # the attention's outputs are final
+                replay = Replay(get_module(block, bspec.attention), len(inputs.hidden))
+            done.update(n for names in stage for n in names)
+            if len(stage) == 1:  # the block runs only as far as the group's input
+                first = stage[0][0]
+                H = reduce_inputs(block, get_module(block, first), inputs, f"{prefix}.{first}", add, replay)
+                hessians = {first: H}
+            else:
+                firsts = {names[0]: get_module(block, names[0]) for names in stage}
+                hessians = reduce_each(block, firsts, inputs, add, prefix, replay)
             for names in stage:
                 H, tokens = hessians.pop(names[0])
                 if stats is not None:  # H = 2 XᵀX / tokens
