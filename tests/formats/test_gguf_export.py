@@ -69,6 +69,7 @@ def test_calibrated_export_is_closer_to_the_float_model(wide_llama, tiny_corpus,
     from transformers import AutoModelForCausalLM
 
     from quantkit.calibration.datasets import calibration_samples, load_documents
+    from quantkit.calibration.gguf import GGUFOptions
     from quantkit.calibration.method import Calibration
     from quantkit.models.loading import load_float_model
 
@@ -77,12 +78,18 @@ def test_calibrated_export_is_closer_to_the_float_model(wide_llama, tiny_corpus,
     ids = calibration_samples(tokenizer, load_documents(calib.dataset, "calib"), 8, 64)  # the text calibrated on
     base = AutoModelForCausalLM.from_pretrained(wide_llama, dtype=torch.float32)(ids).logits.log_softmax(-1)
     kl = {}
-    for method in ("rtn", "gptq"):
-        path = tmp_path / f"{method}.gguf"
-        export_gguf(str(wide_llama), path, "q4_0", method=method, calibration=calib)
+    runs = {
+        "rtn": ("rtn", None),
+        "gptq": ("gptq", None),
+        "static": ("gptq", GGUFOptions(static=True, actorder=True, outliers=10.0)),
+        "awq": ("gptq", GGUFOptions(awq=True)),
+    }
+    for label, (method, options) in runs.items():
+        path = tmp_path / f"{label}.gguf"
+        export_gguf(str(wide_llama), path, "q4_0", method=method, calibration=calib, options=options)
         got = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
-        kl[method] = torch.nn.functional.kl_div(got(ids).logits.log_softmax(-1), base, log_target=True).item()
-    assert kl["gptq"] < kl["rtn"]
+        kl[label] = torch.nn.functional.kl_div(got(ids).logits.log_softmax(-1), base, log_target=True).item()
+    assert max(kl["gptq"], kl["static"], kl["awq"]) < kl["rtn"], kl
 
 
 def test_refusals(tmp_path, wide_llama):
