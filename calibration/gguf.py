@@ -169,7 +169,9 @@ class GGUFOptions:
     static: bool = False
     actorder: bool = False
     weigh: str = "diag"
-    outliers: float = 0.0  # > 0: tokens whose input norm passes this × the median are left out of H
+    outliers: float = (
+        0.0  # > 0: tokens whose input norm passes this × the median left out of H (hurt; see typical_tokens)
+    )
     awq: bool = False  # fold AWQ scales (searched on AWQ_PROXY's grid) into the block first
     awq_tokens: int = 4096  # captured input tokens per group the AWQ search scores on
 
@@ -197,8 +199,9 @@ def fold_awq(
 def typical_tokens(x: torch.Tensor, ratio: float) -> torch.Tensor:
     """The rows of x [..., c] (as [tokens, c]) whose norm is at most `ratio` × the median
     token norm: without the attention sink's massive activations (the first token's input
-    to a late down_proj can be 40× the others' and hold most of H), which the KL of the
-    scored tokens does not depend on the way H's squared error would say."""
+    to a late down_proj can be 40× the others' and hold most of H). Measured on smollm2
+    Q4_0 (with `static` and `actorder`): llama.cpp's KL 2.3× worse than without it, the sink
+    itself being what later tokens' attention reads; kept for narrower uses, off by default."""
     x = x.reshape(-1, x.shape[-1])
     if ratio <= 0:
         return x
