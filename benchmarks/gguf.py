@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from quantkit.calibration.datasets import calibration_samples, load_documents
+from quantkit.calibration.gguf import GGUFOptions
 from quantkit.calibration.method import Calibration
 from quantkit.models.loading import load_tokenizer, resolve_model
 from quantkit.pipeline.gguf import export_gguf
@@ -99,10 +100,14 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=Path("/tmp/quantkit-gguf-bench"))
     p.add_argument("--json", type=Path)
+    p.add_argument(
+        "--options", default="{}", help="GGUFOptions of quantkit's export as JSON, e.g. '{\"static\": true}'"
+    )
     args = p.parse_args()
     out = args.out / args.model.replace("/", "_")
     out.mkdir(parents=True, exist_ok=True)
     c = Calibration(dataset=args.calib, samples=args.samples, seq_len=args.seq_len)
+    options = GGUFOptions(**json.loads(args.options))
     calib, wiki = texts(args.model, c, out)
     f32 = out / "f32.gguf"
     if not f32.exists():
@@ -123,7 +128,7 @@ def main() -> None:
             print(label, flush=True)
             if not path.exists():
                 if extra is None:
-                    export_gguf(args.model, path, t, method="gptq", calibration=c)
+                    export_gguf(args.model, path, t, method="gptq", calibration=c, options=options)
                 else:
                     cmd = [tool("llama-quantize"), *extra, str(f32), str(path), QUANTIZE_NAMES[t], str(args.threads)]
                     run(cmd, path.with_suffix(".log"))

@@ -47,6 +47,11 @@ def export(
     samples: int = typer.Option(64, help="gguf: calibration rows."),
     seq_len: int = typer.Option(512, help="gguf: tokens per calibration row."),
     seed: int = SEED,
+    imatrix_out: Optional[Path] = typer.Option(
+        None,
+        "--imatrix-out",
+        help="gguf: also write the calibration's importance matrix as llama-imatrix does (llama-quantize --imatrix).",
+    ),
     overwrite: bool = registry_option(RunOptions, "overwrite"),
 ):
     """Convert an int4 checkpoint between the compressed-tensors, AWQ and GPTQ layouts, or
@@ -56,12 +61,16 @@ def export(
 
         calibration = Calibration(dataset=calib, samples=samples, seq_len=seq_len, seed=seed)
         with progress() as track:
-            chosen = export_gguf(checkpoint, output, type, method, calibration, overwrite, track)
+            chosen = export_gguf(
+                checkpoint, output, type, method, calibration, overwrite, track, imatrix_out=imatrix_out
+            )
         counts: dict[str, int] = {}
         for t in chosen.values():
             counts[t] = counts.get(t, 0) + 1
         mix = ", ".join(f"{n} {t}" for t, n in sorted(counts.items()))
         out.print(f"wrote {output} (gguf {type}, {method}: {mix} tensors)")
+        if imatrix_out is not None:
+            out.print(f"wrote {imatrix_out} (importance matrix)")
         return
     from quantkit.formats import interop
 

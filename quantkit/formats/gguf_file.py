@@ -213,6 +213,34 @@ def write(path: Path, arch: str, name: str, file_type: str, metadata: dict, tens
         tmp.unlink(missing_ok=True)
 
 
+def write_imatrix(path: Path, arch: str, stats: dict, dataset: str, chunks: int, chunk_size: int) -> None:
+    """An importance matrix as llama-imatrix writes it (GGUF, general.type "imatrix"): for
+    each llama.cpp tensor name, `<name>.in_sum2` (Σ x² of each input column, float32
+    [1, cols]) and `<name>.counts` (tokens, [1, 1]); `stats` is {name: (sums, tokens)}, and
+    llama-quantize --imatrix reads the file."""
+    import gguf
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.partial")
+    writer = gguf.GGUFWriter(str(tmp), arch)
+    try:
+        writer.add_type("imatrix")
+        writer.add_array("imatrix.datasets", [dataset])
+        writer.add_uint32("imatrix.chunk_count", chunks)
+        writer.add_uint32("imatrix.chunk_size", chunk_size)
+        for name in sorted(stats):
+            sums, tokens = stats[name]
+            writer.add_tensor(f"{name}.in_sum2", sums.float().reshape(1, -1).numpy())
+            writer.add_tensor(f"{name}.counts", np.full((1, 1), float(tokens), dtype=np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file(progress=False)
+        writer.close()
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def _add(writer, gguf, key: str, kind: str, value) -> None:
     v = gguf.GGUFValueType
     simple = {"uint32": v.UINT32, "float32": v.FLOAT32, "bool": v.BOOL, "string": v.STRING}

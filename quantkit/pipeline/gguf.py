@@ -29,8 +29,12 @@ def export_gguf(
     calibration: Calibration | None = None,
     overwrite: bool = False,
     track: Track = no_progress,
+    options=None,
+    imatrix_out: Path | None = None,
 ) -> dict:
-    """Write `output` and return {llama.cpp tensor name: block type} of what was written."""
+    """Write `output` and return {llama.cpp tensor name: block type} of what was written.
+    `options` (calibration.gguf.GGUFOptions) tune the calibration; `imatrix_out` also writes
+    the calibration's importance matrix in llama-imatrix's format."""
     from quantkit.models.loading import load_float_model
 
     if file_type not in gguf_file.FILE_TYPES:
@@ -38,8 +42,13 @@ def export_gguf(
     if method not in METHODS:
         raise QuantkitError(f"unknown GGUF method {method!r}; choose one of {', '.join(METHODS)}.")
     output = Path(output)
-    if output.exists() and not overwrite:
-        raise QuantkitError(f"{output} exists; pass --overwrite to replace it.")
+    for path in (output, imatrix_out):
+        if path is not None and Path(path).exists() and not overwrite:
+            raise QuantkitError(f"{path} exists; pass --overwrite to replace it.")
+    if imatrix_out is not None and (method == "rtn" or file_type == "f32"):
+        raise QuantkitError(
+            "an importance matrix comes from calibration; use --method gptq or imatrix and a quantized type."
+        )
     model, tokenizer, folder = load_float_model(model_name, owned=True)
     model.float()
     arch = gguf_file.check_family(model.config)
@@ -48,11 +57,16 @@ def export_gguf(
     calibrated = method != "rtn" and file_type != "f32"
     types = _type_rule(model, file_type, calibrated)
     results: dict[str, Blocks] = {}
+    stats: dict = {}
+    c = calibration or Calibration()
     if calibrated:
-        _calibrate(model, tokenizer, types, results, method, calibration or Calibration(), track)
+        _calibrate(model, tokenizer, types, results, method, c, track, options, stats)
     chosen: dict[str, str] = {}
     tensors = _tensors(model, types, results, chosen)
     gguf_file.write(output, arch, _name(model_name), file_type, metadata, tensors)
+    if imatrix_out is not None:
+        named = {gguf_file.gguf_name(f"{full}.weight"): v for full, v in stats.items()}
+        gguf_file.write_imatrix(imatrix_out, arch, named, c.dataset, c.samples, c.seq_len)
     return chosen
 
 
@@ -92,15 +106,17 @@ def _type_rule(model, file_type: str, imatrix: bool):
     return types
 
 
-def _calibrate(model, tokenizer, types, results, method: str, c: Calibration, track: Track) -> None:
+def _calibrate(model, tokenizer, types, results, method: str, c: Calibration, track: Track, options, stats) -> None:
+    from dataclasses import replace
+
     from quantkit.calibration.datasets import calibration_samples, load_documents
-    from quantkit.calibration.gguf import gguf_step
+    from quantkit.calibration.gguf import GGUFOptions, gguf_step
     from quantkit.calibration.runner import run_blocks
     from quantkit.models.arch import arch_for
 
     spec = arch_for(model.config)
     samples = calibration_samples(tokenizer, load_documents(c.dataset, "calib"), c.samples, c.seq_len, c.seed)
-    step = gguf_step(spec, types, results, gptq=method == "gptq")
+    step = gguf_step(spec, types, results, replace(options or GGUFOptions(), gptq=method == "gptq"), stats)
     run_blocks(model, spec, step, samples, c.batch_size, track=track)
 
 
