@@ -80,6 +80,10 @@ cls = GPTQModifier if method.endswith("gptq") else QuantizationModifier
 recipe = cls(targets="Linear", scheme=args["preset"], ignore=["lm_head"])
 if method.startswith("awq"):
     from llmcompressor.modifiers.transform import AWQModifier
+    from llmcompressor.pipelines import cache
+    # 0.14's AWQ pins its cached activations for GPU copies, which a CPU-only torch refuses: no-op here
+    if not torch.cuda.is_available():
+        cache.IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
     recipe = [AWQModifier(), recipe]
 kwargs = {}
 if args["calib"]:
