@@ -11,8 +11,10 @@ One run, in this order:
 2. for each case (scheme/method): quantkit's checkpoint (`quantkit rtn`, `quantkit fp8` for
    fp8-block, `quantkit gptq`, their defaults) and llm-compressor's (its own virtual environment,
    run as a subprocess: `oneshot` with `QuantizationModifier(targets="Linear", scheme=PRESET,
-   ignore=["lm_head"])` or `GPTQModifier` with the same arguments and its defaults, the model loaded
-   in --peer-dtype, saved with `save_compressed=True`). Wall time of each;
+   ignore=["lm_head"])` or `GPTQModifier` with the same arguments and its defaults, for the awq cases
+   its `AWQModifier()` (default mappings and grid) before either, the model loaded in --peer-dtype,
+   saved with `save_compressed=True`); quantkit's awq-gptq is `quantkit awq --gptq`. Wall time of
+   each; --no-quantkit makes llm-compressor's side only;
 3. the two folders compared tensor by tensor (safetensors): names only one side has, and per kind
    of tensor (weight_packed, weight_scale, ...) dtype and shape agreement and the exact-equality
    count (bytes); then each linear's weight dequantized by the decoder below (no quantkit code:
@@ -52,7 +54,12 @@ CASES = {
     "nvfp4/rtn": ("nvfp4", "rtn", "NVFP4", True),
     "mxfp8/rtn": ("mxfp8", "rtn", "MXFP8", False),
     "nvfp4a16/gptq": ("nvfp4a16", "gptq", "NVFP4A16", True),
+    "nvfp4a16/awq": ("nvfp4a16", "awq", "NVFP4A16", True),
+    "nvfp4a16/awq-gptq": ("nvfp4a16", "awq-gptq", "NVFP4A16", True),
 }
+# quantkit's command line for a method: awq-gptq is AWQ's scales with GPTQ's rounding (`quantkit awq --gptq`),
+# llm-compressor's AWQModifier (a transform since 0.14) before its GPTQModifier
+COMMANDS = {"awq-gptq": ["awq", "--gptq"]}
 DEFAULT_CASES = ("fp8-block/rtn", "nvfp4a16/rtn", "mxfp4a16/rtn", "nvfp4/rtn", "mxfp8/rtn", "nvfp4a16/gptq")
 
 # Runs in the peer's environment: quantize with llm-compressor, save compressed, print one line
@@ -68,8 +75,16 @@ from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModif
 dtype = "auto" if args["dtype"] == "auto" else getattr(torch, args["dtype"])
 model = AutoModelForCausalLM.from_pretrained(args["model"], dtype=dtype)
 tokenizer = AutoTokenizer.from_pretrained(args["model"])
-cls = GPTQModifier if args["method"] == "gptq" else QuantizationModifier
+method = args["method"]
+cls = GPTQModifier if method.endswith("gptq") else QuantizationModifier
 recipe = cls(targets="Linear", scheme=args["preset"], ignore=["lm_head"])
+if method.startswith("awq"):
+    from llmcompressor.modifiers.transform import AWQModifier
+    from llmcompressor.pipelines import cache
+    # 0.14's AWQ pins its cached activations for GPU copies, which a CPU-only torch refuses: no-op here
+    if not torch.cuda.is_available():
+        cache.IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
+    recipe = [AWQModifier(), recipe]
 kwargs = {}
 if args["calib"]:
     from datasets import Dataset
@@ -82,13 +97,15 @@ quantized = time.perf_counter()
 model.save_pretrained(args["out"], save_compressed=True)
 tokenizer.save_pretrained(args["out"])
 try:
-    settings = {k: str(v) for k, v in recipe.model_dump().items() if k not in ("targets", "ignore")}
+    settings = {type(m).__name__ + "." + k: str(v) for m in (recipe if isinstance(recipe, list) else [recipe])
+                for k, v in m.model_dump().items() if k not in ("targets", "ignore")}
 except Exception as e:
     settings = {"error": repr(e)}
 print("PEER_RESULT " + json.dumps({
     "versions": {"llmcompressor": llmcompressor.__version__, "compressed_tensors": compressed_tensors.__version__,
                  "torch": torch.__version__, "transformers": transformers.__version__},
-    "modifier": cls.__name__, "settings": settings, "dtype": str(model.dtype),
+    "modifier": "+".join(type(m).__name__ for m in (recipe if isinstance(recipe, list) else [recipe])),
+    "settings": settings, "dtype": str(model.dtype),
     "load_s": loaded - start, "quantize_s": quantized - loaded, "save_s": time.perf_counter() - quantized,
 }), flush=True)
 """
@@ -232,6 +249,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--peer-python", default="/tmp/llmc-env/bin/python")
     p.add_argument("--peer-dtype", default="float32", help="the peer's model dtype: float32, bfloat16 or auto")
     p.add_argument("--no-peer", action="store_true", help="quantkit's side only")
+    p.add_argument("--no-quantkit", action="store_true", help="llm-compressor's side only (no comparison)")
     p.add_argument("--no-eval", action="store_true", help="skip `quantkit eval`")
     p.add_argument(
         "--eval-both", action="store_true", help="evaluate quantkit's checkpoint even when it equals the peer's"
@@ -287,8 +305,8 @@ def quantize_quantkit(run: Run, case: str) -> None:
     key, folder = f"{case}/quantkit", run.folder("quantkit", case)
     if key in run.results and folder.is_dir():
         return
-    command = "fp8" if scheme == "fp8-block" else method
-    cmd = [run.qk, command, "-m", run.a.model, "--scheme", scheme, "-o", str(folder), "--overwrite"]
+    command = ["fp8"] if scheme == "fp8-block" else COMMANDS.get(method, [method])
+    cmd = [run.qk, *command, "-m", run.a.model, "--scheme", scheme, "-o", str(folder), "--overwrite"]
     cmd += ["--calib", "news", "--samples", str(run.a.samples), "--seq-len", str(run.a.seq_len)]
     print(f"{key}: {' '.join(cmd)}", flush=True)
     log = run.out / f"{key.replace('/', '-')}.log"
@@ -410,20 +428,24 @@ def main() -> None:
     prepare_inputs(run)
     a = run.a
     for case in a.cases:
-        quantize_quantkit(run, case)
+        if not a.no_quantkit:
+            quantize_quantkit(run, case)
         if not a.no_peer:
             quantize_peer(run, case)
         ours, theirs = run.folder("quantkit", case), run.folder("llmc", case)
-        if run.results.get(f"{case}/llmc", {}).get("rc") == 0 and f"compare/{case}" not in run.results:
+        done = run.results.get(f"{case}/llmc", {}).get("rc") == 0 and f"{case}/quantkit" in run.results
+        if done and f"compare/{case}" not in run.results:
             run.results[f"compare/{case}"] = compare(ours, theirs)
             run.save()
             print_comparison(run, case)
     for case in [] if a.no_eval else a.cases:
         if run.results.get(f"{case}/llmc", {}).get("rc") == 0:
             evaluate(run, f"{case}/llmc", run.folder("llmc", case))
-            if same_model(run.results[f"compare/{case}"]) and not a.eval_both:
+            compared = run.results.get(f"compare/{case}")
+            if compared and same_model(compared) and not a.eval_both:
                 continue  # quantkit's loader builds the same model from both: the same numbers
-        evaluate(run, f"{case}/quantkit", run.folder("quantkit", case))
+        if f"{case}/quantkit" in run.results:
+            evaluate(run, f"{case}/quantkit", run.folder("quantkit", case))
     peer = next((v for k, v in run.results.items() if k.endswith("/llmc") and "versions" in v), None)
     print(
         f"\n{datetime.date.today()}, {cpu_model()}, {os.cpu_count()} CPUs, "

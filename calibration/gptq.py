@@ -166,8 +166,8 @@ def _group_ids(perm, args, actorder):
     if not _grouped(args):
         return torch.zeros_like(perm)  # one set of qparams, taken before the loop
     if actorder in ("static", "weight"):
-        return perm // args.group_size  # the original contiguous group of each visited column
-    return torch.arange(perm.numel(), device=perm.device) // args.group_size  # groups over the visiting order
+        return perm // _width(args)  # the original contiguous group (or column block) of each visited column
+    return torch.arange(perm.numel(), device=perm.device) // _width(args)  # groups over the visiting order
 
 
 def _check(W, H, args, block_size, damp, actorder, name):
@@ -178,9 +178,11 @@ def _check(W, H, args, block_size, damp, actorder, name):
         raise QuantkitError(
             f"the Hessian of {name} is {tuple(H.shape)}; its weight has {n} input columns, so it must be ({n}, {n})."
         )
-    if args.strategy not in ("group", "channel", "tensor", "tensor_group"):
+    if args.strategy not in ("group", "channel", "tensor", "tensor_group", "block"):
         raise QuantkitError(f"GPTQ quantizes weights per group, channel or tensor, not per {args.strategy} ({name}).")
-    if _grouped(args):
+    if args.strategy == "block" and actorder == "group":
+        raise QuantkitError(f"act-order group reorders columns across fp8 blocks ({name}); use --act-order static.")
+    if args.strategy in ("group", "tensor_group"):
         check_group_size(name, n, args.group_size)
     if actorder not in ACTORDERS:
         raise QuantkitError(f"actorder {actorder!r} is unknown; use static, group or none.")
@@ -247,7 +249,7 @@ def _column_loop(W, Hinv, gid, args, block_size, scale_dtype, grams=None, global
                 current = _current(Wt, W1, Err1, Hinv, cols, i1, k)  # [out, group_size]
                 qp[g] = _group_qparams(current, None if grams is None else grams[g], args, scale_dtype, global_scale)
             if fast[g] is None:
-                fast[g] = _column_qparams(*qp[g], out)
+                fast[g] = _column_qparams(*qp[g], out, args)
             w = W1[k]  # w [out]
             q = _fake_quantize_column(w, *fast[g], args.qmin, args.qmax)
             Qt[i1 + k] = q
@@ -288,7 +290,7 @@ def refine_rounding(W, Q, H, gid, scale, zero_point, args, passes: int = 1, bloc
                     s, z = scale, zero_point  # per channel or tensor: one set
                     if _grouped(args):
                         s, z = s[:, g : g + 1], None if z is None else z[:, g : g + 1]
-                    fast[g] = _column_qparams(s, z, out)
+                    fast[g] = _column_qparams(s, z, out, args)
                 q = Qt[i1 + k]  # q [out], a view
                 new = _fake_quantize_column(q + Gb[k] / diag[k], *fast[g], args.qmin, args.qmax)
                 moved[k] = q - new
@@ -298,9 +300,13 @@ def refine_rounding(W, Q, H, gid, scale, zero_point, args, passes: int = 1, bloc
     return Qt.T
 
 
-def _column_qparams(scale, zero, out):
+def _column_qparams(scale, zero, out, args):
     # [out] vectors of a column's qparams: fp32 scale, fp32 zero (or None), and the scale in
-    # its own dtype when dequantization must round there (as `primitives.dequantize` does)
+    # its own dtype when dequantization must round there (as `primitives.dequantize` does);
+    # fp8 blocks: the column's [row blocks] scales spread over their rows
+    if args.strategy == "block":
+        s = scale.reshape(-1).repeat_interleave(args.block_structure[0])[:out]
+        return s.float(), None, None if s.dtype == torch.float32 else s
     s = scale.reshape(-1).expand(out)
     z = None if zero is None else zero.reshape(-1).expand(out).float()
     return s.float(), z, None if s.dtype == torch.float32 else s
@@ -309,7 +315,7 @@ def _column_qparams(scale, zero, out):
 def _fake_quantize_column(w, s, z, s_native, qmin, qmax):
     # primitives.quantize then dequantize of one column w [out], in the same arithmetic
     if isinstance(qmax, float):  # the fp4 e2m1 / fp8 e4m3 grids (`QuantArgs.qmax` of a float type)
-        return fake_quantize_float_column(w, s, qmax)
+        return fake_quantize_float_column(w, s, qmax, s_native)
     y = w / s
     if z is not None:
         y = y + z
@@ -330,8 +336,14 @@ def _current(Wt, W1, Err1, Hinv, cols, i1, k):
 
 
 def _grouped(args: QuantArgs) -> bool:
-    """Groups of columns with their own scales: int groups, MX (group) and NVFP4 (tensor_group)."""
-    return args.strategy in ("group", "tensor_group")
+    """Groups of columns with their own scales: int groups, MX (group), NVFP4 (tensor_group) and
+    fp8 blocks (block: a group is a column block, one scale per row block)."""
+    return args.strategy in ("group", "tensor_group", "block")
+
+
+def _width(args: QuantArgs) -> int:
+    """Columns per group: the group size, or a block's columns."""
+    return args.block_structure[1] if args.strategy == "block" else args.group_size
 
 
 def fp4_global_scale(W: torch.Tensor, args: QuantArgs) -> torch.Tensor | None:
@@ -340,12 +352,15 @@ def fp4_global_scale(W: torch.Tensor, args: QuantArgs) -> torch.Tensor | None:
     return nvfp4_global_scale(W.abs().amax()) if args.strategy == "tensor_group" else None
 
 
-def fake_quantize_float_column(w: torch.Tensor, s: torch.Tensor, grid_max: float) -> torch.Tensor:
+def fake_quantize_float_column(
+    w: torch.Tensor, s: torch.Tensor, grid_max: float, s_native: torch.Tensor | None = None
+) -> torch.Tensor:
     """One column w [out] rounded to the fp4 e2m1 (grid_max 6) or fp8 e4m3 (448) grid under
-    its fp32 scales s [out], as `primitives.quantize` then `dequantize` compute it."""
+    its fp32 scales s [out], as `primitives.quantize` then `dequantize` compute it (in the
+    scales' own dtype `s_native` when given: fp8 block scales stored in bf16 or fp16)."""
     y = w / s
     q = round_e2m1(y) if grid_max == FP4_MAX else y.clamp(-grid_max, grid_max).to(torch.float8_e4m3fn).float()
-    return q * s
+    return q * s if s_native is None else (q.to(s_native.dtype) * s_native).float()
 
 
 def gptq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_dtype, log: Callable | None = None):
@@ -392,7 +407,8 @@ def gptq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale
                     # the rows of linears that share H are quantized independently, so one call on
                     # their stacked weights gives each one's result with one factorisation and loop
                     for args, same in by_args(scheme, prefix, names).items():
-                        for part in [[n] for n in same] if args.strategy == "tensor" else [same]:
+                        # a per tensor scale, or fp8 blocks whose rows would straddle two linears: one at a time
+                        for part in [[n] for n in same] if args.strategy in ("tensor", "block") else [same]:
                             _quantize_part(block, part, prefix, H, args, options, results, scale_dtype, log)
         fp4.record_input_global_scales(
             bspec, scheme, prefix, block, targets(scheme, prefix, bspec.linears), inputs, results
@@ -446,7 +462,8 @@ def _quantize_part(block, part, prefix, H, args, options, results, scale_dtype, 
     r = _quantize_with(options, weight, H, args, scale_dtype, log, f"{prefix}.{'+'.join(part)}")
     rows = [lin.out_features for lin in linears]
     zeros = r.zero_point.split(rows) if r.zero_point is not None else [None] * len(rows)
-    for name, linear, w, scale, zero in zip(part, linears, r.weight.split(rows), r.scale.split(rows), zeros):
+    scales = [r.scale] if len(part) == 1 else r.scale.split(rows)  # one linear: a tensor's or its blocks' scales
+    for name, linear, w, scale, zero in zip(part, linears, r.weight.split(rows), scales, zeros):
         linear.weight.data.copy_(w)
         g_idx = r.g_idx.clone() if r.g_idx is not None else None  # one tensor per linear on disk
         qp = QParams(scale.clone(), None if zero is None else zero.clone(), g_idx, global_scale=r.global_scale)
