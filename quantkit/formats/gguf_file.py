@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -192,10 +193,7 @@ def write(path: Path, arch: str, name: str, file_type: str, metadata: dict, tens
     under a hidden name and renamed over it when complete."""
     import gguf
 
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.partial")
-    writer = gguf.GGUFWriter(str(tmp), arch)
-    try:
+    with _atomic_writer(path, arch) as writer:
         writer.add_name(name)
         writer.add_type("model")
         writer.add_file_type(FILE_TYPES[file_type])
@@ -204,13 +202,6 @@ def write(path: Path, arch: str, name: str, file_type: str, metadata: dict, tens
             _add(writer, gguf, key, kind, value)
         for tname, array, btype in tensors:
             _add_tensor(writer, gguf, tname, array, btype)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file(progress=False)
-        writer.close()
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def write_imatrix(path: Path, arch: str, stats: dict, dataset: str, chunks: int, chunk_size: int) -> None:
@@ -218,12 +209,7 @@ def write_imatrix(path: Path, arch: str, stats: dict, dataset: str, chunks: int,
     each llama.cpp tensor name, `<name>.in_sum2` (Σ x² of each input column, float32
     [1, cols]) and `<name>.counts` (tokens, [1, 1]); `stats` is {name: (sums, tokens)}, and
     llama-quantize --imatrix reads the file."""
-    import gguf
-
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.partial")
-    writer = gguf.GGUFWriter(str(tmp), arch)
-    try:
+    with _atomic_writer(path, arch) as writer:
         writer.add_type("imatrix")
         writer.add_array("imatrix.datasets", [dataset])
         writer.add_uint32("imatrix.chunk_count", chunks)
@@ -232,6 +218,20 @@ def write_imatrix(path: Path, arch: str, stats: dict, dataset: str, chunks: int,
             sums, tokens = stats[name]
             writer.add_tensor(f"{name}.in_sum2", sums.float().reshape(1, -1).numpy())
             writer.add_tensor(f"{name}.counts", np.full((1, 1), float(tokens), dtype=np.float32))
+
+
+@contextmanager
+def _atomic_writer(path: Path, arch: str):
+    """A `gguf.GGUFWriter` on a hidden sibling of `path`; when the block completes, the header,
+    metadata and tensors are written and the file renamed over `path` (nothing is left
+    half-written either way)."""
+    import gguf
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.partial")
+    writer = gguf.GGUFWriter(str(tmp), arch)
+    try:
+        yield writer
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file(progress=False)
