@@ -21,21 +21,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from mixed_speed import setting  # benchmarks/mixed_speed.py: "key=value" -> (key, bool / int / float)
+
 from quantkit.calibration.method import Calibration
 from quantkit.calibration.registry import METHODS
 from quantkit.eval.run import evaluate
 from quantkit.pipeline import mixed
 from quantkit.pipeline.quantize import quantize
 from quantkit.scheme import preset, with_actorder
-
-
-def setting(text: str) -> tuple[str, object]:
-    """ "refine=0" -> ("refine", 0); true/false -> bool."""
-    key, value = text.split("=", 1)
-    words = {"true": True, "false": False}
-    if value.lower() in words:
-        return key, words[value.lower()]
-    return key, float(value) if "." in value else int(value)
 
 
 def run(a, label: str, out: Path, cheaper: dict | None, cache: Path) -> dict:

@@ -72,7 +72,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=128, help="the uniform step's calibration rows of 512 tokens")
     parser.add_argument("--cheaper", nargs="*", default=None, help="`--before options`: the options left out")
     a = parser.parse_args()
-    cheaper = CHEAPER if a.cheaper is None else dict(map(_setting, a.cheaper))
+    cheaper = CHEAPER if a.cheaper is None else dict(map(setting, a.cheaper))
     if a.before == "rows":
         return _rows()
     model, tokenizer, _ = load_float_model(resolve_model(a.model), owned=True)
@@ -189,7 +189,7 @@ def _copies(name, args) -> tuple[float, float]:
 CHEAPER = {"range_search": False, "refine": 0}  # the settings `--before options` tries by default
 
 
-def _setting(text: str) -> tuple[str, object]:
+def setting(text: str) -> tuple[str, object]:
     """ "grid=10" -> ("grid", 10); true/false -> bool."""
     key, value = text.split("=", 1)
     words = {"true": True, "false": False}
