@@ -7,8 +7,8 @@ runner binds each linear once at load. bf16 float linears take oneDNN's prepacke
   (`Problem.max_num_seqs` > 1): on the Zen 4 EPYC 1.13-2.23× the MKL / C++ GEMV path at 8-64 rows
   and 1.25-2.61× at 2 rows, 0.76-1.06× at one row (docs/benchmarks.md). The reordered copy replaces
   the plain weight, so the binder frees the plain one (`release`).
-- The C++ GEMV at 3-4 rows, MKL otherwise (`cpp.linear`): the batch-1 engine's (decode of one
-  sequence reads each weight at the memory's speed through MKL at one row).
+- The C++ GEMV at 1-4 rows, MKL otherwise (`cpp.linear`): the batch-1 engine's (it reads each
+  weight as one sequential stream: on the Zen 4 EPYC 1.3-4× MKL at 1-4 rows).
 - `F.linear`, the twin.
 """
 
@@ -40,15 +40,13 @@ def _packed_ok(p: Problem) -> tuple[bool, str]:
     if not cpu.fp32_prepack_available():
         return False, "this torch build has no oneDNN"
     if getattr(p, "max_num_seqs", 1) <= 1:
-        return False, "the engine decodes one sequence (max_num_seqs 1), where MKL reads the weight faster"
+        return False, "the engine decodes one sequence (max_num_seqs 1), where the C++ GEMV reads the weight faster"
     return True, ""
 
 
 def _cpp_ok(p: Problem) -> tuple[bool, str]:
     ok, why = _fp32(p)
-    if ok and cpu_dense.load() is None:
-        return False, cpu_dense.reason()
-    return ok, why
+    return cpu_dense.available() if ok else (ok, why)
 
 
 def _bind_packed(weight: torch.Tensor, bias: torch.Tensor | None):
@@ -63,7 +61,7 @@ def _plain(fn) -> Callable[[Problem], Bind]:
 PACKED = "fp32 GEMM on oneDNN's reordered weight"
 LINEAR = [  # build(problem) -> bind(weight [N, K], bias [N] | None) -> (x [..., K] -> y [..., N])
     Candidate(PACKED, _packed_ok, lambda problem: _bind_packed, device="cpu"),
-    Candidate("fp32 GEMV at 3-4 rows (quantkit C++), MKL otherwise", _cpp_ok, _plain(cpu_dense.linear), device="cpu"),
+    Candidate("fp32 GEMV at 1-4 rows (quantkit C++), MKL otherwise", _cpp_ok, _plain(cpu_dense.linear), device="cpu"),
     Candidate("F.linear", always, _plain(dense_twin.linear), backend="torch"),
 ]
 

@@ -30,13 +30,20 @@ def close_to_fp64(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: tor
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * scale)
 
 
+def isas(k) -> list[str]:
+    return [name for name, level in cpu_dense.ISA_LEVEL.items() if level <= k.isa_level()]
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
-# K with and without a vector tail, N not a multiple of 4
-@pytest.mark.parametrize(("n", "kdim"), [(64, 48), (37, 576), (5, 17), (130, 7)])
-def test_gemv_matches_the_twin(k, rows, n, kdim):
+# K with and without a vector tail (8 and 16 lanes, 2 accumulators), N not a multiple of 4
+@pytest.mark.parametrize(("n", "kdim"), [(64, 48), (37, 576), (5, 17), (130, 7), (3, 40)])
+def test_gemv_matches_the_twin(k, isa, rows, n, kdim):
+    if isa not in isas(k):
+        pytest.skip(f"this CPU has no {isa}")
     g = torch.Generator().manual_seed(rows * 1000 + n)
     x, w = torch.randn(rows, kdim, generator=g), torch.randn(n, kdim, generator=g)
-    got = k.gemv(x, w)
+    got = cpu_dense.gemv(x, w, isa)
     assert got.shape == (rows, n) and got.dtype == torch.float32
     close_to_fp64(got, x, w)
     close_to_fp64(dense_twin.linear(x, w), x, w)  # the twin meets the same bound
@@ -53,9 +60,11 @@ def test_linear_takes_any_leading_shape_and_bias(k, shape):
 
 def test_gemv_refuses_what_it_does_not_take(k):
     with pytest.raises(RuntimeError, match="1 to 4 rows"):
-        k.gemv(torch.randn(5, 8), torch.randn(3, 8))
+        k.gemv(torch.randn(5, 8), torch.randn(3, 8), 1)
     with pytest.raises(RuntimeError, match="features"):
-        k.gemv(torch.randn(1, 8), torch.randn(3, 9))
+        k.gemv(torch.randn(1, 8), torch.randn(3, 9), 1)
+    with pytest.raises(RuntimeError, match="isa must be"):
+        k.gemv(torch.randn(1, 8), torch.randn(3, 8), 3)
 
 
 def test_the_candidates_take_fp32_on_the_cpu(k):
