@@ -34,7 +34,7 @@
 
 namespace {
 
-// 1: AVX2 + FMA, 2: AVX-512 F too; 0: neither (or the OS does not save the registers).
+// 1: AVX2 + FMA, 2: AVX-512 F, DQ, BW and VL too; 0: neither (or the OS does not save the registers).
 int64_t detect() {
   unsigned a = 0, b = 0, c = 0, d = 0;
   if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
@@ -45,7 +45,9 @@ int64_t detect() {
   if ((lo & 0x6) != 0x6) return 0;  // the OS saves xmm and ymm
   __cpuid_count(7, 0, a, b, c, d);
   if (!(b >> 5 & 1)) return 0;  // AVX2
-  return (b >> 16 & 1) && (lo & 0xE6) == 0xE6 ? 2 : 1;
+  // F, DQ, BW, VL: the build is -march=native, so the avx512 namespace may use more than F
+  const bool avx512 = (b >> 16 & 1) && (b >> 17 & 1) && (b >> 30 & 1) && (b >> 31 & 1);
+  return avx512 && (lo & 0xE6) == 0xE6 ? 2 : 1;
 }
 
 const int64_t kIsa = detect();
@@ -101,7 +103,7 @@ int64_t isa_level() { return kIsa; }
 
 TORCH_LIBRARY(quantkit_dense, m) {
   m.def("gemv(Tensor x, Tensor w, int isa) -> Tensor", &gemv);
-  m.def("isa_level() -> int", &isa_level);  // 0: neither, 1: AVX2 + FMA, 2: AVX-512 F too
+  m.def("isa_level() -> int", &isa_level);  // 0: neither, 1: AVX2 + FMA, 2: AVX-512 (F, DQ, BW, VL) too
 }
 
 #else  // QK_GEMV_BODY: the kernel, written once for the vector type vf of W fp32 lanes (included twice above)

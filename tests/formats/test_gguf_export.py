@@ -127,20 +127,15 @@ def _llama_cpp(name: str) -> Path:
     return Path(folder) / name
 
 
-DISAGREES = pytest.mark.xfail(
-    strict=True,
-    reason="2026-12-03, llama.cpp from llama-cpp-python 0.3.36: on this tiny random model llama-perplexity's f32 "
-    "estimate is 6% below transformers' on the same file (3566 against 3805); the windows, BOS or pre-tokenizer "
-    "are suspected, not yet found; 2026-12-03 evening: q4_k_m disagrees too (3512 against 3644, 3.6%), on the "
-    "code before that session's changes as well",
-)
 
 
-@pytest.mark.parametrize("file_type", [pytest.param(t, marks=DISAGREES) for t in ("f32", "q8_0", "q4_k_m")])
+@pytest.mark.parametrize("file_type", ["f32", "q8_0", "q4_k_m"])
 def test_llama_cpp_perplexity_agrees_with_transformers_on_our_values(wide_llama, tiny_corpus, tmp_path, file_type):
-    # llama-perplexity scores the second half of each window of --ctx tokens (no BOS: the
+    # llama-perplexity scores the second half of each window of --ctx tokens: the logits at
+    # positions ctx/2 .. ctx-2 against the tokens after them (ctx/2 - 1 tokens; no BOS: the
     # tokenizer adds none); the same windows in transformers, from the same file's values.
-    # llama.cpp rounds activations to 8 bits for quantized weights: 2% on the perplexity.
+    # llama.cpp rounds activations to 8 bits for quantized weights (q8_0 / q8_K dot products):
+    # 2.1% on this tiny random model's perplexity for q8_0, hence 3%; f32 agrees within 1e-3.
     from transformers import AutoModelForCausalLM
 
     from quantkit.models.loading import load_tokenizer
@@ -151,21 +146,22 @@ def test_llama_cpp_perplexity_agrees_with_transformers_on_our_values(wide_llama,
     text = tiny_corpus.read_text()
     ctx, chunks = 64, 4
     done = subprocess.run(
-        [str(tool), "-m", str(path), "-f", str(tiny_corpus), "-c", str(ctx), "--chunks", str(chunks), "-t", "1"],
+        [str(tool), "-m", str(path), "-f", str(tiny_corpus), "-c", str(ctx), "--chunks", str(chunks + 1), "-t", "1"],
         capture_output=True,
         text=True,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    # the running estimate after the last chunk ("[4]3565.9946,"): its "Final estimate" line comes
-    # from an asynchronous logger and is not always flushed before the process exits
-    theirs = float(re.findall(r"\[\d+\]([\d.]+),", done.stdout + done.stderr)[-1])
+    # the running estimate after chunk `chunks` ("[4]3565.9946,"), one chunk more being asked for:
+    # llama.cpp's logger is asynchronous and the lines of the last chunk (and "Final estimate")
+    # are not always written before the process exits
+    theirs = float(re.findall(rf"\[{chunks}\]([\d.]+),", done.stdout + done.stderr)[0])
     ids = torch.tensor(load_tokenizer(wide_llama)(text)["input_ids"][: ctx * chunks]).reshape(chunks, ctx)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
     with torch.no_grad():
         logp = model(ids).logits.log_softmax(-1)
     first = ctx // 2
-    nll = -logp[:, first - 1 : -1].gather(-1, ids[:, first:, None]).mean()
-    assert theirs == pytest.approx(math.exp(nll.item()), rel=0.02 if file_type != "f32" else 1e-3)
+    nll = -logp[:, first:-1].gather(-1, ids[:, first + 1 :, None]).mean()
+    assert theirs == pytest.approx(math.exp(nll.item()), rel=0.03 if file_type != "f32" else 1e-3)
 
 
 def test_llama_cpp_generates_from_our_file(wide_llama, tmp_path):

@@ -131,6 +131,19 @@ def test_decode_window_softcap(ext, cache, window, softcap):
     torch.testing.assert_close(out, want, **TOLERANCES[want.dtype])
 
 
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("block_size", [1, 5, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("cache", ["fp32", "bf16-q32", "fp8-head"])
+def test_decode_fp32_queries(ext, cache, head_dim, block_size, softcap):
+    """fp32 queries take `decode_f32_item` (every score, one softmax per head, P · V): any cache,
+    block sizes that cut its 16-token tiles, a window across blocks, a group of 3 and of 32."""
+    for heads, kv_heads in [(6, 2), (32, 1)]:
+        case = make_case(cache, heads, kv_heads, SEQ_LENS, head_dim=head_dim, block_size=block_size)
+        out, want = decode(ext, case, 0.3, 7, softcap)
+        torch.testing.assert_close(out, want, **TOLERANCES[want.dtype])
+
+
 def test_decode_window_skips_the_blocks_before_it(ext):
     """Blocks wholly before the window may hold anything (freed and reused): they are not read."""
     q, k, v, tables, lens, _, _ = make_case("fp32", 6, 2, [40, 100])

@@ -37,7 +37,8 @@ def isas(k) -> list[str]:
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 # K with and without a vector tail (8 and 16 lanes, 2 accumulators), N not a multiple of 4
-@pytest.mark.parametrize(("n", "kdim"), [(64, 48), (37, 576), (5, 17), (130, 7), (3, 40)])
+# (200, 29) and (65, 53): a 2W step, a W step and scalar lanes in one row on AVX2 and AVX-512
+@pytest.mark.parametrize(("n", "kdim"), [(64, 48), (37, 576), (5, 17), (130, 7), (3, 40), (200, 29), (65, 53)])
 def test_gemv_matches_the_twin(k, isa, rows, n, kdim):
     if isa not in isas(k):
         pytest.skip(f"this CPU has no {isa}")
@@ -47,6 +48,18 @@ def test_gemv_matches_the_twin(k, isa, rows, n, kdim):
     assert got.shape == (rows, n) and got.dtype == torch.float32
     close_to_fp64(got, x, w)
     close_to_fp64(dense_twin.linear(x, w), x, w)  # the twin meets the same bound
+
+
+def test_gemv_splits_channels_over_threads(k):
+    g = torch.Generator().manual_seed(7)
+    x, w = torch.randn(3, 96, generator=g), torch.randn(200, 96, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = cpu_dense.gemv(x, w)
+    finally:
+        torch.set_num_threads(before)
+    close_to_fp64(got, x, w)
 
 
 @pytest.mark.parametrize("shape", [(1, 40), (2, 1, 40), (3, 40), (4, 40), (5, 40), (2, 3, 40), (0, 40)])
