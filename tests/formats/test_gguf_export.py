@@ -127,8 +127,6 @@ def _llama_cpp(name: str) -> Path:
     return Path(folder) / name
 
 
-
-
 @pytest.mark.parametrize("file_type", ["f32", "q8_0", "q4_k_m"])
 def test_llama_cpp_perplexity_agrees_with_transformers_on_our_values(wide_llama, tiny_corpus, tmp_path, file_type):
     # llama-perplexity scores the second half of each window of --ctx tokens: the logits at
