@@ -72,6 +72,10 @@ scheme.weights.group_size = a["group"]
 common = dict(config_groups={"group_0": scheme}, ignore=["lm_head"])
 if a["method"] == "awq":
     from llmcompressor.modifiers.transform import AWQModifier
+    from llmcompressor.pipelines import cache
+    # 0.14's AWQ pins its cached activations for GPU copies, which a CPU-only torch refuses: no-op here
+    if not torch.cuda.is_available():
+        cache.IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
     recipe = [AWQModifier(), QuantizationModifier(**common)]
 elif a["method"] == "gptq":
     recipe = [GPTQModifier(**common)]

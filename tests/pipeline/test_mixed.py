@@ -191,7 +191,10 @@ def test_the_sensitivity_options_take_the_cheaper_settings_the_method_has(monkey
     options a method has, keeps the others, and a saved search is never read or written."""
     from quantkit.calibration.registry import METHODS
 
-    assert mixed._search_options(METHODS["gptq"].options()) == METHODS["gptq"].options()  # none by default
+    shipped = mixed._search_options(METHODS["gptq"].options())  # as shipped: GPTQ's searches off
+    assert (shipped.range_search, shipped.refine) == (False, 0)
+    monkeypatch.setattr(mixed, "SENSITIVITY_CHEAPER", {})
+    assert mixed._search_options(METHODS["gptq"].options()) == METHODS["gptq"].options()
     monkeypatch.setattr(mixed, "SENSITIVITY_CHEAPER", CHEAPER)
     gptq = mixed._search_options(METHODS["gptq"].options(guided=2, damp=0.1))
     assert (gptq.range_search, gptq.refine, gptq.guided, gptq.damp) == (False, 0, 2, 0.1)
