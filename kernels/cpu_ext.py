@@ -11,9 +11,10 @@ loses speed, nothing else.
 The build is `torch.utils.cpp_extension.load` with the system compiler (`$CXX`, else `c++`)
 and ninja, `-O3 -march=native -fopenmp`, about a minute on two cores. It goes to
 `$QUANTKIT_CACHE/ext/<name>-<key>` (default `~/.cache/quantkit`), where the key hashes the
-source and its path (two checkouts of one source build apart: ninja would rebuild each one's on
-the other's command), torch's path, the build flags, the torch, Python and compiler versions and the CPU's flags: a
-library built for one CPU is never loaded on another. Processes that start at once build
+source, the headers it includes (`cpu_isa.h`) and its path (two checkouts of one source build
+apart: ninja would rebuild each one's on the other's command), torch's path, the build flags,
+the torch, Python and compiler versions and the CPU's flags: a library built for one CPU is
+never loaded on another. Processes that start at once build
 once: an flock on `<dir>.lock` (dropped by the kernel if its holder dies) serialises them,
 and under it a `lock` file that torch's own build lock left behind, from a build that was
 killed, is stale and removed (torch would wait on it forever). A failed build writes
@@ -27,6 +28,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -45,6 +47,7 @@ _ARCH = "-march=native" if platform.machine().lower() in ("x86_64", "amd64", "i6
 CFLAGS = ["-O3", _ARCH, "-ffp-contract=fast", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]  # links the libgomp that torch has loaded already (same soname): one OpenMP runtime
 ISAS = ("avx2", "avx512")  # the code paths of the AVX kernels (int4_avx.cpp, w8a8_avx.cpp)
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 ISA_ENV = os.environ.get("QUANTKIT_ISA", "").strip().lower()  # read once, at import: forces one of ISAS
 
 
@@ -83,12 +86,30 @@ def _compiler_version(cxx: str) -> str:
     return done.stdout.splitlines()[0] if done.stdout else ""
 
 
+def local_includes(source: Path) -> list[Path]:
+    """The files `source` includes by `#include "..."` (the shared `cpu_isa.h`), and theirs, in
+    order; a source that includes itself (the AVX kernels' second pass) is not repeated."""
+    found: list[Path] = []
+    pending = [source.resolve()]
+    while pending:
+        current = pending.pop(0)
+        for match in _INCLUDE.finditer(current.read_text()):
+            path = (current.parent / match.group(1)).resolve()
+            if path != source.resolve() and path not in found and path.exists():
+                found.append(path)
+                pending.append(path)
+    return found
+
+
 def build_key(cxx: str, source: Path) -> str:
-    """16 hex digits naming one build: source (its text and where it lies), flags, torch (and
-    where it is installed), Python, compiler and CPU. Where the source and torch's headers lie
-    are in ninja's build command: two checkouts with the same source sharing one folder made
-    each one's ninja rebuild the other's library, minutes of CPU every time they alternated."""
+    """16 hex digits naming one build: source and the headers it includes (their text, and where
+    the source lies), flags, torch (and where it is installed), Python, compiler and CPU. Where the
+    source and torch's headers lie are in ninja's build command: two checkouts with the same source
+    sharing one folder made each one's ninja rebuild the other's library, minutes of CPU every time
+    they alternated."""
     h = hashlib.sha256(source.read_bytes())
+    for header in local_includes(source):
+        h.update(header.read_bytes())
     where = (str(source.resolve()), str(Path(torch.__file__).resolve().parent))
     for part in (CFLAGS, LDFLAGS, torch.__version__, sys.version, _compiler_version(cxx), _cpu_flags(), where):
         h.update(repr(part).encode())

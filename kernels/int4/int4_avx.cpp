@@ -38,7 +38,7 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
-#include <cpuid.h>
+#include "../cpu_isa.h"
 #include <immintrin.h>
 
 #include <algorithm>
@@ -60,22 +60,7 @@ struct Problem {
   int64_t gstride, tstride;  // int32 words per (tile, group) and per tile (int4)
 };
 
-// 1: AVX2 + FMA, 2: AVX-512 F/BW/VL/DQ too; 0: neither (or the OS does not save the registers).
-int64_t detect() {
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
-  const bool fma = c >> 12 & 1, osxsave = c >> 27 & 1, avx = c >> 28 & 1;
-  if (!(fma && osxsave && avx) || __get_cpuid_max(0, nullptr) < 7) return 0;
-  uint32_t lo, hi;
-  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-  if ((lo & 0x6) != 0x6) return 0;  // the OS saves xmm and ymm
-  __cpuid_count(7, 0, a, b, c, d);
-  if (!(b >> 5 & 1)) return 0;  // AVX2
-  const bool avx512 = (b >> 16 & 1) && (b >> 17 & 1) && (b >> 30 & 1) && (b >> 31 & 1);
-  return avx512 && (lo & 0xE6) == 0xE6 ? 2 : 1;
-}
-
-const int64_t kIsa = detect();
+const int64_t kIsa = quantkit_isa::level();
 
 }  // namespace
 

@@ -411,6 +411,25 @@ def test_the_build_key_names_where_the_source_lies(tmp_path):
     assert cpu_ext.build_key("c++", copy) != cpu_ext.build_key("c++", cpu_ext.ATTENTION.source)
 
 
+
+def test_the_build_key_hashes_the_headers_a_source_includes(tmp_path):
+    # a change to the shared cpu_isa.h must rebuild every library that includes it
+    (tmp_path / "op").mkdir()
+    source = tmp_path / "op" / "k.cpp"
+    source.write_text('#include "../isa.h"\n#include "k.cpp"  // its own second pass\nint f();\n')
+    header = tmp_path / "isa.h"
+    header.write_text('#include "more.h"\nint a;\n')
+    (tmp_path / "more.h").write_text("int b;\n")
+    assert cpu_ext.local_includes(source) == [header.resolve(), (tmp_path / "more.h").resolve()]
+    key = cpu_ext.build_key("c++", source)
+    header.write_text('#include "more.h"\nint a2;\n')
+    changed = cpu_ext.build_key("c++", source)
+    (tmp_path / "more.h").write_text("int b2;\n")
+    assert len({key, changed, cpu_ext.build_key("c++", source)}) == 3
+    gemv = cpu_ext.ROOT / "dense" / "gemv.cpp"
+    assert cpu_ext.local_includes(gemv) == [(cpu_ext.ROOT / "cpu_isa.h").resolve()]
+
+
 # --- the build lock --------------------------------------------------------------------------
 
 LOCKED = """
