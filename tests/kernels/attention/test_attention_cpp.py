@@ -411,7 +411,6 @@ def test_the_build_key_names_where_the_source_lies(tmp_path):
     assert cpu_ext.build_key("c++", copy) != cpu_ext.build_key("c++", cpu_ext.ATTENTION.source)
 
 
-
 def test_the_build_key_hashes_the_headers_a_source_includes(tmp_path):
     # a change to the shared cpu_isa.h must rebuild every library that includes it
     (tmp_path / "op").mkdir()
