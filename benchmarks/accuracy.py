@@ -11,6 +11,9 @@ A run is one of
                               gptq:...:guided=N and awq:...:gptq:guided=N loss-guided Hessians)
   rtn|awq|gptq:SCHEME:GROUP:bits=B  mixed precision at B bits per weight (--target-bits),
                               compared with RTN on SCHEME:GROUP
+  rtn|awq|gptq:SCHEME         a scheme with its own group (the FP4/MX formats, w4afp8, fp8-block:
+                              `rtn:nvfp4a16 gptq:nvfp4a16 awq:nvfp4a16 gptq:fp8-block`), compared
+                              with rtn:SCHEME (or fp8:SCHEME)
   fp8:fp8-dynamic|fp8[:smooth] FP8 weights and activations (smooth: SmoothQuant first)
   kv:fp8|int8[:head]           KV-cache scales added to the float model (head: per KV head)
 Calibration: `news`, --samples x --seq-len, seed 0; perplexity: `wiki`, --windows x 2048
@@ -45,24 +48,42 @@ def make(run: str, model: str, out: Path, calib: Calibration) -> dict:
         return quantize(
             model, preset(scheme), out, "fp8", calib, transforms=[("smooth", {})] if "smooth" in rest else []
         )
-    qscheme = preset(scheme).with_group_size(int(rest[0]))
+    group, rest = _group(rest)
+    qscheme = preset(scheme) if group is None else preset(scheme).with_group_size(group)
     options = {}
     if algorithm == "gptq":
         qscheme = qscheme.replace(weights=dataclasses.replace(qscheme.weights, actorder="static"))
-        options = {"range_search": "minmax" not in rest[1:]}
+        options = {"range_search": "minmax" not in rest}
         for key, kind in (("damp", float), ("refine", int)):
             if (value := _setting(rest, key, kind)) is not None:
                 options[key] = value
-    if algorithm == "awq" and "gptq" in rest[1:]:
+    if algorithm == "awq" and "gptq" in rest:
         options = {"gptq": True}
     if (groups := _setting(rest, "guided", int)) is not None:
         options["guided"] = groups
     return quantize(model, qscheme, out, algorithm, calib, options, target_bits=_setting(rest, "bits", float))
 
 
+def _group(rest: list[str]) -> tuple[int | None, list[str]]:
+    """(GROUP, the settings after it) of a run's fields after its scheme; (None, all) where the
+    run names no group (the scheme's own)."""
+    return (int(rest[0]), rest[1:]) if rest and rest[0].isdigit() else (None, rest)
+
+
 def _setting(rest: list[str], key: str, kind):
     """The value of `key=VALUE` among a run's settings, as `kind`, or None."""
-    return next((kind(r.removeprefix(f"{key}=")) for r in rest[1:] if r.startswith(f"{key}=")), None)
+    return next((kind(r.removeprefix(f"{key}=")) for r in rest if r.startswith(f"{key}=")), None)
+
+
+def reference(run: str, runs: list[str]) -> str | None:
+    """The round-to-nearest run among `runs` that `run` is compared with: rtn (or fp8) on the same
+    scheme and group."""
+    algorithm, scheme, *rest = run.split(":")
+    if algorithm == "kv":
+        return None
+    group, _ = _group(rest)
+    names = [f"rtn:{scheme}:{group}"] if group is not None else [f"rtn:{scheme}", f"fp8:{scheme}"]
+    return next((r for r in runs if r in names), None)
 
 
 def main() -> None:
@@ -109,8 +130,8 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for run, value, prov, kl, top1, bits in rows:
-        _, scheme, *rest = run.split(":")
-        rtn = next((v for r, v, *_ in rows if r == f"rtn:{scheme}:{rest[0]}"), None) if rest[:1] != [] else None
+        ref = reference(run, [r for r, *_ in rows])
+        rtn = next((v for r, v, *_ in rows if r == ref), None) if ref != run else None
         ratio = f"{(value - base) / (rtn - base):.2f}" if rtn is not None and rtn != base else "–"
         peak = f"{prov['peak_rss_mib']:.0f} MiB" if "peak_rss_mib" in prov else "–"
         print(

@@ -160,13 +160,13 @@ METHODS: dict[str, Method] = {
         ),
         Method(
             "gptq",
-            "GPTQ INT4 or INT8, NVFP4 / MXFP4, or FP8 block-wise (Frantar et al.): Hessian-based error feedback, "
-            "true-sequential, act-order.",
+            "GPTQ INT4 or INT8, NVFP4 / MXFP4, FP8 block-wise or MXFP8 (Frantar et al.): Hessian-based error "
+            "feedback, true-sequential, act-order.",
             GPTQOptions,
             "weights",
             "quantkit.calibration.gptq:gptq_step",
             "pack-quantized",
-            formats=("int-quantized", *FP4_FORMATS, "float-quantized"),
+            formats=("int-quantized", *FP4_FORMATS, "float-quantized", "mxfp8-quantized"),
             default_scheme="w4a16",
             actorder=True,
             default_actorder="static",

@@ -190,7 +190,10 @@ def check_method(
                 f"{method.name} step (act-order is {owners}'s)."
             )
         if method.name == "gptq" and s.format == "float-quantized" and s.weights.strategy != "block":
-            raise QuantkitError(f"{p}: GPTQ makes fp8 weights block-wise only (fp8-block); use quantkit fp8 for these.")
+            raise QuantkitError(
+                f"{p}: GPTQ makes fp8 weights only block-wise (fp8-block) or in MX groups (mxfp8); "
+                "use quantkit fp8 for these."
+            )
         if s.format == "int-quantized" and (why := int_quantized.unsupported(s)):
             raise QuantkitError(f"{p}: {why}; use w8a8 (per-channel int8 weights, per-token int8 activations).")
     for t, _ in transforms:

@@ -110,7 +110,14 @@ def test_moe_nvfp4_shares_expert_scales_and_serves(tmp_path, tiny_corpus):
 
 @pytest.mark.parametrize(
     "method, name",
-    [("gptq", "nvfp4"), ("gptq", "mxfp4a16"), ("gptq", "fp8-block"), ("awq", "nvfp4a16"), ("awq", "mxfp4")],
+    [
+        ("gptq", "nvfp4"),
+        ("gptq", "mxfp4a16"),
+        ("gptq", "fp8-block"),
+        ("gptq", "mxfp8"),
+        ("awq", "nvfp4a16"),
+        ("awq", "mxfp4"),
+    ],
 )
 def test_gptq_and_awq_checkpoints_load_in_transformers(bf16_llama, tiny_corpus, tmp_path, method, name):
     out = tmp_path / "q"
