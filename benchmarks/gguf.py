@@ -17,14 +17,19 @@ import json
 import os
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
-from quantkit.calibration.datasets import calibration_samples, load_documents
-from quantkit.calibration.gguf import GGUFOptions
-from quantkit.calibration.method import Calibration
-from quantkit.models.loading import load_tokenizer, resolve_model
-from quantkit.pipeline.gguf import export_gguf
+# run as a script, this file's folder comes first on sys.path and its name would shadow the
+# `gguf` package that quantkit's GGUF code imports
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+from quantkit.calibration.datasets import calibration_samples, load_documents  # noqa: E402
+from quantkit.calibration.gguf import GGUFOptions  # noqa: E402
+from quantkit.calibration.method import Calibration  # noqa: E402
+from quantkit.models.loading import load_tokenizer, resolve_model  # noqa: E402
+from quantkit.pipeline.gguf import export_gguf  # noqa: E402
 
 QUANTIZE_NAMES = {
     "q4_k_m": "Q4_K_M",
