@@ -79,7 +79,7 @@ def run_vllm(python: str, ckpt: Path, ids: list[list[int]], workdir: Path) -> tu
 
 
 def _exception(line: str) -> str | None:
-    """"SomeError: message" where a log line carries an exception (not the parent's "Engine core
+    """The "SomeError: message" where a log line carries an exception (not the parent's "Engine core
     initialization failed", which only points at the root cause before it)."""
     found = re.search(r"\b(\w+(?:Error|Exception): .*)", line)
     return None if found is None or "Engine core initialization failed" in line else found.group(1).strip()
@@ -119,10 +119,12 @@ def main() -> None:
         same = sum(leading(x, y) for x, y in zip(theirs, ours)) if theirs is not None else None
         rows.append((ckpt.name, fmt, theirs is not None, methods, same, error))
         print(f"{ckpt.name}: loaded {theirs is not None}; {methods or '-'}; same {same}; {error}", file=sys.stderr)
-    print(f"\n| checkpoint | format | vLLM loads and runs it | vLLM's linear method | identical leading tokens (of {len(PROMPTS) * TOKENS}) |")
+    head = f"identical leading tokens (of {len(PROMPTS) * TOKENS})"
+    print(f"\n| checkpoint | format | vLLM loads and runs it | vLLM's linear method | {head} |")
     print("|---|---|---|---|---|")
     for name, fmt, ok, methods, same, error in rows:
-        print(f"| {name} | {fmt} | {'yes' if ok else 'no: ' + error[:200]} | {methods or '–'} | {same if ok else '–'} |")
+        runs = "yes" if ok else "no: " + error[:200]
+        print(f"| {name} | {fmt} | {runs} | {methods or '–'} | {same if ok else '–'} |")
 
 
 if __name__ == "__main__":
