@@ -1,10 +1,11 @@
 """quantkit's calibrated GGUF files against llama.cpp's own quantizer, measured by llama.cpp.
 
 For one model: the f32 GGUF (quantkit's export at f32), then at each type quantkit's export
-(--method gptq on the calibration text) and `llama-quantize` of that f32 file without and
-with an importance matrix from `llama-imatrix` on the same calibration rows (decoded to
-text). `llama-perplexity` scores every file on the same wiki windows: perplexity, and the
-KL divergence from the f32 file's logits (--kl-divergence-base / --kl-divergence).
+(--method gptq on the calibration text, AWQ's scales folded first unless --options say
+otherwise) and `llama-quantize` of that f32 file without and with an importance matrix
+from `llama-imatrix` on the same calibration rows (decoded to text). `llama-perplexity`
+scores every file on the same wiki windows: perplexity, and the KL divergence from the f32
+file's logits (--kl-divergence-base / --kl-divergence).
 
     QUANTKIT_LLAMA_CPP=/work/peers/llama.cpp-build/bin OMP_NUM_THREADS=1 \\
         python benchmarks/gguf.py smollm2-135m --types q4_k_m,q4_0,q8_0 --samples 64 --chunks 16
@@ -13,6 +14,7 @@ KL divergence from the f32 file's logits (--kl-divergence-base / --kl-divergence
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -113,12 +115,15 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     c = Calibration(dataset=args.calib, samples=args.samples, seq_len=args.seq_len)
     options = GGUFOptions(**json.loads(args.options))
+    changed = {k: v for k, v in dataclasses.asdict(options).items() if v != getattr(GGUFOptions(), k)}
+    how = "gptq after AWQ's scales" if options.awq else "gptq"
+    how += "".join(f", {k}={v}" for k, v in changed.items() if k != "awq")
     calib, wiki = texts(args.model, c, out)
     f32 = out / "f32.gguf"
     if not f32.exists():
         export_gguf(args.model, f32, "f32", method="rtn")
     base = out / "f32.kld"
-    results = {"f32": score(f32, wiki, base, args, first=True)}
+    results = {"f32": dict(score(f32, wiki, base, args, first=True), mib=f32.stat().st_size / 2**20)}
     imatrix = out / "imatrix.gguf"
     if not imatrix.exists():
         cmd = [tool("llama-imatrix"), "-m", str(f32), "-f", str(calib), "-o", str(imatrix), "-c", str(args.seq_len)]
@@ -127,7 +132,7 @@ def main() -> None:
         files = {
             f"llama-quantize {t}": (out / f"lq-{t}.gguf", []),
             f"llama-quantize {t} + imatrix": (out / f"lqi-{t}.gguf", ["--imatrix", str(imatrix)]),
-            f"quantkit {t} (gptq)": (out / f"qk-{t}.gguf", None),
+            f"quantkit {t} ({how})": (out / f"qk-{t}.gguf", None),
         }
         for label, (path, extra) in files.items():
             print(label, flush=True)

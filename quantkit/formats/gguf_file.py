@@ -11,6 +11,7 @@ import json
 import os
 import re
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,6 @@ from quantkit.formats.gguf import TYPES, BlockType
 FILE_TYPES = {"f32": 0, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q4_k_m": 15, "q5_k_m": 17, "q6_k": 18}
 BASE = {"q4_0": "q4_0", "q4_1": "q4_1", "q8_0": "q8_0", "q4_k_m": "q4_k", "q5_k_m": "q5_k", "q6_k": "q6_k"}
 FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}  # rows that do not fill 256-weight super-blocks
-FAMILIES = {"llama": "llama", "mistral": "llama"}  # HF model_type -> llama.cpp architecture
 LINEARS = {
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
@@ -32,22 +32,53 @@ LINEARS = {
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
-NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
 
 
-def check_family(config) -> str:
-    """llama.cpp's architecture name for a transformers config, or a one-sentence refusal."""
-    arch = FAMILIES.get(config.model_type)
-    if arch is None:
+@dataclass(frozen=True)
+class Family:
+    """How llama.cpp's converter writes one architecture: its name, its norms' names, whether
+    q/k rows are interleaved for llama.cpp's RoPE (Llama) or kept (NEOX RoPE: Gemma), what it adds
+    to the norms' weights (Gemma's RMSNorm scales by 1 + w; llama.cpp's by w), and whether the
+    token embedding keeps only the tokenizer's rows."""
+
+    arch: str
+    norms: dict
+    interleave_rope: bool = True
+    norm_shift: float = 0.0
+    trim_vocab: bool = False
+
+
+LLAMA = Family("llama", {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"})
+GEMMA3 = Family(
+    "gemma3",
+    {
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "post_attention_norm",
+        "pre_feedforward_layernorm": "ffn_norm",
+        "post_feedforward_layernorm": "post_ffw_norm",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
+    },
+    interleave_rope=False,
+    norm_shift=1.0,
+    trim_vocab=True,
+)
+FAMILIES = {"llama": LLAMA, "mistral": LLAMA, "gemma3_text": GEMMA3}  # HF model_type -> how llama.cpp writes it
+
+
+def check_family(config) -> Family:
+    """How llama.cpp writes a transformers config's family, or a one-sentence refusal."""
+    family = FAMILIES.get(config.model_type)
+    if family is None:
         raise QuantkitError(
-            f"GGUF export supports the Llama family (model types {', '.join(FAMILIES)}) so far, "
+            f"GGUF export supports the Llama and Gemma 3 families (model types {', '.join(FAMILIES)}) so far, "
             f"not {config.model_type!r}; export a compressed-tensors checkpoint instead."
         )
-    return arch
+    return family
 
 
-def gguf_name(hf: str) -> str | None:
-    """llama.cpp's name of a Llama-family parameter (None: not written)."""
+def gguf_name(hf: str, family: Family = LLAMA) -> str | None:
+    """llama.cpp's name of a parameter of `family` (None: not written)."""
     fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
     if hf in fixed:
         return fixed[hf]
@@ -55,7 +86,7 @@ def gguf_name(hf: str) -> str | None:
         return "output.weight"
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", hf)
     if m:
-        short = LINEARS.get(m.group(2)) or NORMS.get(m.group(2))
+        short = LINEARS.get(m.group(2)) or family.norms.get(m.group(2))
         if short:
             return f"blk.{m.group(1)}.{short}.weight"
     return None
@@ -101,11 +132,47 @@ def tensor_type(file_type: str, name: str, cols: int, n_layer: int, tied: bool, 
     return new
 
 
-def llama_metadata(config, arch: str) -> dict:
+def metadata(config, family: Family) -> dict:
+    """The `{arch}.*` keys llama.cpp's converter writes for `config`, or a one-sentence refusal
+    where llama.cpp would compute something else than transformers."""
+    arch = family.arch
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    rope = (getattr(config, "rope_parameters", None) or {}).get("rope_theta") or getattr(config, "rope_theta", 10000.0)
-    if (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default") != "default":
+    rope = getattr(config, "rope_parameters", None) or {}
+    if family is GEMMA3:
+        local, full = rope.get("sliding_attention", {}), rope.get("full_attention", {})
+        if {local.get("rope_type", "default"), full.get("rope_type", "default")} != {"default"}:
+            raise QuantkitError("GGUF export writes plain RoPE so far; this model scales its rotary embedding.")
+        n = config.num_hidden_layers
+        if list(config.layer_types) != ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(n)]:
+            raise QuantkitError(
+                "llama.cpp's gemma3 makes every sixth layer global and the rest sliding-window; "
+                "this model's layer_types differ, so llama.cpp would compute another model."
+            )
+        if config.query_pre_attn_scalar != head_dim:
+            raise QuantkitError(
+                f"llama.cpp's gemma3 scales attention by 1/sqrt(head_dim {head_dim}); this model's "
+                f"query_pre_attn_scalar is {config.query_pre_attn_scalar}, so llama.cpp would compute another model."
+            )
+        meta = {
+            f"{arch}.context_length": ("uint32", config.max_position_embeddings),
+            f"{arch}.embedding_length": ("uint32", config.hidden_size),
+            f"{arch}.block_count": ("uint32", n),
+            f"{arch}.feed_forward_length": ("uint32", config.intermediate_size),
+            f"{arch}.attention.head_count": ("uint32", heads),
+            f"{arch}.attention.head_count_kv": ("uint32", config.num_key_value_heads or heads),
+            f"{arch}.attention.layer_norm_rms_epsilon": ("float32", config.rms_norm_eps),
+            f"{arch}.attention.key_length": ("uint32", head_dim),
+            f"{arch}.attention.value_length": ("uint32", head_dim),
+            f"{arch}.rope.freq_base": ("float32", float(full.get("rope_theta", 1_000_000.0))),
+            f"{arch}.rope.freq_base_swa": ("float32", float(local.get("rope_theta", 10_000.0))),
+            f"{arch}.attention.sliding_window": ("uint32", config.sliding_window),
+        }
+        if getattr(config, "final_logit_softcapping", None):
+            meta[f"{arch}.final_logit_softcapping"] = ("float32", float(config.final_logit_softcapping))
+        return meta
+    theta = rope.get("rope_theta") or getattr(config, "rope_theta", 10000.0)
+    if rope.get("rope_type", "default") != "default":
         raise QuantkitError("GGUF export writes plain RoPE so far; this model scales its rotary embedding.")
     return {
         f"{arch}.vocab_size": ("uint32", config.vocab_size),
@@ -117,8 +184,25 @@ def llama_metadata(config, arch: str) -> dict:
         f"{arch}.attention.head_count": ("uint32", heads),
         f"{arch}.attention.head_count_kv": ("uint32", config.num_key_value_heads or heads),
         f"{arch}.attention.layer_norm_rms_epsilon": ("float32", config.rms_norm_eps),
-        f"{arch}.rope.freq_base": ("float32", float(rope)),
+        f"{arch}.rope.freq_base": ("float32", float(theta)),
     }
+
+
+def source_tokenizer(path: Path) -> dict:
+    """Every tokenizer.* key of a GGUF file, as `write` takes them: a model converted from a
+    GGUF file (the built-in models) is given back its own tokenizer, SentencePiece or BPE."""
+    from gguf import GGUFReader, GGUFValueType
+
+    meta = {}
+    for key, field in GGUFReader(path).fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        kinds = [t.name.lower() for t in field.types]
+        if kinds[0] == GGUFValueType.ARRAY.name.lower():
+            meta[key] = (kinds[1] + "s", field.contents())
+        else:
+            meta[key] = (kinds[0], field.contents())
+    return meta
 
 
 def _pre_tokenizer(spec: dict | None) -> str | None:
@@ -242,12 +326,13 @@ def _atomic_writer(path: Path, arch: str):
 
 
 def _add(writer, gguf, key: str, kind: str, value) -> None:
+    """`kind`: a GGUFValueType's name in lower case ("uint32", "string"), or that name with an s
+    for an array of them ("strings", "int32s", "float32s")."""
     v = gguf.GGUFValueType
-    simple = {"uint32": v.UINT32, "float32": v.FLOAT32, "bool": v.BOOL, "string": v.STRING}
-    if kind in simple:
-        writer.add_key_value(key, value, simple[kind])
+    if kind.endswith("s"):  # no scalar type's name ends in s
+        writer.add_key_value(key, value, v.ARRAY, sub_type=v[kind[:-1].upper()])
     else:
-        writer.add_key_value(key, value, v.ARRAY, sub_type=v.STRING if kind == "strings" else v.INT32)
+        writer.add_key_value(key, value, v[kind.upper()])
 
 
 def _add_tensor(writer, gguf, name: str, array: np.ndarray, btype: BlockType | None) -> None:

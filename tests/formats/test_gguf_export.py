@@ -29,6 +29,50 @@ def wide_llama(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("m") / "wide", hidden_size=256, intermediate_size=512)
 
 
+GEMMA3 = {  # llama.cpp's gemma3: every sixth layer global, attention scaled by 1/sqrt(head_dim)
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 6,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+    "query_pre_attn_scalar": 64,
+    "sliding_window": 12,
+    "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def wide_gemma3(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("m") / "gemma3", "gemma3_text", tie=True, **GEMMA3)
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def wide(request):
+    """Each family GGUF export writes: (its folder, its gguf_file.Family)."""
+    if request.param == "llama":
+        return request.getfixturevalue("wide_llama"), gguf_file.LLAMA
+    return request.getfixturevalue("wide_gemma3"), gguf_file.GEMMA3
+
+
+def _from_file(source: Path, path: Path):
+    """The source model's architecture holding the values a GGUF file's tensors decode to (read by
+    transformers' GGUF loader, which undoes llama.cpp's row order and norm offsets); transformers
+    rebuilds a Gemma 3 config from a GGUF file with its own defaults, hence the source's config."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    state = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).state_dict()
+    with torch.no_grad():
+        for name, p in model.state_dict().items():
+            if name in state:
+                p[: len(state[name])].copy_(state[name])  # a trimmed embedding fills its first rows
+    return model
+
+
 def test_rope_rows_interleave_each_heads_halves():
     assert gguf_file.rope_rows(8, 2).tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
 
@@ -44,28 +88,39 @@ def test_q4_k_m_types_follow_llama_cpp():
     assert gguf_file.tensor_type("q4_0", "blk.0.ffn_down.weight", 512, 32, True, False) == "q4_0"
 
 
-@pytest.mark.parametrize("file_type", ["q4_k_m", "q4_0", "q8_0", "f32"])
-def test_the_file_holds_our_values_under_llama_cpp_names(wide_llama, tmp_path, file_type):
+@pytest.mark.parametrize("file_type", list(gguf_file.FILE_TYPES))
+def test_the_file_holds_our_values_under_llama_cpp_names(wide, tmp_path, file_type):
     from transformers import AutoModelForCausalLM
 
+    folder, family = wide
     path = tmp_path / "m.gguf"
-    chosen = export_gguf(str(wide_llama), path, file_type, method="rtn")
-    source = AutoModelForCausalLM.from_pretrained(wide_llama, dtype=torch.float32)
+    chosen = export_gguf(str(folder), path, file_type, method="rtn")
+    source = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
     state = loaded.state_dict()
+    written = 0
     for name, w in source.state_dict().items():
-        gname = gguf_file.gguf_name(name)
+        gname = gguf_file.gguf_name(name, family)
         if gname is None or gname not in chosen:
             continue
         kind = chosen[gname]
         want = w if kind == "f32" else gguf.dequantize(gguf.choose(w, gguf.TYPES[kind]))
-        assert torch.equal(state[name], want), name
-    if file_type == "q4_k_m":
+        if family.norm_shift and gname.endswith("norm.weight"):  # written as w + 1, read back as (w + 1) - 1
+            torch.testing.assert_close(state[name], want, rtol=0, atol=1e-6)
+        else:
+            assert torch.equal(state[name], want), name
+        written += 1
+    assert written == len(chosen)  # every tensor of the file was compared
+    if family is gguf_file.GEMMA3:  # its four norms a block and q/k norms, no RoPE row order
+        assert {"blk.0.post_attention_norm.weight", "blk.0.post_ffw_norm.weight", "blk.0.attn_q_norm.weight"} <= set(
+            chosen
+        )
+    if file_type == "q4_k_m" and family is gguf_file.LLAMA:
         assert chosen["blk.1.ffn_down.weight"] == "q6_k" and chosen["blk.0.ffn_down.weight"] == "q4_k"
         assert chosen["blk.1.attn_q.weight"] == "q4_k"
 
 
-def test_calibrated_export_is_closer_to_the_float_model(wide_llama, tiny_corpus, tmp_path):
+def test_calibrated_export_is_closer_to_the_float_model(wide, tiny_corpus, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from quantkit.calibration.datasets import calibration_samples, load_documents
@@ -73,21 +128,22 @@ def test_calibrated_export_is_closer_to_the_float_model(wide_llama, tiny_corpus,
     from quantkit.calibration.method import Calibration
     from quantkit.models.loading import load_float_model
 
+    folder, _ = wide
     calib = Calibration(dataset=str(tiny_corpus), samples=8, seq_len=64)
-    tokenizer = load_float_model(str(wide_llama))[1]
+    tokenizer = load_float_model(str(folder))[1]
     ids = calibration_samples(tokenizer, load_documents(calib.dataset, "calib"), 8, 64)  # the text calibrated on
-    base = AutoModelForCausalLM.from_pretrained(wide_llama, dtype=torch.float32)(ids).logits.log_softmax(-1)
+    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)(ids).logits.log_softmax(-1)
     kl = {}
     runs = {
         "rtn": ("rtn", None),
-        "gptq": ("gptq", None),
-        "static": ("gptq", GGUFOptions(static=True, actorder=True, outliers=10.0)),
-        "awq": ("gptq", GGUFOptions(awq=True)),
+        "gptq": ("gptq", GGUFOptions(awq=False)),
+        "static": ("gptq", GGUFOptions(static=True, actorder=True, outliers=10.0, awq=False)),
+        "awq": ("gptq", None),  # the default
     }
     for label, (method, options) in runs.items():
         path = tmp_path / f"{label}.gguf"
-        export_gguf(str(wide_llama), path, "q4_0", method=method, calibration=calib, options=options)
-        got = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+        export_gguf(str(folder), path, "q4_0", method=method, calibration=calib, options=options)
+        got = _from_file(folder, path)
         kl[label] = torch.nn.functional.kl_div(got(ids).logits.log_softmax(-1), base, log_target=True).item()
     assert max(kl["gptq"], kl["static"], kl["awq"]) < kl["rtn"], kl
 
@@ -99,9 +155,15 @@ def test_refusals(tmp_path, wide_llama):
     with pytest.raises(QuantkitError, match="exists"):
         export_gguf(str(wide_llama), tmp_path / "b.gguf", "q8_0", method="rtn")
     qwen = make_tiny_model(tmp_path / "qwen", "qwen2")
-    with pytest.raises(QuantkitError, match="Llama family"):
+    with pytest.raises(QuantkitError, match="Llama and Gemma 3 families"):
         export_gguf(str(qwen), tmp_path / "c.gguf", "q8_0", method="rtn")
-    assert not list(tmp_path.glob(".*partial"))
+    odd = make_tiny_model(tmp_path / "g", "gemma3_text", tie=True, **{**GEMMA3, "layer_types": ["full_attention"] * 6})
+    with pytest.raises(QuantkitError, match="every sixth layer global"):
+        export_gguf(str(odd), tmp_path / "d.gguf", "q8_0", method="rtn")
+    scaled = make_tiny_model(tmp_path / "s", "gemma3_text", tie=True, **{**GEMMA3, "query_pre_attn_scalar": 256})
+    with pytest.raises(QuantkitError, match="query_pre_attn_scalar is 256"):
+        export_gguf(str(scaled), tmp_path / "e.gguf", "q8_0", method="rtn")
+    assert [p.name for p in tmp_path.glob("*.gguf")] == ["b.gguf"] and not list(tmp_path.glob(".*partial"))
 
 
 @pytest.mark.smollm2
@@ -110,14 +172,31 @@ def test_tokenizer_keys_match_the_source_gguf():
 
     from quantkit import assets
     from quantkit.models.loading import load_tokenizer, resolve_model
-    from quantkit.pipeline.gguf import _source_pre
 
     folder = resolve_model("smollm2-135m")
-    ours = gguf_file.tokenizer_metadata(folder, load_tokenizer(folder), _source_pre("smollm2-135m"))
     source = GGUFReader(assets.fetch("smollm2-135m.gguf")).fields
+    # the converted tokenizer.json no longer names its pre-tokenizer: the builder is given the source's
+    ours = gguf_file.tokenizer_metadata(folder, load_tokenizer(folder), source["tokenizer.ggml.pre"].contents())
     for key, (_, value) in ours.items():
         assert source[key].contents() == value, key
     assert {k for k in source if k.startswith("tokenizer.")} == set(ours)
+
+
+def test_a_source_files_tokenizer_is_written_back_as_it_was(wide_llama, tmp_path):
+    # what a built-in model (converted from a GGUF file) gets: every tokenizer.* key of its source,
+    # whatever its type (SentencePiece files carry float32 scores; here added to a BPE file's keys)
+    from gguf import GGUFReader
+
+    first = tmp_path / "a.gguf"
+    export_gguf(str(wide_llama), first, "f32", method="rtn")
+    meta = gguf_file.source_tokenizer(first)
+    meta["tokenizer.ggml.scores"] = ("float32s", [-float(i) for i in range(len(meta["tokenizer.ggml.tokens"][1]))])
+    second = tmp_path / "b.gguf"
+    gguf_file.write(second, "llama", "b", "f32", meta, [])
+    assert gguf_file.source_tokenizer(second) == meta
+    fields = GGUFReader(second).fields
+    assert fields["tokenizer.ggml.scores"].contents()[:3] == [0.0, -1.0, -2.0]
+    assert fields["tokenizer.ggml.model"].contents() == "gpt2"
 
 
 def _llama_cpp(name: str) -> Path:
@@ -127,20 +206,21 @@ def _llama_cpp(name: str) -> Path:
     return Path(folder) / name
 
 
-@pytest.mark.parametrize("file_type", ["f32", "q8_0", "q4_k_m"])
-def test_llama_cpp_perplexity_agrees_with_transformers_on_our_values(wide_llama, tiny_corpus, tmp_path, file_type):
+@pytest.mark.parametrize("file_type", list(gguf_file.FILE_TYPES))
+def test_llama_cpp_perplexity_agrees_with_transformers_on_our_values(wide, tiny_corpus, tmp_path, file_type):
     # llama-perplexity scores the second half of each window of --ctx tokens: the logits at
     # positions ctx/2 .. ctx-2 against the tokens after them (ctx/2 - 1 tokens; no BOS: the
     # tokenizer adds none); the same windows in transformers, from the same file's values.
-    # llama.cpp rounds activations to 8 bits for quantized weights (q8_0 / q8_K dot products):
-    # 2.1% on this tiny random model's perplexity for q8_0, hence 3%; f32 agrees within 1e-3.
-    from transformers import AutoModelForCausalLM
-
+    # llama.cpp rounds activations to 8 bits for quantized weights (q8_0 / q8_K dot products): on
+    # the tiny Llama, whose perplexity (~3,500) passes its vocabulary's 320, that moved it by 0.6-3.3%
+    # (q6_k the most, its q8_K activations share one scale per 256), hence 4%; on the tiny Gemma 3
+    # by at most 0.3%; f32 agrees within 1e-3 on both.
     from quantkit.models.loading import load_tokenizer
 
+    folder, _ = wide
     tool = _llama_cpp("llama-perplexity")
     path = tmp_path / "m.gguf"
-    export_gguf(str(wide_llama), path, file_type, method="rtn")
+    export_gguf(str(folder), path, file_type, method="rtn")
     text = tiny_corpus.read_text()
     ctx, chunks = 64, 4
     done = subprocess.run(
@@ -153,19 +233,19 @@ def test_llama_cpp_perplexity_agrees_with_transformers_on_our_values(wide_llama,
     # llama.cpp's logger is asynchronous and the lines of the last chunk (and "Final estimate")
     # are not always written before the process exits
     theirs = float(re.findall(rf"\[{chunks}\]([\d.]+),", done.stdout + done.stderr)[0])
-    ids = torch.tensor(load_tokenizer(wide_llama)(text)["input_ids"][: ctx * chunks]).reshape(chunks, ctx)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+    ids = torch.tensor(load_tokenizer(folder)(text)["input_ids"][: ctx * chunks]).reshape(chunks, ctx)
+    model = _from_file(folder, path)
     with torch.no_grad():
         logp = model(ids).logits.log_softmax(-1)
     first = ctx // 2
     nll = -logp[:, first:-1].gather(-1, ids[:, first + 1 :, None]).mean()
-    assert theirs == pytest.approx(math.exp(nll.item()), rel=0.03 if file_type != "f32" else 1e-3)
+    assert theirs == pytest.approx(math.exp(nll.item()), rel=0.04 if file_type != "f32" else 1e-3)
 
 
-def test_llama_cpp_generates_from_our_file(wide_llama, tmp_path):
+def test_llama_cpp_generates_from_our_file(wide, tmp_path):
     tool = _llama_cpp("llama-simple")
     path = tmp_path / "m.gguf"
-    export_gguf(str(wide_llama), path, "q4_k_m", method="rtn")
+    export_gguf(str(wide[0]), path, "q4_k_m", method="rtn")
     done = subprocess.run(  # a random model's tokens need not decode to UTF-8
         [str(tool), "-m", str(path), "-n", "8", "hello"], capture_output=True, text=True, errors="replace"
     )
@@ -183,8 +263,11 @@ def test_the_cli_writes_a_calibrated_file(wide_llama, tiny_corpus, tmp_path):
     r = CliRunner().invoke(build_app(), [*args, "--calib", str(tiny_corpus), "--samples", "4", "--seq-len", "32"])
     assert r.exit_code == 0, r.output
     assert "gptq" in r.output and out.is_file()
+    assert "gptq after AWQ's scales" in r.output
     r = CliRunner().invoke(build_app(), [*args, "--method", "awq"])
     assert r.exit_code == 2 and "unknown GGUF method 'awq'" in r.output
+    r = CliRunner().invoke(build_app(), [*args, "--overwrite", "--imatrix-out", str(tmp_path / "i.gguf")])
+    assert r.exit_code == 2 and "add --no-awq" in r.output and "Traceback" not in r.output
 
 
 def test_the_importance_matrix_file_holds_the_calibration_inputs_squares(wide_llama, tiny_corpus, tmp_path):
