@@ -184,18 +184,38 @@ AWQ_PROXY = QuantArgs(num_bits=4, symmetric=False, strategy="group", group_size=
 
 
 def fold_awq(
-    spec: ArchSpec, block: nn.Module, names: list[str], inputs, tokens: int, label: str = "", outliers: float = 0.0
+    spec: ArchSpec,
+    block: nn.Module,
+    names: list[str],
+    inputs,
+    tokens: int,
+    label: str = "",
+    outliers: float = 0.0,
+    keep: frozenset = frozenset(),
 ) -> None:
     """AWQ's scales for each mapping of the block that feeds `names` (norm → q/k/v, norm →
     gate/up, up → down, v → o where shapes allow), searched on AWQ_PROXY and folded into the
-    float weights (the previous op divided, the linears' columns multiplied: exact in float)."""
+    float weights (the previous op divided, the linears' columns multiplied: exact in float).
+    A mapping that would change a linear of `keep` (as one of its linears or as the op it
+    divides) is left out."""
     feats = mapping_inputs(spec, block, names, inputs, tokens)
     for b in mappings(spec, block, names):
+        if keep.intersection([*b.mapping.linears, b.mapping.prev]):
+            continue
         x = typical_tokens(feats[mapping_input(spec, b.mapping)], outliers)
         weights = [lin.weight.data for lin in b.linears]
         scales = search_scales(x, weights, AWQ_PROXY, name=f"{label}.{b.mapping.prev}").scales
         scaled_inputs(spec, feats, b.mapping, scales)
         fold_scales(b.prev_weight, b.prev_bias, weights + list(b.readers), scales, b.offset)
+
+
+def on_grid(w: torch.Tensor, t: BlockType) -> bool:
+    """Whether type t's own search reproduces w exactly: a model that was itself dequantized
+    from this type (a re-quantization), where no scaling can bring w closer to the float model
+    and AWQ's folding would only move it off the grid (gemma3-270m's built-in weights are a
+    Q4_K_M file's: at Q4_K_M, q, k, v, gate and up, its Q5_0 and Q8_0 linears)."""
+    w = w.float()
+    return bool((dequantize(choose(w, t)) - w).abs().max() <= 1e-6 * w.abs().max())
 
 
 def typical_tokens(x: torch.Tensor, ratio: float) -> torch.Tensor:
@@ -235,7 +255,8 @@ def gguf_step(
         bspec = spec.for_block(block)
         if o.awq:
             names = [n for n in bspec.linears if types(f"{prefix}.{n}") is not None]
-            fold_awq(bspec, block, names, inputs, o.awq_tokens, prefix, o.outliers)
+            keep = frozenset(n for n in names if on_grid(get_module(block, n).weight.data, types(f"{prefix}.{n}")))
+            fold_awq(bspec, block, names, inputs, o.awq_tokens, prefix, o.outliers, keep)
         attention = [n for n in bspec.linears if n.startswith(bspec.attention + ".")]
         done, replay = set(), None
         for stage in bspec.stages:

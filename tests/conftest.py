@@ -32,12 +32,21 @@ TEXT = [
 ] * 8
 
 
-def make_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def make_tokenizer(split: str | None = None, texts: list[str] = TEXT):
+    """A byte-level BPE trained on `texts`; `split`: a regex splitting the text first, as Llama 3's
+    and Qwen2's do."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if split is not None:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), "isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=320,
@@ -45,7 +54,7 @@ def make_tokenizer():
         special_tokens=["<eos>"],
         show_progress=False,
     )
-    tok.train_from_iterator(TEXT, trainer)
+    tok.train_from_iterator(texts, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", model_max_length=512)
 
 

@@ -37,33 +37,36 @@ LINEARS = {
 @dataclass(frozen=True)
 class Family:
     """How llama.cpp's converter writes one architecture: its name, its norms' names, whether
-    q/k rows are interleaved for llama.cpp's RoPE (Llama) or kept (NEOX RoPE: Gemma), what it adds
-    to the norms' weights (Gemma's RMSNorm scales by 1 + w; llama.cpp's by w), and whether the
-    token embedding keeps only the tokenizer's rows."""
+    q/k rows are interleaved for llama.cpp's RoPE (Llama) or kept (NEOX RoPE: Qwen, Gemma), what
+    it adds to the norms' weights (Gemma's RMSNorm scales by 1 + w; llama.cpp's by w), whether the
+    token embedding keeps only the tokenizer's rows, and for the Gemmas the layer pattern llama.cpp
+    hard-codes (every `global_every`-th layer global, the others sliding-window)."""
 
     arch: str
     norms: dict
     interleave_rope: bool = True
     norm_shift: float = 0.0
     trim_vocab: bool = False
+    global_every: int = 0
 
 
-LLAMA = Family("llama", {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"})
+_PLAIN_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+_QK_NORMS = {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+_GEMMA_NORMS = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+LLAMA = Family("llama", _PLAIN_NORMS)
+QWEN2 = Family("qwen2", _PLAIN_NORMS, interleave_rope=False)
+QWEN3 = Family("qwen3", {**_PLAIN_NORMS, **_QK_NORMS}, interleave_rope=False)
+GEMMA2 = Family("gemma2", _GEMMA_NORMS, interleave_rope=False, norm_shift=1.0, global_every=2)
 GEMMA3 = Family(
-    "gemma3",
-    {
-        "input_layernorm": "attn_norm",
-        "post_attention_layernorm": "post_attention_norm",
-        "pre_feedforward_layernorm": "ffn_norm",
-        "post_feedforward_layernorm": "post_ffw_norm",
-        "self_attn.q_norm": "attn_q_norm",
-        "self_attn.k_norm": "attn_k_norm",
-    },
-    interleave_rope=False,
-    norm_shift=1.0,
-    trim_vocab=True,
+    "gemma3", {**_GEMMA_NORMS, **_QK_NORMS}, interleave_rope=False, norm_shift=1.0, trim_vocab=True, global_every=6
 )
-FAMILIES = {"llama": LLAMA, "mistral": LLAMA, "gemma3_text": GEMMA3}  # HF model_type -> how llama.cpp writes it
+# HF model_type -> how llama.cpp writes it
+FAMILIES = {"llama": LLAMA, "mistral": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3, "gemma2": GEMMA2, "gemma3_text": GEMMA3}
 
 
 def check_family(config) -> Family:
@@ -71,8 +74,9 @@ def check_family(config) -> Family:
     family = FAMILIES.get(config.model_type)
     if family is None:
         raise QuantkitError(
-            f"GGUF export supports the Llama and Gemma 3 families (model types {', '.join(FAMILIES)}) so far, "
-            f"not {config.model_type!r}; export a compressed-tensors checkpoint instead."
+            f"GGUF export writes the dense families {', '.join(FAMILIES)} so far, not {config.model_type!r} "
+            "(Phi-3's fused projections and the mixtures of experts are not written yet); "
+            "export a compressed-tensors checkpoint instead."
         )
     return family
 
@@ -84,11 +88,11 @@ def gguf_name(hf: str, family: Family = LLAMA) -> str | None:
         return fixed[hf]
     if hf == "lm_head.weight":
         return "output.weight"
-    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", hf)
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", hf)
     if m:
-        short = LINEARS.get(m.group(2)) or family.norms.get(m.group(2))
+        short = LINEARS.get(m.group(2)) or (family.norms.get(m.group(2)) if m.group(3) == "weight" else None)
         if short:
-            return f"blk.{m.group(1)}.{short}.weight"
+            return f"blk.{m.group(1)}.{short}.{m.group(3)}"
     return None
 
 
@@ -136,56 +140,62 @@ def metadata(config, family: Family) -> dict:
     """The `{arch}.*` keys llama.cpp's converter writes for `config`, or a one-sentence refusal
     where llama.cpp would compute something else than transformers."""
     arch = family.arch
+    n = config.num_hidden_layers
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     rope = getattr(config, "rope_parameters", None) or {}
-    if family is GEMMA3:
-        local, full = rope.get("sliding_attention", {}), rope.get("full_attention", {})
-        if {local.get("rope_type", "default"), full.get("rope_type", "default")} != {"default"}:
-            raise QuantkitError("GGUF export writes plain RoPE so far; this model scales its rotary embedding.")
-        n = config.num_hidden_layers
-        if list(config.layer_types) != ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(n)]:
-            raise QuantkitError(
-                "llama.cpp's gemma3 makes every sixth layer global and the rest sliding-window; "
-                "this model's layer_types differ, so llama.cpp would compute another model."
+    local, full = (
+        (rope.get("sliding_attention", {}), rope.get("full_attention", {})) if family is GEMMA3 else (rope, rope)
+    )
+    if {local.get("rope_type", "default"), full.get("rope_type", "default")} != {"default"}:
+        raise QuantkitError("GGUF export writes plain RoPE so far; this model scales its rotary embedding.")
+    theta = full.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
+
+    def other(what: str) -> QuantkitError:
+        return QuantkitError(f"llama.cpp's {arch} {what}, so llama.cpp would compute another model.")
+
+    if getattr(config, "use_sliding_window", False):
+        raise other("attends to the whole context and this model uses a sliding window")
+    if family.global_every:
+        every = family.global_every
+        pattern = ["full_attention" if i % every == every - 1 else "sliding_attention" for i in range(n)]
+        if list(config.layer_types) != pattern:
+            raise other(
+                f"makes every {'sixth' if every == 6 else 'second'} layer global; this model's layer_types differ"
             )
         if config.query_pre_attn_scalar != head_dim:
-            raise QuantkitError(
-                f"llama.cpp's gemma3 scales attention by 1/sqrt(head_dim {head_dim}); this model's "
-                f"query_pre_attn_scalar is {config.query_pre_attn_scalar}, so llama.cpp would compute another model."
+            raise other(
+                f"scales attention by 1/sqrt(head_dim {head_dim}); this model's query_pre_attn_scalar is "
+                f"{config.query_pre_attn_scalar}"
             )
-        meta = {
-            f"{arch}.context_length": ("uint32", config.max_position_embeddings),
-            f"{arch}.embedding_length": ("uint32", config.hidden_size),
-            f"{arch}.block_count": ("uint32", n),
-            f"{arch}.feed_forward_length": ("uint32", config.intermediate_size),
-            f"{arch}.attention.head_count": ("uint32", heads),
-            f"{arch}.attention.head_count_kv": ("uint32", config.num_key_value_heads or heads),
-            f"{arch}.attention.layer_norm_rms_epsilon": ("float32", config.rms_norm_eps),
-            f"{arch}.attention.key_length": ("uint32", head_dim),
-            f"{arch}.attention.value_length": ("uint32", head_dim),
-            f"{arch}.rope.freq_base": ("float32", float(full.get("rope_theta", 1_000_000.0))),
-            f"{arch}.rope.freq_base_swa": ("float32", float(local.get("rope_theta", 10_000.0))),
-            f"{arch}.attention.sliding_window": ("uint32", config.sliding_window),
-        }
-        if getattr(config, "final_logit_softcapping", None):
-            meta[f"{arch}.final_logit_softcapping"] = ("float32", float(config.final_logit_softcapping))
-        return meta
-    theta = rope.get("rope_theta") or getattr(config, "rope_theta", 10000.0)
-    if rope.get("rope_type", "default") != "default":
-        raise QuantkitError("GGUF export writes plain RoPE so far; this model scales its rotary embedding.")
-    return {
-        f"{arch}.vocab_size": ("uint32", config.vocab_size),
+    if family is GEMMA2 and not (config.attn_logit_softcapping and config.final_logit_softcapping):
+        raise other("caps attention and final logits (50 and 30 when unset); this model leaves one uncapped")
+    if family is GEMMA3 and getattr(config, "attn_logit_softcapping", None):
+        raise other("does not cap attention logits; this model does")
+    meta = {
         f"{arch}.context_length": ("uint32", config.max_position_embeddings),
         f"{arch}.embedding_length": ("uint32", config.hidden_size),
-        f"{arch}.block_count": ("uint32", config.num_hidden_layers),
+        f"{arch}.block_count": ("uint32", n),
         f"{arch}.feed_forward_length": ("uint32", config.intermediate_size),
-        f"{arch}.rope.dimension_count": ("uint32", head_dim),
         f"{arch}.attention.head_count": ("uint32", heads),
         f"{arch}.attention.head_count_kv": ("uint32", config.num_key_value_heads or heads),
         f"{arch}.attention.layer_norm_rms_epsilon": ("float32", config.rms_norm_eps),
         f"{arch}.rope.freq_base": ("float32", float(theta)),
     }
+    if family is LLAMA:
+        meta[f"{arch}.vocab_size"] = ("uint32", config.vocab_size)
+        meta[f"{arch}.rope.dimension_count"] = ("uint32", head_dim)
+    else:
+        meta[f"{arch}.attention.key_length"] = ("uint32", head_dim)
+        meta[f"{arch}.attention.value_length"] = ("uint32", head_dim)
+    if family.global_every:
+        meta[f"{arch}.attention.sliding_window"] = ("uint32", config.sliding_window)
+        if family is GEMMA3:
+            meta[f"{arch}.rope.freq_base_swa"] = ("float32", float(local.get("rope_theta", 10_000.0)))
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, key, None):
+            meta[f"{arch}.{key}"] = ("float32", float(getattr(config, key)))
+    return meta
 
 
 def source_tokenizer(path: Path) -> dict:
@@ -205,8 +215,15 @@ def source_tokenizer(path: Path) -> dict:
     return meta
 
 
+# the split regexes of tokenizer.json that llama-vocab.cpp runs (adapted) under these names
+_WORDS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|"
+_REST = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+SPLITS = {_WORDS + r"\p{N}{1,3}" + _REST: "llama-bpe", _WORDS + r"\p{N}" + _REST: "qwen2"}
+
+
 def _pre_tokenizer(spec: dict | None) -> str | None:
-    """llama.cpp's pre-tokenizer name (tokenizer.ggml.pre) of a tokenizer.json pre_tokenizer, when known."""
+    """llama.cpp's pre-tokenizer name (tokenizer.ggml.pre) of a tokenizer.json pre_tokenizer, when
+    known: GPT-2's and SmolLM's byte-level splits, Llama 3's and Qwen2's regex before a byte level."""
     if not spec:
         return None
     parts = spec.get("pretokenizers") if spec.get("type") == "Sequence" else [spec]
@@ -215,10 +232,12 @@ def _pre_tokenizer(spec: dict | None) -> str | None:
         return "gpt-2"  # llama-vocab.cpp spells the GPT-2 pre-tokenizer with a hyphen
     if kinds == [("Digits", True, None), ("ByteLevel", None, True)]:
         return "smollm"
+    if kinds == [("Split", None, None), ("ByteLevel", None, False)] and parts[0].get("behavior") == "Isolated":
+        return SPLITS.get(parts[0].get("pattern", {}).get("Regex"))
     return None
 
 
-def tokenizer_metadata(folder: Path, tokenizer, pre: str | None = None) -> dict:
+def tokenizer_metadata(folder: Path, tokenizer, pre: str | None = None, vocab_size: int | None = None) -> dict:
     """tokenizer.ggml.* and tokenizer.chat_template of a byte-level BPE tokenizer (the
     tokenizer.json of `folder`): tokens in id order, their types (3 control: a special added
     token; 4 user-defined: another added token; 1 normal), merges, special ids. `pre`
@@ -240,7 +259,14 @@ def tokenizer_metadata(folder: Path, tokenizer, pre: str | None = None) -> dict:
     for added in spec.get("added_tokens", []):
         vocab[added["content"]] = added["id"]
         types[added["id"]] = 3 if added.get("special") else 4
-    size = max(len(tokenizer), max(vocab.values()) + 1)
+    # one token per embedding row (`vocab_size`, padded as llama.cpp's converter pads); tokens a
+    # tokenizer class adds when loaded (Qwen2's <|endoftext|>) are not in tokenizer.json
+    size = vocab_size or max(vocab.values()) + 1
+    if max(vocab.values()) >= size:
+        raise QuantkitError(
+            f"{folder}'s tokenizer has ids up to {max(vocab.values())}, beyond the embedding's {size} rows; "
+            "llama.cpp needs one row per token."
+        )
     tokens = [f"[PAD{i}]" for i in range(size)]
     for text, i in vocab.items():
         tokens[i] = text
@@ -256,10 +282,10 @@ def tokenizer_metadata(folder: Path, tokenizer, pre: str | None = None) -> dict:
         "tokenizer.ggml.add_space_prefix": ("bool", False),
     }
     for key, value in (("bos", tokenizer.bos_token_id), ("eos", tokenizer.eos_token_id)):
-        if value is not None:
+        if value is not None and value < size:
             meta[f"tokenizer.ggml.{key}_token_id"] = ("uint32", value)
     for key, value in (("unknown", tokenizer.unk_token_id), ("padding", tokenizer.pad_token_id)):
-        if value is not None:
+        if value is not None and value < size:
             meta[f"tokenizer.ggml.{key}_token_id"] = ("uint32", value)
     if getattr(tokenizer, "chat_template", None):
         meta["tokenizer.chat_template"] = ("string", tokenizer.chat_template)

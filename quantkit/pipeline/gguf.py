@@ -66,7 +66,11 @@ def export_gguf(
     family = gguf_file.check_family(model.config)
     metadata = gguf_file.metadata(model.config, family)
     source = _source_gguf(model_name)
-    metadata.update(gguf_file.source_tokenizer(source) if source else gguf_file.tokenizer_metadata(folder, tokenizer))
+    metadata.update(
+        gguf_file.source_tokenizer(source)
+        if source
+        else gguf_file.tokenizer_metadata(folder, tokenizer, vocab_size=model.config.vocab_size)
+    )
     calibrated = method != "rtn" and file_type != "f32"
     types = _type_rule(model, family, file_type, calibrated)
     results: dict[str, Blocks] = {}

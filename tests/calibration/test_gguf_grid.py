@@ -117,3 +117,40 @@ def test_awq_folding_keeps_the_block_function_and_moves_the_weights(tmp_path):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert not torch.equal(block.mlp.up_proj.weight, up)
     assert AWQ_PROXY.group_size == 32 and not AWQ_PROXY.symmetric
+
+
+@pytest.mark.parametrize("name", ["q4_0", "q5_0", "q8_0", "q4_k", "q6_k"])
+def test_on_grid_finds_weights_a_type_already_holds(name):
+    from quantkit.calibration.gguf import on_grid
+
+    t = gguf.TYPES[name]
+    w = torch.randn(8, 256, generator=torch.Generator().manual_seed(1)) * 0.05
+    requantized = gguf.dequantize(gguf.choose(gguf.dequantize(gguf.choose(w, t)), t))
+    assert not on_grid(w, t)
+    if name in ("q4_0", "q5_0", "q8_0"):  # the search reproduces its own 32-blocks exactly
+        assert on_grid(gguf.dequantize(gguf.choose(w, t)), t)
+        assert torch.equal(requantized, gguf.dequantize(gguf.choose(w, t)))
+
+
+def test_awq_leaves_a_mapping_whose_weights_are_kept(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.calibration.runner import BlockInputs, capture_block_inputs
+    from quantkit.models.arch import arch_for
+    from tests.conftest import make_tiny_model
+
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "m"), dtype=torch.float32)
+    spec = arch_for(model.config)
+    samples = torch.randint(0, 320, (4, 16), generator=torch.Generator().manual_seed(0))
+    hidden, kwargs = capture_block_inputs(model, spec, samples, 2, torch.device("cpu"))
+    block = model.model.layers[0]
+    bspec = spec.for_block(block)
+    before = {n: get.weight.clone() for n, get in block.named_modules() if isinstance(get, torch.nn.Linear)}
+    norm = block.post_attention_layernorm.weight.clone()
+    # up kept: norm → gate/up (up among its linears) and up → down (up divided) are left out
+    fold_awq(bspec, block, list(bspec.linears), BlockInputs(hidden, kwargs[0]), 4096, keep=frozenset({"mlp.up_proj"}))
+    after = dict(block.named_modules())
+    for n in ("mlp.up_proj", "mlp.gate_proj", "mlp.down_proj"):
+        assert torch.equal(after[n].weight, before[n]), n
+    assert torch.equal(block.post_attention_layernorm.weight, norm)
+    assert not torch.equal(after["self_attn.q_proj"].weight, before["self_attn.q_proj"])

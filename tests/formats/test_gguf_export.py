@@ -18,7 +18,7 @@ import torch
 from quantkit.errors import QuantkitError
 from quantkit.formats import gguf, gguf_file
 from quantkit.pipeline.gguf import export_gguf
-from tests.conftest import make_tiny_model
+from tests.conftest import TEXT, make_tiny_model, make_tokenizer
 
 pytest.importorskip("gguf", reason="the gguf package (llama.cpp's gguf-py) is not installed")
 
@@ -30,8 +30,6 @@ def wide_llama(tmp_path_factory):
 
 
 GEMMA3 = {  # llama.cpp's gemma3: every sixth layer global, attention scaled by 1/sqrt(head_dim)
-    "hidden_size": 256,
-    "intermediate_size": 512,
     "num_hidden_layers": 6,
     "num_key_value_heads": 1,
     "head_dim": 64,
@@ -45,17 +43,40 @@ GEMMA3 = {  # llama.cpp's gemma3: every sixth layer global, attention scaled by 
 }
 
 
-@pytest.fixture(scope="module")
-def wide_gemma3(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("m") / "gemma3", "gemma3_text", tie=True, **GEMMA3)
+WIDE = {  # family -> (model_type, tied, config), rows of 256 weights
+    "qwen2": ("qwen2", False, {}),  # q/k/v biases
+    # q/k norms; head_dim 128: transformers' GGUF reader rebuilds a Qwen3 config with its default
+    # head_dim (it does not read attention.key_length, which llama.cpp does)
+    "qwen3": ("qwen3", False, {"head_dim": 128}),
+    "gemma2": (
+        "gemma2",
+        True,
+        {
+            "head_dim": 64,
+            "query_pre_attn_scalar": 64,
+            "sliding_window": 12,
+            "attn_logit_softcapping": 50.0,
+            "final_logit_softcapping": 30.0,
+        },
+    ),
+    "gemma3": ("gemma3_text", True, GEMMA3),
+}
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma3"])
-def wide(request):
+@pytest.fixture(scope="module", params=["llama", *WIDE])
+def wide(request, tmp_path_factory):
     """Each family GGUF export writes: (its folder, its gguf_file.Family)."""
     if request.param == "llama":
         return request.getfixturevalue("wide_llama"), gguf_file.LLAMA
-    return request.getfixturevalue("wide_gemma3"), gguf_file.GEMMA3
+    model_type, tie, config = WIDE[request.param]
+    config = {"hidden_size": 256, "intermediate_size": 512, **config}
+    folder = make_tiny_model(tmp_path_factory.mktemp("m") / request.param, model_type, tie=tie, **config)
+    if model_type == "qwen2":  # Qwen2's own pre-tokenizer: llama.cpp must split the text as transformers does
+        qwen2 = next(regex for regex, name in gguf_file.SPLITS.items() if name == "qwen2")
+        # trained on tiny_corpus's text, whose merges then span what GPT-2's split would cut
+        # (".\n\n": 4,357 of its 4,448 tokens differ under GPT-2's pre-tokenizer)
+        make_tokenizer(split=qwen2, texts=["\n\n".join(TEXT * 4)]).save_pretrained(folder)
+    return folder, gguf_file.FAMILIES[model_type]
 
 
 def _from_file(source: Path, path: Path):
@@ -144,7 +165,8 @@ def test_calibrated_export_is_closer_to_the_float_model(wide, tiny_corpus, tmp_p
         path = tmp_path / f"{label}.gguf"
         export_gguf(str(folder), path, "q4_0", method=method, calibration=calib, options=options)
         got = _from_file(folder, path)
-        kl[label] = torch.nn.functional.kl_div(got(ids).logits.log_softmax(-1), base, log_target=True).item()
+        logp = got(ids).logits.log_softmax(-1)
+        kl[label] = (base.exp() * (base - logp)).sum(-1).mean().item()  # KL(float || file) per token
     assert max(kl["gptq"], kl["static"], kl["awq"]) < kl["rtn"], kl
 
 
@@ -154,12 +176,20 @@ def test_refusals(tmp_path, wide_llama):
     (tmp_path / "b.gguf").write_bytes(b"x")
     with pytest.raises(QuantkitError, match="exists"):
         export_gguf(str(wide_llama), tmp_path / "b.gguf", "q8_0", method="rtn")
-    qwen = make_tiny_model(tmp_path / "qwen", "qwen2")
-    with pytest.raises(QuantkitError, match="Llama and Gemma 3 families"):
-        export_gguf(str(qwen), tmp_path / "c.gguf", "q8_0", method="rtn")
+    phi = make_tiny_model(tmp_path / "phi", "phi3", pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    with pytest.raises(QuantkitError, match="dense families llama, mistral, qwen2.*not 'phi3'"):
+        export_gguf(str(phi), tmp_path / "c.gguf", "q8_0", method="rtn")
+    window = make_tiny_model(tmp_path / "w", "qwen2", use_sliding_window=True, sliding_window=12, max_window_layers=1)
+    with pytest.raises(QuantkitError, match="qwen2 attends to the whole context"):
+        export_gguf(str(window), tmp_path / "c.gguf", "q8_0", method="rtn")
     odd = make_tiny_model(tmp_path / "g", "gemma3_text", tie=True, **{**GEMMA3, "layer_types": ["full_attention"] * 6})
     with pytest.raises(QuantkitError, match="every sixth layer global"):
         export_gguf(str(odd), tmp_path / "d.gguf", "q8_0", method="rtn")
+    uncapped = make_tiny_model(
+        tmp_path / "g2", "gemma2", tie=True, head_dim=16, query_pre_attn_scalar=16, final_logit_softcapping=None
+    )
+    with pytest.raises(QuantkitError, match="caps attention and final logits"):
+        export_gguf(str(uncapped), tmp_path / "d.gguf", "q8_0", method="rtn")
     scaled = make_tiny_model(tmp_path / "s", "gemma3_text", tie=True, **{**GEMMA3, "query_pre_attn_scalar": 256})
     with pytest.raises(QuantkitError, match="query_pre_attn_scalar is 256"):
         export_gguf(str(scaled), tmp_path / "e.gguf", "q8_0", method="rtn")
@@ -176,7 +206,8 @@ def test_tokenizer_keys_match_the_source_gguf():
     folder = resolve_model("smollm2-135m")
     source = GGUFReader(assets.fetch("smollm2-135m.gguf")).fields
     # the converted tokenizer.json no longer names its pre-tokenizer: the builder is given the source's
-    ours = gguf_file.tokenizer_metadata(folder, load_tokenizer(folder), source["tokenizer.ggml.pre"].contents())
+    pre = source["tokenizer.ggml.pre"].contents()
+    ours = gguf_file.tokenizer_metadata(folder, load_tokenizer(folder), pre, vocab_size=49152)
     for key, (_, value) in ours.items():
         assert source[key].contents() == value, key
     assert {k for k in source if k.startswith("tokenizer.")} == set(ours)
@@ -307,3 +338,21 @@ def test_the_importance_matrix_file_holds_the_calibration_inputs_squares(wide_ll
     done = subprocess.run(args, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert re.search(r"loaded 14 importance matrix entries from .* computed on 8 chunks", done.stdout), done.stdout
+
+
+def test_the_pre_tokenizer_is_named_for_llama_cpp(wide, tmp_path):
+    from gguf import GGUFReader
+
+    folder, family = wide
+    path = tmp_path / "m.gguf"
+    export_gguf(str(folder), path, "f32", method="rtn")
+    pre = GGUFReader(path).fields["tokenizer.ggml.pre"].contents()
+    assert pre == ("qwen2" if family is gguf_file.QWEN2 else "gpt-2")
+    llama3 = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": next(r for r, n in gguf_file.SPLITS.items() if n == "llama-bpe")},
+         "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+    ]}  # fmt: skip
+    assert gguf_file._pre_tokenizer(llama3) == "llama-bpe"
+    llama3["pretokenizers"][0]["pattern"]["Regex"] = r"\s+"
+    assert gguf_file._pre_tokenizer(llama3) is None
