@@ -31,7 +31,21 @@ LINEARS = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.qkv_proj": "attn_qkv",  # Phi-3's fused projections, as llama.cpp's phi3 reads them
+    "mlp.gate_up_proj": "ffn_up",  # gate rows first: llama.cpp's SwiGLU gates with the first half
 }
+# a mixture of experts: each expert's linear, stacked over the experts into one 3-D tensor
+# [experts, rows, cols] (Mixtral's w1/w3/w2, Qwen3-MoE's gate/up/down), and the router
+EXPERTS = {
+    "w1": "ffn_gate_exps",
+    "w3": "ffn_up_exps",
+    "w2": "ffn_down_exps",
+    "gate_proj": "ffn_gate_exps",
+    "up_proj": "ffn_up_exps",
+    "down_proj": "ffn_down_exps",
+}
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight")
+_ROUTER = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.gate\.weight")
 
 
 @dataclass(frozen=True)
@@ -61,12 +75,24 @@ _GEMMA_NORMS = {
 LLAMA = Family("llama", _PLAIN_NORMS)
 QWEN2 = Family("qwen2", _PLAIN_NORMS, interleave_rope=False)
 QWEN3 = Family("qwen3", {**_PLAIN_NORMS, **_QK_NORMS}, interleave_rope=False)
+QWEN3MOE = Family("qwen3moe", {**_PLAIN_NORMS, **_QK_NORMS}, interleave_rope=False)
+PHI3 = Family("phi3", _PLAIN_NORMS, interleave_rope=False)
 GEMMA2 = Family("gemma2", _GEMMA_NORMS, interleave_rope=False, norm_shift=1.0, global_every=2)
 GEMMA3 = Family(
     "gemma3", {**_GEMMA_NORMS, **_QK_NORMS}, interleave_rope=False, norm_shift=1.0, trim_vocab=True, global_every=6
 )
 # HF model_type -> how llama.cpp writes it
-FAMILIES = {"llama": LLAMA, "mistral": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3, "gemma2": GEMMA2, "gemma3_text": GEMMA3}
+FAMILIES = {
+    "llama": LLAMA,
+    "mistral": LLAMA,
+    "qwen2": QWEN2,
+    "qwen3": QWEN3,
+    "phi3": PHI3,
+    "mixtral": LLAMA,  # llama.cpp's llama with experts
+    "qwen3_moe": QWEN3MOE,
+    "gemma2": GEMMA2,
+    "gemma3_text": GEMMA3,
+}
 
 
 def check_family(config) -> Family:
@@ -74,8 +100,7 @@ def check_family(config) -> Family:
     family = FAMILIES.get(config.model_type)
     if family is None:
         raise QuantkitError(
-            f"GGUF export writes the dense families {', '.join(FAMILIES)} so far, not {config.model_type!r} "
-            "(Phi-3's fused projections and the mixtures of experts are not written yet); "
+            f"GGUF export writes the families {', '.join(FAMILIES)} so far, not {config.model_type!r}; "
             "export a compressed-tensors checkpoint instead."
         )
     return family
@@ -88,12 +113,26 @@ def gguf_name(hf: str, family: Family = LLAMA) -> str | None:
         return fixed[hf]
     if hf == "lm_head.weight":
         return "output.weight"
+    if m := _EXPERT.fullmatch(hf):
+        return f"blk.{m.group(1)}.{EXPERTS[m.group(3)]}.weight" if m.group(3) in EXPERTS else None
+    if m := _ROUTER.fullmatch(hf):
+        return f"blk.{m.group(1)}.ffn_gate_inp.weight"
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", hf)
     if m:
         short = LINEARS.get(m.group(2)) or (family.norms.get(m.group(2)) if m.group(3) == "weight" else None)
         if short:
             return f"blk.{m.group(1)}.{short}.{m.group(3)}"
     return None
+
+
+def expert_index(hf: str) -> int | None:
+    """The expert a parameter belongs to (None: not an expert's)."""
+    m = _EXPERT.fullmatch(hf)
+    return int(m.group(2)) if m else None
+
+
+def experts(config) -> int:
+    return getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
 
 
 def rope_rows(rows: int, heads: int) -> torch.Tensor:
@@ -107,24 +146,34 @@ def _more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
-def tensor_type(file_type: str, name: str, cols: int, n_layer: int, tied: bool, imatrix: bool) -> str:
+def tensor_type(file_type: str, name: str, cols: int, n_layer: int, tied: bool, imatrix: bool, experts: int = 0) -> str:
     """The block type llama.cpp's quantizer gives tensor `name` (llama.cpp's name) of a
-    `file_type` file: the output (or a tied token embedding) in Q6_K, attn_v and ffn_down of
-    the layers `use_more_bits` picks in Q6_K for *_k_m, Q4_1 for the first eighth of ffn_down
-    in a Q4_0 file calibrated with an importance matrix, then the fallback of a row that does
-    not fill 256-weight super-blocks (Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0)."""
-    if file_type == "f32":
+    `file_type` file: the output (or a tied token embedding) in Q6_K, attn_v (or a fused qkv)
+    and ffn_down (an expert's too) of the layers `use_more_bits` picks in Q6_K for *_k_m, Q4_1
+    for the first eighth of ffn_down in a Q4_0 file calibrated with an importance matrix; in a
+    model of 8 experts attn_v and attn_k in Q8_0 and, for q4_k_m, attn_output in Q5_K; a
+    router in float32; then the fallback of a row that does not fill 256-weight super-blocks
+    (Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0)."""
+    if file_type == "f32" or "ffn_gate_inp" in name:
         return "f32"
     new = BASE[file_type]
     layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
+    eight = experts == 8
     if name == "output.weight" or (tied and name == "token_embd.weight"):
         if cols % TYPES[new].block:
             new = "q8_0"
         elif new != "q8_0":
             new = "q6_k"
-    elif name.endswith("attn_v.weight") and file_type in ("q4_k_m", "q5_k_m") and _more_bits(layer, n_layer):
-        new = "q6_k"
-    elif name.endswith("ffn_down.weight"):
+    elif name.endswith(("attn_v.weight", "attn_qkv.weight")):  # llama.cpp counts a fused qkv as an attn_v
+        if file_type in ("q4_k_m", "q5_k_m") and _more_bits(layer, n_layer):
+            new = "q6_k"
+        if eight:
+            new = "q8_0"
+    elif name.endswith("attn_k.weight") and eight:
+        new = "q8_0"
+    elif name.endswith("attn_output.weight") and eight and file_type == "q4_k_m":
+        new = "q5_k"
+    elif "ffn_down" in name:
         if file_type in ("q4_k_m", "q5_k_m") and _more_bits(layer, n_layer):
             new = "q6_k"
         elif file_type == "q4_0" and imatrix and layer < n_layer // 8:
@@ -147,8 +196,12 @@ def metadata(config, family: Family) -> dict:
     local, full = (
         (rope.get("sliding_attention", {}), rope.get("full_attention", {})) if family is GEMMA3 else (rope, rope)
     )
-    if {local.get("rope_type", "default"), full.get("rope_type", "default")} != {"default"}:
-        raise QuantkitError("GGUF export writes plain RoPE so far; this model scales its rotary embedding.")
+    kinds = {local.get("rope_type", "default"), full.get("rope_type", "default")}
+    if kinds != {"default"} and not (family is LLAMA and kinds == {"llama3"}):
+        raise QuantkitError(
+            f"GGUF export writes plain RoPE and Llama 3's scaled RoPE so far, not {'/'.join(sorted(kinds))}; "
+            "export a compressed-tensors checkpoint instead."
+        )
     theta = full.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
 
     def other(what: str) -> QuantkitError:
@@ -185,6 +238,15 @@ def metadata(config, family: Family) -> dict:
     if family is LLAMA:
         meta[f"{arch}.vocab_size"] = ("uint32", config.vocab_size)
         meta[f"{arch}.rope.dimension_count"] = ("uint32", head_dim)
+    elif family is PHI3:  # RoPE on the first partial_rotary_factor of each head
+        partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
+        original = rope.get("original_max_position_embeddings") or getattr(
+            config, "original_max_position_embeddings", config.max_position_embeddings
+        )
+        meta[f"{arch}.rope.dimension_count"] = ("uint32", int(partial * config.hidden_size) // heads)
+        meta[f"{arch}.rope.scaling.original_context_length"] = ("uint32", original)
+        # written as llama.cpp's converter writes it; llama.cpp runs Phi-3 with full attention
+        meta[f"{arch}.attention.sliding_window"] = ("uint32", getattr(config, "sliding_window", None) or 0)
     else:
         meta[f"{arch}.attention.key_length"] = ("uint32", head_dim)
         meta[f"{arch}.attention.value_length"] = ("uint32", head_dim)
@@ -192,10 +254,41 @@ def metadata(config, family: Family) -> dict:
         meta[f"{arch}.attention.sliding_window"] = ("uint32", config.sliding_window)
         if family is GEMMA3:
             meta[f"{arch}.rope.freq_base_swa"] = ("float32", float(local.get("rope_theta", 10_000.0)))
+    if n_experts := experts(config):
+        if family is QWEN3MOE and not config.norm_topk_prob:
+            raise other("renormalises the chosen experts' weights; this model's norm_topk_prob is false")
+        dense = list(getattr(config, "mlp_only_layers", None) or [])
+        if dense or getattr(config, "decoder_sparse_step", 1) != 1:
+            raise other("has experts in every layer; this model has dense ones")
+        meta[f"{arch}.expert_count"] = ("uint32", n_experts)
+        meta[f"{arch}.expert_used_count"] = ("uint32", config.num_experts_per_tok)
+        if family is QWEN3MOE:
+            meta[f"{arch}.expert_feed_forward_length"] = ("uint32", config.moe_intermediate_size)
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(config, key, None):
             meta[f"{arch}.{key}"] = ("float32", float(getattr(config, key)))
     return meta
+
+
+def rope_factors(config) -> np.ndarray | None:
+    """`rope_freqs.weight` of a Llama 3 scaled RoPE (None for plain RoPE): what llama.cpp
+    divides each rotary frequency by, as Meta's rule (transformers' `llama3` rope type) scales
+    it: 1 for wavelengths under original context / high_freq_factor, `factor` above original
+    context / low_freq_factor, and between them the smooth interpolation of the two."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type") != "llama3":
+        return None
+    heads = config.num_attention_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    base = rope.get("rope_theta") or getattr(config, "rope_theta", 10000.0)
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    factor, low, high = rope.get("factor", 8.0), rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    context = rope.get("original_max_position_embeddings", 8192)
+    wavelen = 2 * np.pi / freqs
+    smooth = (context / wavelen - low) / (high - low)
+    mid = 1 / ((1 - smooth) / factor + smooth)
+    out = np.where(wavelen < context / high, 1.0, np.where(wavelen > context / low, factor, mid))
+    return out.astype(np.float32)
 
 
 def source_tokenizer(path: Path) -> dict:

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
+
 from quantkit.calibration.method import Calibration
 from quantkit.errors import QuantkitError
 from quantkit.formats import gguf_file
@@ -112,7 +114,7 @@ def _type_rule(model, family, file_type: str, imatrix: bool):
         if name is None:
             return None
         cols = modules[full].weight.shape[1]
-        chosen = gguf_file.tensor_type(file_type, name, cols, n_layer, tied, imatrix)
+        chosen = gguf_file.tensor_type(file_type, name, cols, n_layer, tied, imatrix, gguf_file.experts(config))
         return None if chosen == "f32" else TYPES[chosen]
 
     return types
@@ -138,6 +140,12 @@ def _tensors(model, family, types, results: dict, chosen: dict, vocab: int):
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads or config.num_attention_heads}
     state = model.state_dict()
     tied = bool(getattr(config, "tie_word_embeddings", False))
+    factors = gguf_file.rope_factors(config)
+    if factors is not None:  # Llama 3's scaled RoPE: llama.cpp divides each frequency by these
+        chosen["rope_freqs.weight"] = "f32"
+        yield "rope_freqs.weight", factors, None
+    n_experts = gguf_file.experts(config)
+    stacks: dict[str, dict[int, np.ndarray]] = {}  # an experts' tensor until all its experts are in
     for hf, weight in state.items():
         name = gguf_file.gguf_name(hf, family)
         if name is None or (tied and name == "output.weight"):
@@ -151,10 +159,19 @@ def _tensors(model, family, types, results: dict, chosen: dict, vocab: int):
         chosen[name] = "f32" if t is None else t.name
         if t is None:
             array = weight.float() + (family.norm_shift if name.endswith("norm.weight") else 0.0)
-            yield name, (array[perm] if perm is not None else array).numpy(), None
-            continue
-        b = results.get(full)
-        if b is None:  # not calibrated (the embedding, or --method rtn): the search without importance
-            b = choose(weight.float(), t)
-        data = pack(b)
-        yield name, data[perm.numpy()] if perm is not None else data, t
+            data = (array[perm] if perm is not None else array).numpy()
+        else:
+            b = results.get(full)
+            if b is None:  # not calibrated (the embedding, or --method rtn): the search without importance
+                b = choose(weight.float(), t)
+            data = pack(b)
+            data = data[perm.numpy()] if perm is not None else data
+        expert = gguf_file.expert_index(hf)
+        if expert is not None:
+            stack = stacks.setdefault(name, {})
+            stack[expert] = data
+            if len(stack) < n_experts:
+                continue
+            stacks.pop(name)
+            data = np.stack([stack[e] for e in range(n_experts)])  # [experts, rows, ...]
+        yield name, data, t
