@@ -33,6 +33,10 @@ LINEARS = {
     "mlp.down_proj": "ffn_down",
     "self_attn.qkv_proj": "attn_qkv",  # Phi-3's fused projections, as llama.cpp's phi3 reads them
     "mlp.gate_up_proj": "ffn_up",  # gate rows first: llama.cpp's SwiGLU gates with the first half
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",  # Qwen2-MoE's shared expert
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",  # its sigmoid gate, [hidden] in llama.cpp, kept float
 }
 # a mixture of experts: each expert's linear, stacked over the experts into one 3-D tensor
 # [experts, rows, cols] (Mixtral's w1/w3/w2, Qwen3-MoE's gate/up/down), and the router
@@ -76,6 +80,7 @@ LLAMA = Family("llama", _PLAIN_NORMS)
 QWEN2 = Family("qwen2", _PLAIN_NORMS, interleave_rope=False)
 QWEN3 = Family("qwen3", {**_PLAIN_NORMS, **_QK_NORMS}, interleave_rope=False)
 QWEN3MOE = Family("qwen3moe", {**_PLAIN_NORMS, **_QK_NORMS}, interleave_rope=False)
+QWEN2MOE = Family("qwen2moe", _PLAIN_NORMS, interleave_rope=False)
 PHI3 = Family("phi3", _PLAIN_NORMS, interleave_rope=False)
 GEMMA2 = Family("gemma2", _GEMMA_NORMS, interleave_rope=False, norm_shift=1.0, global_every=2)
 GEMMA3 = Family(
@@ -89,6 +94,7 @@ FAMILIES = {
     "qwen3": QWEN3,
     "phi3": PHI3,
     "mixtral": LLAMA,  # llama.cpp's llama with experts
+    "qwen2_moe": QWEN2MOE,
     "qwen3_moe": QWEN3MOE,
     "gemma2": GEMMA2,
     "gemma3_text": GEMMA3,
@@ -257,13 +263,17 @@ def metadata(config, family: Family) -> dict:
     if n_experts := experts(config):
         if family is QWEN3MOE and not config.norm_topk_prob:
             raise other("renormalises the chosen experts' weights; this model's norm_topk_prob is false")
+        if family is QWEN2MOE and config.norm_topk_prob:
+            raise other("does not renormalise the chosen experts' weights; this model's norm_topk_prob is true")
         dense = list(getattr(config, "mlp_only_layers", None) or [])
         if dense or getattr(config, "decoder_sparse_step", 1) != 1:
             raise other("has experts in every layer; this model has dense ones")
         meta[f"{arch}.expert_count"] = ("uint32", n_experts)
         meta[f"{arch}.expert_used_count"] = ("uint32", config.num_experts_per_tok)
-        if family is QWEN3MOE:
+        if family in (QWEN2MOE, QWEN3MOE):
             meta[f"{arch}.expert_feed_forward_length"] = ("uint32", config.moe_intermediate_size)
+        if family is QWEN2MOE:
+            meta[f"{arch}.expert_shared_feed_forward_length"] = ("uint32", config.shared_expert_intermediate_size)
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(config, key, None):
             meta[f"{arch}.{key}"] = ("float32", float(getattr(config, key)))

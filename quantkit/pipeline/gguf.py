@@ -157,6 +157,8 @@ def _tensors(model, family, types, results: dict, chosen: dict, vocab: int):
         if family.trim_vocab and name == "token_embd.weight":
             weight = weight[:vocab]
         chosen[name] = "f32" if t is None else t.name
+        if name.endswith("ffn_gate_inp_shexp.weight"):  # a [1, hidden] linear that llama.cpp reads as [hidden]
+            weight = weight.reshape(-1)
         if t is None:
             array = weight.float() + (family.norm_shift if name.endswith("norm.weight") else 0.0)
             data = (array[perm] if perm is not None else array).numpy()

@@ -77,6 +77,18 @@ WIDE = {  # family -> (model_type, tied, config), rows of 256 weights
     ),
     # mixtures of experts (4 experts, 2 a token): llama.cpp's llama with experts, and qwen3moe
     "mixtral": ("mixtral", False, {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
+    "qwen2-moe": (  # a shared expert behind a sigmoid gate; q/k/v biases
+        "qwen2_moe",
+        False,
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 256,
+            "shared_expert_intermediate_size": 512,
+            "mlp_only_layers": [],
+            "norm_topk_prob": False,
+        },
+    ),
     "qwen3-moe": (
         "qwen3_moe",
         False,
@@ -298,9 +310,12 @@ def test_refusals(tmp_path, wide_llama):
     (tmp_path / "b.gguf").write_bytes(b"x")
     with pytest.raises(QuantkitError, match="exists"):
         export_gguf(str(wide_llama), tmp_path / "b.gguf", "q8_0", method="rtn")
-    shared = make_family_model(tmp_path / "q2m", "qwen2-moe")  # a shared expert: not written yet
-    with pytest.raises(QuantkitError, match="writes the families llama, mistral, qwen2.*not 'qwen2_moe'"):
+    shared = make_family_model(tmp_path / "q2m", "qwen2-moe")  # its layer 1 is dense
+    with pytest.raises(QuantkitError, match="has experts in every layer"):
         export_gguf(str(shared), tmp_path / "c.gguf", "q8_0", method="rtn")
+    gemma = make_tiny_model(tmp_path / "g1", "gemma", head_dim=16)  # Gemma 1: not written yet
+    with pytest.raises(QuantkitError, match="writes the families llama, mistral, qwen2.*not 'gemma'"):
+        export_gguf(str(gemma), tmp_path / "c.gguf", "q8_0", method="rtn")
     moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64}
     loose = make_tiny_model(tmp_path / "q3m", "qwen3_moe", head_dim=16, norm_topk_prob=False, **moe)
     with pytest.raises(QuantkitError, match="renormalises the chosen experts' weights"):
