@@ -158,9 +158,11 @@ def search_asymmetric(
     x: torch.Tensor, w: torch.Tensor, nmax: int, min_le_zero: bool, steps: int = 10
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale s ≥ 0 and offset m [N] of each row of x [N, g] on levels 0..nmax (x ≈ s L + m),
-    as llama.cpp's make_qkx: candidate steps around (max − min)/nmax, each refit by weighted
-    least squares for (s, m); m ≤ 0 when `min_le_zero` (the K-quants store −m). The error
-    Σ w (x − s L − m)² comes from the weighted sums, not from the residuals."""
+    as llama.cpp's make_qkx2: candidate steps (max − min)/(nmax + 0.1 k), k = −steps..steps
+    (its rmin −1, rdelta 0.1, nstep 20), each refit by weighted least squares for (s, m); m ≤ 0
+    when `min_le_zero` (the K-quants store −m). The error Σ w (x − s L − m)² comes from the
+    weighted sums, not from the residuals. The range down to nmax − 1 matters for weights that
+    were dequantized from this grid: a block whose codes span 0..14 is found again exactly."""
     lo = x.min(-1).values
     if min_le_zero:
         lo = lo.clamp(max=0)
@@ -170,8 +172,8 @@ def search_asymmetric(
     swx, swx2 = xw.sum(-1), (xw * x).sum(-1)
     best_s, best_m, best_err = span / nmax, lo, torch.full_like(lo, float("inf"))
     shifted = x - lo[:, None]
-    for k in range(-1, steps + 1):
-        iscale = (nmax - 0.5 + 0.1 * k) / span if k >= 0 else nmax / span  # k = −1: plain min-max
+    for k in range(-steps, steps + 1):
+        iscale = (nmax + 0.1 * k) / span  # k = 0: plain min-max
         L = torch.round(shifted * iscale[:, None]).clamp_(0, nmax)
         swl, swlx = (w * L).sum(-1), (xw * L).sum(-1)
         swl2 = (L.mul_(L).mul_(w)).sum(-1)

@@ -119,17 +119,20 @@ def test_awq_folding_keeps_the_block_function_and_moves_the_weights(tmp_path):
     assert AWQ_PROXY.group_size == 32 and not AWQ_PROXY.symmetric
 
 
-@pytest.mark.parametrize("name", ["q4_0", "q5_0", "q8_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("name", list(gguf.TYPES))
 def test_on_grid_finds_weights_a_type_already_holds(name):
+    # every type's search finds its own grid again (the asymmetric ones thanks to make_qkx2's
+    # candidates down to nmax - 1); Q6_K not always (its int8 sub-block scales are rounded after
+    # the search: 5e-4 of the norm off on 64 random rows), so it is not asserted
     from quantkit.calibration.gguf import on_grid
 
     t = gguf.TYPES[name]
-    w = torch.randn(8, 256, generator=torch.Generator().manual_seed(1)) * 0.05
-    requantized = gguf.dequantize(gguf.choose(gguf.dequantize(gguf.choose(w, t)), t))
+    w = torch.randn(8, 512, generator=torch.Generator().manual_seed(1)) * 0.05
+    once = gguf.dequantize(gguf.choose(w, t))
     assert not on_grid(w, t)
-    if name in ("q4_0", "q5_0", "q8_0"):  # the search reproduces its own 32-blocks exactly
-        assert on_grid(gguf.dequantize(gguf.choose(w, t)), t)
-        assert torch.equal(requantized, gguf.dequantize(gguf.choose(w, t)))
+    if name != "q6_k":
+        assert on_grid(once, t)
+        assert torch.equal(gguf.dequantize(gguf.choose(once, t)), once)
 
 
 def test_awq_leaves_a_mapping_whose_weights_are_kept(tmp_path):
