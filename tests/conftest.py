@@ -12,6 +12,8 @@ from pathlib import Path
 if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import json
+
 import pytest
 import torch
 
@@ -56,6 +58,29 @@ def make_tokenizer(split: str | None = None, texts: list[str] = TEXT):
     )
     tok.train_from_iterator(texts, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", model_max_length=512)
+
+
+def make_sentencepiece_tokenizer(texts: list[str] = TEXT, merges: int = 100):
+    """A Llama-2-style tokenizer.json (what transformers makes of a SentencePiece BPE): "▁" for
+    spaces and before the text, <unk> <s> </s>, the 256 <0xXX> byte-fallback tokens, then BPE
+    pieces learned on `texts`; 259 + at most `merges` + the characters ids."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    learn = Tokenizer(models.BPE())
+    trainer = trainers.BpeTrainer(vocab_size=merges, show_progress=False)
+    learn.train_from_iterator(["\u2581" + t.replace(" ", "\u2581") for t in texts], trainer)
+    learned = json.loads(learn.to_str())["model"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece, _ in sorted(learned["vocab"].items(), key=lambda kv: kv[1]):
+        vocab.setdefault(piece, len(vocab))
+    tok = Tokenizer(models.BPE(vocab, [tuple(m) for m in learned["merges"]], unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
 
 # Each family's tiny config: what differs from the defaults above, kept small (head_dim 16).

@@ -350,6 +350,8 @@ def tokenizer_metadata(folder: Path, tokenizer, pre: str | None = None, vocab_si
         raise QuantkitError(f"{folder} has no tokenizer.json; GGUF export needs a fast (byte-level BPE) tokenizer.")
     spec = json.loads(path.read_text())
     model = spec.get("model", {})
+    if model.get("type") == "BPE" and model.get("byte_fallback") and _space_prefix(spec) is not None:
+        return _sentencepiece_metadata(spec, tokenizer, vocab_size or len(tokenizer), _space_prefix(spec))
     pre = pre or _pre_tokenizer(spec.get("pre_tokenizer"))
     if model.get("type") != "BPE" or pre is None:
         raise QuantkitError(
@@ -388,6 +390,70 @@ def tokenizer_metadata(folder: Path, tokenizer, pre: str | None = None, vocab_si
         if value is not None and value < size:
             meta[f"tokenizer.ggml.{key}_token_id"] = ("uint32", value)
     for key, value in (("unknown", tokenizer.unk_token_id), ("padding", tokenizer.pad_token_id)):
+        if value is not None and value < size:
+            meta[f"tokenizer.ggml.{key}_token_id"] = ("uint32", value)
+    if getattr(tokenizer, "chat_template", None):
+        meta["tokenizer.chat_template"] = ("string", tokenizer.chat_template)
+    return meta
+
+
+def _space_prefix(spec: dict) -> bool | None:
+    """For a SentencePiece-style tokenizer.json (spaces written as "▁", by a normalizer or a
+    Metaspace pre-tokenizer): whether it puts a "▁" before the text; None: not one."""
+    parts = []
+    for key in ("normalizer", "pre_tokenizer"):
+        part = spec.get(key) or {}
+        parts += part.get("normalizers") or part.get("pretokenizers") or [part]
+    if any(p.get("type") == "Metaspace" for p in parts):
+        return next(p.get("prepend_scheme", "always") != "never" for p in parts if p.get("type") == "Metaspace")
+    if any(p.get("type") == "Replace" and p.get("content") == "\u2581" for p in parts):
+        return any(p.get("type") == "Prepend" and p.get("prepend") == "\u2581" for p in parts)
+    return None
+
+
+def _sentencepiece_metadata(spec: dict, tokenizer, size: int, space_prefix: bool) -> dict:
+    """tokenizer.ggml.* of a SentencePiece BPE (Llama 2, Mistral, Phi-3: "▁" for spaces, byte
+    fallback) as llama.cpp's "llama" tokenizer reads it: tokens with scores, the score of a token
+    being minus the rank of the first merge that makes it (llama.cpp merges the highest-scoring
+    pair first, as the BPE merges the lowest rank), types 6 for the <0xXX> byte tokens and 2
+    for <unk>."""
+    model = spec["model"]
+    vocab = dict(model["vocab"])
+    scores = dict.fromkeys(vocab.values(), 0.0)
+    for rank, merge in enumerate(model.get("merges", [])):
+        made = vocab.get("".join(merge.split(" ") if isinstance(merge, str) else merge))
+        if made is not None and scores[made] == 0.0:
+            scores[made] = -float(rank + 1)
+    types = {i: 6 if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", t) else 1 for t, i in vocab.items()}
+    if model.get("unk_token") in vocab:
+        types[vocab[model["unk_token"]]] = 2
+    for added in spec.get("added_tokens", []):
+        vocab[added["content"]] = added["id"]
+        types[added["id"]] = 3 if added.get("special") else 4
+        scores[added["id"]] = 0.0
+    if max(vocab.values()) >= size:
+        raise QuantkitError(
+            f"the tokenizer has ids up to {max(vocab.values())}, beyond the embedding's {size} rows; "
+            "llama.cpp needs one row per token."
+        )
+    tokens = [f"[PAD{i}]" for i in range(size)]
+    for text, i in vocab.items():
+        tokens[i] = text
+    meta = {
+        "tokenizer.ggml.model": ("string", "llama"),
+        "tokenizer.ggml.pre": ("string", "default"),
+        "tokenizer.ggml.tokens": ("strings", tokens),
+        "tokenizer.ggml.scores": ("float32s", [scores.get(i, -1000.0) for i in range(size)]),
+        "tokenizer.ggml.token_type": ("int32s", [types.get(i, 5) for i in range(size)]),
+        "tokenizer.ggml.add_bos_token": ("bool", _adds_bos(tokenizer)),
+        "tokenizer.ggml.add_space_prefix": ("bool", space_prefix),
+    }
+    for key, value in (
+        ("bos", tokenizer.bos_token_id),
+        ("eos", tokenizer.eos_token_id),
+        ("unknown", tokenizer.unk_token_id),
+        ("padding", tokenizer.pad_token_id),
+    ):
         if value is not None and value < size:
             meta[f"tokenizer.ggml.{key}_token_id"] = ("uint32", value)
     if getattr(tokenizer, "chat_template", None):

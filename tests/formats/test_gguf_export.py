@@ -19,7 +19,7 @@ import torch
 from quantkit.errors import QuantkitError
 from quantkit.formats import gguf, gguf_file
 from quantkit.pipeline.gguf import export_gguf
-from tests.conftest import TEXT, make_family_model, make_tiny_model, make_tokenizer
+from tests.conftest import TEXT, make_family_model, make_sentencepiece_tokenizer, make_tiny_model, make_tokenizer
 
 pytest.importorskip("gguf", reason="the gguf package (llama.cpp's gguf-py) is not installed")
 
@@ -63,6 +63,7 @@ WIDE = {  # family -> (model_type, tied, config), rows of 256 weights
     # q/k norms; head_dim 128: transformers' GGUF reader rebuilds a Qwen3 config with its default
     # head_dim (it does not read attention.key_length, which llama.cpp does)
     "qwen3": ("qwen3", False, {"head_dim": 128}),
+    "llama-sp": ("llama", False, {"vocab_size": 384}),  # a SentencePiece tokenizer (llama.cpp's "llama")
     # fused q/k/v and gate/up; Phi-4-mini's partial rotary (RoPE on half of each head)
     "phi3": ("phi3", False, {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "phi4-mini": (
@@ -124,11 +125,13 @@ def wide(request, tmp_path_factory):
     config = {"hidden_size": 256, "intermediate_size": 512, **config}
     # not named for its family: llama.cpp sets Phi-3's SentencePiece token attributes by general.name
     folder = make_tiny_model(tmp_path_factory.mktemp("m") / "tiny", model_type, tie=tie, **config)
-    if model_type == "qwen2":  # Qwen2's own pre-tokenizer: llama.cpp must split the text as transformers does
+    if request.param == "qwen2":  # Qwen2's own pre-tokenizer: llama.cpp must split the text as transformers does
         qwen2 = next(regex for regex, name in gguf_file.SPLITS.items() if name == "qwen2")
         # trained on tiny_corpus's text, whose merges then span what GPT-2's split would cut
         # (".\n\n": 4,357 of its 4,448 tokens differ under GPT-2's pre-tokenizer)
         make_tokenizer(split=qwen2, texts=["\n\n".join(TEXT * 4)]).save_pretrained(folder)
+    if request.param == "llama-sp":  # a SentencePiece BPE, as Llama 2's, Mistral's and Phi-3's
+        make_sentencepiece_tokenizer().save_pretrained(folder)
     return folder, gguf_file.FAMILIES[model_type]
 
 
@@ -513,7 +516,8 @@ def test_the_pre_tokenizer_is_named_for_llama_cpp(wide, tmp_path):
     path = tmp_path / "m.gguf"
     export_gguf(str(folder), path, "f32", method="rtn")
     pre = GGUFReader(path).fields["tokenizer.ggml.pre"].contents()
-    assert pre == ("qwen2" if family is gguf_file.QWEN2 else "gpt-2")
+    sentencepiece = GGUFReader(path).fields["tokenizer.ggml.model"].contents() == "llama"
+    assert pre == ("qwen2" if family is gguf_file.QWEN2 else "default" if sentencepiece else "gpt-2")
     llama3 = {"type": "Sequence", "pretokenizers": [
         {"type": "Split", "pattern": {"Regex": next(r for r, n in gguf_file.SPLITS.items() if n == "llama-bpe")},
          "behavior": "Isolated", "invert": False},
@@ -522,3 +526,24 @@ def test_the_pre_tokenizer_is_named_for_llama_cpp(wide, tmp_path):
     assert gguf_file._pre_tokenizer(llama3) == "llama-bpe"
     llama3["pretokenizers"][0]["pattern"]["Regex"] = r"\s+"
     assert gguf_file._pre_tokenizer(llama3) is None
+
+
+def test_llama_cpp_tokenizes_as_transformers(wide, tiny_corpus, tmp_path):
+    # llama-tokenize (printf, not the asynchronous logger) on the corpus and on text with digits,
+    # contractions, non-ASCII bytes (byte fallback) and runs of spaces and newlines
+    from quantkit.models.loading import load_tokenizer
+
+    folder, _ = wide
+    tool = _llama_cpp("llama-tokenize")
+    path = tmp_path / "m.gguf"
+    export_gguf(str(folder), path, "f32", method="rtn")
+    text = tiny_corpus.read_text()[:2000] + "\n\nIt's 2026: café, naïve — 42 apples!\n  two  spaces\tand a tab."
+    (tmp_path / "t.txt").write_text(text)
+    done = subprocess.run(
+        [str(tool), "-m", str(path), "-f", str(tmp_path / "t.txt"), "--ids", "--log-disable"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    theirs = [int(i) for i in re.findall(r"\d+", done.stdout.strip().splitlines()[-1])]
+    assert theirs == load_tokenizer(folder)(text)["input_ids"]
