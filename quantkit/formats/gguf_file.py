@@ -191,13 +191,8 @@ def tensor_type(file_type: str, name: str, cols: int, n_layer: int, tied: bool, 
     return new
 
 
-def metadata(config, family: Family) -> dict:
-    """The `{arch}.*` keys llama.cpp's converter writes for `config`, or a one-sentence refusal
-    where llama.cpp would compute something else than transformers."""
-    arch = family.arch
-    n = config.num_hidden_layers
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+def _rope(config, family: Family) -> tuple[dict, dict]:
+    """(sliding layers', global layers') RoPE parameters; other scaled RoPEs than Llama 3's are refused."""
     rope = getattr(config, "rope_parameters", None) or {}
     local, full = (
         (rope.get("sliding_attention", {}), rope.get("full_attention", {})) if family is GEMMA3 else (rope, rope)
@@ -208,15 +203,20 @@ def metadata(config, family: Family) -> dict:
             f"GGUF export writes plain RoPE and Llama 3's scaled RoPE so far, not {'/'.join(sorted(kinds))}; "
             "export a compressed-tensors checkpoint instead."
         )
-    theta = full.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
+    return local, full
+
+
+def check_computes_the_same(config, family: Family, head_dim: int) -> None:
+    """A one-sentence refusal where llama.cpp's architecture would compute something else than
+    transformers: its attention pattern, scale and soft-caps, its expert weighting."""
 
     def other(what: str) -> QuantkitError:
-        return QuantkitError(f"llama.cpp's {arch} {what}, so llama.cpp would compute another model.")
+        return QuantkitError(f"llama.cpp's {family.arch} {what}, so llama.cpp would compute another model.")
 
     if getattr(config, "use_sliding_window", False):
         raise other("attends to the whole context and this model uses a sliding window")
     if family.global_every:
-        every = family.global_every
+        every, n = family.global_every, config.num_hidden_layers
         pattern = ["full_attention" if i % every == every - 1 else "sliding_attention" for i in range(n)]
         if list(config.layer_types) != pattern:
             raise other(
@@ -231,10 +231,28 @@ def metadata(config, family: Family) -> dict:
         raise other("caps attention and final logits (50 and 30 when unset); this model leaves one uncapped")
     if family is GEMMA3 and getattr(config, "attn_logit_softcapping", None):
         raise other("does not cap attention logits; this model does")
+    if experts(config):
+        if family is QWEN3MOE and not config.norm_topk_prob:
+            raise other("renormalises the chosen experts' weights; this model's norm_topk_prob is false")
+        if family is QWEN2MOE and config.norm_topk_prob:
+            raise other("does not renormalise the chosen experts' weights; this model's norm_topk_prob is true")
+        if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1:
+            raise other("has experts in every layer; this model has dense ones")
+
+
+def metadata(config, family: Family) -> dict:
+    """The `{arch}.*` keys llama.cpp's converter writes for `config`, or a one-sentence refusal
+    where llama.cpp would compute something else than transformers."""
+    arch = family.arch
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    local, full = _rope(config, family)
+    check_computes_the_same(config, family, head_dim)
+    theta = full.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
     meta = {
         f"{arch}.context_length": ("uint32", config.max_position_embeddings),
         f"{arch}.embedding_length": ("uint32", config.hidden_size),
-        f"{arch}.block_count": ("uint32", n),
+        f"{arch}.block_count": ("uint32", config.num_hidden_layers),
         f"{arch}.feed_forward_length": ("uint32", config.intermediate_size),
         f"{arch}.attention.head_count": ("uint32", heads),
         f"{arch}.attention.head_count_kv": ("uint32", config.num_key_value_heads or heads),
@@ -245,8 +263,8 @@ def metadata(config, family: Family) -> dict:
         meta[f"{arch}.vocab_size"] = ("uint32", config.vocab_size)
         meta[f"{arch}.rope.dimension_count"] = ("uint32", head_dim)
     elif family is PHI3:  # RoPE on the first partial_rotary_factor of each head
-        partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
-        original = rope.get("original_max_position_embeddings") or getattr(
+        partial = full.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
+        original = full.get("original_max_position_embeddings") or getattr(
             config, "original_max_position_embeddings", config.max_position_embeddings
         )
         meta[f"{arch}.rope.dimension_count"] = ("uint32", int(partial * config.hidden_size) // heads)
@@ -261,13 +279,6 @@ def metadata(config, family: Family) -> dict:
         if family is GEMMA3:
             meta[f"{arch}.rope.freq_base_swa"] = ("float32", float(local.get("rope_theta", 10_000.0)))
     if n_experts := experts(config):
-        if family is QWEN3MOE and not config.norm_topk_prob:
-            raise other("renormalises the chosen experts' weights; this model's norm_topk_prob is false")
-        if family is QWEN2MOE and config.norm_topk_prob:
-            raise other("does not renormalise the chosen experts' weights; this model's norm_topk_prob is true")
-        dense = list(getattr(config, "mlp_only_layers", None) or [])
-        if dense or getattr(config, "decoder_sparse_step", 1) != 1:
-            raise other("has experts in every layer; this model has dense ones")
         meta[f"{arch}.expert_count"] = ("uint32", n_experts)
         meta[f"{arch}.expert_used_count"] = ("uint32", config.num_experts_per_tok)
         if family in (QWEN2MOE, QWEN3MOE):
