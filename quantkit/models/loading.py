@@ -274,8 +274,16 @@ def load_weights(module: nn.Module, prefix: str, weights, dtype: torch.dtype) ->
 
 
 def release_weights(module: nn.Module) -> None:
-    """Drop `module`'s tensors (back to the meta device) once they are no longer needed."""
+    """Drop `module`'s parameters and persistent buffers (back to the meta device) once they are
+    no longer needed. Non-persistent buffers stay: they are computed when the model is built
+    (RoPE's inverse frequencies, Gemma's embedding scale), no file holds them for `load_weights`
+    to read back, and they are small."""
+    persistent = set(module.state_dict())
+    kept = {n: b for n, b in module.named_buffers() if n not in persistent}
     module.to("meta")
+    for name, b in kept.items():
+        owner, _, leaf = name.rpartition(".")
+        module.get_submodule(owner).register_buffer(leaf, b, persistent=False)
 
 
 def load_tokenizer(path: Path):

@@ -199,3 +199,22 @@ def test_guided_refusals(tiny_llama, tiny_corpus, tmp_path):
     with pytest.raises(QuantkitError, match="dense models"):
         quantize(str(moe), scheme, tmp_path / "c", "gptq", calib, {"guided": 2})
     assert not any((tmp_path / d).exists() for d in ("a", "b", "c"))
+
+
+def test_a_guided_run_of_gemma3_keeps_its_embedding_scale(tmp_path, tiny_corpus):
+    # the guided pass captures the blocks' inputs a first time and releases the embeddings; the
+    # second capture reloads them from the files, which hold no non-persistent buffer (Gemma's
+    # embed_scale): released too, it was left on the meta device and the run stopped
+    from conftest import make_family_model
+
+    from quantkit.models.loading import release_weights
+
+    folder = make_family_model(tmp_path / "g3", "gemma3")
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    embed = model.get_input_embeddings()
+    scale = embed.embed_scale.clone()
+    release_weights(embed)
+    assert embed.weight.is_meta and torch.equal(embed.embed_scale, scale)
+    calib = Calibration(str(tiny_corpus), 4, 32, 0)
+    prov = quantize(str(folder), preset("w4a16").with_group_size(16), tmp_path / "q", "gptq", calib, {"guided": 2})
+    assert prov["options"]["guided"] == 2
