@@ -195,10 +195,12 @@ def test_guided_refusals(tiny_llama, tiny_corpus, tmp_path):
     grouped = scheme.replace(weights=scheme.weights.__class__(**{**scheme.weights.__dict__, "actorder": "group"}))
     with pytest.raises(QuantkitError, match="act-order group"):
         quantize(str(tiny_llama), grouped, tmp_path / "b", "gptq", calib, {"guided": 2})
+    with pytest.raises(QuantkitError, match="block-wise weight scales"):
+        quantize(str(tiny_llama), preset("fp8-block"), tmp_path / "d", "gptq", calib, {"guided": 2})
     moe = make_family_model(tmp_path / "moe", "mixtral")
     with pytest.raises(QuantkitError, match="dense models"):
         quantize(str(moe), scheme, tmp_path / "c", "gptq", calib, {"guided": 2})
-    assert not any((tmp_path / d).exists() for d in ("a", "b", "c"))
+    assert not any((tmp_path / d).exists() for d in ("a", "b", "c", "d"))
 
 
 def test_a_guided_run_of_gemma3_keeps_its_embedding_scale(tmp_path, tiny_corpus):
