@@ -361,8 +361,9 @@ def tokenizer_metadata(folder: Path, tokenizer, pre: str | None = None, vocab_si
         raise QuantkitError(f"{folder} has no tokenizer.json; GGUF export needs a fast (byte-level BPE) tokenizer.")
     spec = json.loads(path.read_text())
     model = spec.get("model", {})
-    if model.get("type") == "BPE" and model.get("byte_fallback") and _space_prefix(spec) is not None:
-        return _sentencepiece_metadata(spec, tokenizer, vocab_size or len(tokenizer), _space_prefix(spec))
+    space_prefix = _space_prefix(spec) if model.get("type") == "BPE" and model.get("byte_fallback") else None
+    if space_prefix is not None:
+        return _sentencepiece_metadata(folder, spec, tokenizer, vocab_size or len(tokenizer), space_prefix)
     pre = pre or _pre_tokenizer(spec.get("pre_tokenizer"))
     if model.get("type") != "BPE" or pre is None:
         raise QuantkitError(
@@ -372,12 +373,33 @@ def tokenizer_metadata(folder: Path, tokenizer, pre: str | None = None, vocab_si
         )
     vocab = dict(model["vocab"])
     types = dict.fromkeys(vocab.values(), 1)
-    for added in spec.get("added_tokens", []):
-        vocab[added["content"]] = added["id"]
-        types[added["id"]] = 3 if added.get("special") else 4
+    _add_added(spec, vocab, types)
     # one token per embedding row (`vocab_size`, padded as llama.cpp's converter pads); tokens a
     # tokenizer class adds when loaded (Qwen2's <|endoftext|>) are not in tokenizer.json
     size = vocab_size or max(vocab.values()) + 1
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    meta = {
+        "tokenizer.ggml.model": ("string", "gpt2"),
+        "tokenizer.ggml.pre": ("string", pre),
+        "tokenizer.ggml.tokens": ("strings", _token_list(folder, vocab, size)),
+        "tokenizer.ggml.token_type": ("int32s", [types.get(i, 5) for i in range(size)]),  # 5: unused (padding)
+        "tokenizer.ggml.merges": ("strings", merges),
+        "tokenizer.ggml.add_bos_token": ("bool", _adds_bos(tokenizer)),
+        "tokenizer.ggml.add_space_prefix": ("bool", False),
+    }
+    return meta | _special_ids(tokenizer, size)
+
+
+def _add_added(spec: dict, vocab: dict, types: dict) -> None:
+    """Put tokenizer.json's added tokens into `vocab` (text -> id) and `types` (id -> token
+    type): 3 (control) for a special one, 4 (user-defined) for another."""
+    for added in spec.get("added_tokens", []):
+        vocab[added["content"]] = added["id"]
+        types[added["id"]] = 3 if added.get("special") else 4
+
+
+def _token_list(folder: Path, vocab: dict, size: int) -> list[str]:
+    """The tokens in id order, one per embedding row (`size`; the ids no token has: [PADn])."""
     if max(vocab.values()) >= size:
         raise QuantkitError(
             f"{folder}'s tokenizer has ids up to {max(vocab.values())}, beyond the embedding's {size} rows; "
@@ -386,21 +408,18 @@ def tokenizer_metadata(folder: Path, tokenizer, pre: str | None = None, vocab_si
     tokens = [f"[PAD{i}]" for i in range(size)]
     for text, i in vocab.items():
         tokens[i] = text
-    token_types = [types.get(i, 5) for i in range(size)]  # 5: unused (padding ids)
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    meta = {
-        "tokenizer.ggml.model": ("string", "gpt2"),
-        "tokenizer.ggml.pre": ("string", pre),
-        "tokenizer.ggml.tokens": ("strings", tokens),
-        "tokenizer.ggml.token_type": ("int32s", token_types),
-        "tokenizer.ggml.merges": ("strings", merges),
-        "tokenizer.ggml.add_bos_token": ("bool", _adds_bos(tokenizer)),
-        "tokenizer.ggml.add_space_prefix": ("bool", False),
-    }
-    for key, value in (("bos", tokenizer.bos_token_id), ("eos", tokenizer.eos_token_id)):
-        if value is not None and value < size:
-            meta[f"tokenizer.ggml.{key}_token_id"] = ("uint32", value)
-    for key, value in (("unknown", tokenizer.unk_token_id), ("padding", tokenizer.pad_token_id)):
+    return tokens
+
+
+def _special_ids(tokenizer, size: int) -> dict:
+    """bos/eos/unknown/padding ids that have an embedding row, and the chat template."""
+    meta = {}
+    for key, value in (
+        ("bos", tokenizer.bos_token_id),
+        ("eos", tokenizer.eos_token_id),
+        ("unknown", tokenizer.unk_token_id),
+        ("padding", tokenizer.pad_token_id),
+    ):
         if value is not None and value < size:
             meta[f"tokenizer.ggml.{key}_token_id"] = ("uint32", value)
     if getattr(tokenizer, "chat_template", None):
@@ -422,7 +441,7 @@ def _space_prefix(spec: dict) -> bool | None:
     return None
 
 
-def _sentencepiece_metadata(spec: dict, tokenizer, size: int, space_prefix: bool) -> dict:
+def _sentencepiece_metadata(folder: Path, spec: dict, tokenizer, size: int, space_prefix: bool) -> dict:
     """tokenizer.ggml.* of a SentencePiece BPE (Llama 2, Mistral, Phi-3: "▁" for spaces, byte
     fallback) as llama.cpp's "llama" tokenizer reads it: tokens with scores, the score of a token
     being minus the rank of the first merge that makes it (llama.cpp merges the highest-scoring
@@ -438,38 +457,18 @@ def _sentencepiece_metadata(spec: dict, tokenizer, size: int, space_prefix: bool
     types = {i: 6 if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", t) else 1 for t, i in vocab.items()}
     if model.get("unk_token") in vocab:
         types[vocab[model["unk_token"]]] = 2
-    for added in spec.get("added_tokens", []):
-        vocab[added["content"]] = added["id"]
-        types[added["id"]] = 3 if added.get("special") else 4
-        scores[added["id"]] = 0.0
-    if max(vocab.values()) >= size:
-        raise QuantkitError(
-            f"the tokenizer has ids up to {max(vocab.values())}, beyond the embedding's {size} rows; "
-            "llama.cpp needs one row per token."
-        )
-    tokens = [f"[PAD{i}]" for i in range(size)]
-    for text, i in vocab.items():
-        tokens[i] = text
+    _add_added(spec, vocab, types)
+    scores.update({added["id"]: 0.0 for added in spec.get("added_tokens", [])})
     meta = {
         "tokenizer.ggml.model": ("string", "llama"),
         "tokenizer.ggml.pre": ("string", "default"),
-        "tokenizer.ggml.tokens": ("strings", tokens),
+        "tokenizer.ggml.tokens": ("strings", _token_list(folder, vocab, size)),
         "tokenizer.ggml.scores": ("float32s", [scores.get(i, -1000.0) for i in range(size)]),
         "tokenizer.ggml.token_type": ("int32s", [types.get(i, 5) for i in range(size)]),
         "tokenizer.ggml.add_bos_token": ("bool", _adds_bos(tokenizer)),
         "tokenizer.ggml.add_space_prefix": ("bool", space_prefix),
     }
-    for key, value in (
-        ("bos", tokenizer.bos_token_id),
-        ("eos", tokenizer.eos_token_id),
-        ("unknown", tokenizer.unk_token_id),
-        ("padding", tokenizer.pad_token_id),
-    ):
-        if value is not None and value < size:
-            meta[f"tokenizer.ggml.{key}_token_id"] = ("uint32", value)
-    if getattr(tokenizer, "chat_template", None):
-        meta["tokenizer.chat_template"] = ("string", tokenizer.chat_template)
-    return meta
+    return meta | _special_ids(tokenizer, size)
 
 
 def _adds_bos(tokenizer) -> bool:

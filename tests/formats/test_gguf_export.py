@@ -19,7 +19,14 @@ import torch
 from quantkit.errors import QuantkitError
 from quantkit.formats import gguf, gguf_file
 from quantkit.pipeline.gguf import export_gguf
-from tests.conftest import TEXT, make_family_model, make_sentencepiece_tokenizer, make_tiny_model, make_tokenizer
+from tests.conftest import (
+    FAMILIES,
+    TEXT,
+    make_family_model,
+    make_sentencepiece_tokenizer,
+    make_tiny_model,
+    make_tokenizer,
+)
 
 pytest.importorskip("gguf", reason="the gguf package (llama.cpp's gguf-py) is not installed")
 
@@ -46,19 +53,7 @@ GEMMA3 = {  # llama.cpp's gemma3: every sixth layer global, attention scaled by 
 
 WIDE = {  # family -> (model_type, tied, config), rows of 256 weights
     # Llama 3's scaled RoPE, its original context short enough that most frequencies are scaled
-    "llama3": (
-        "llama",
-        False,
-        {
-            "rope_scaling": {
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 32,
-            }
-        },
-    ),
+    "llama3": ("llama", False, FAMILIES["llama3"][1]),
     "qwen2": ("qwen2", False, {}),  # q/k/v biases
     # q/k norms; head_dim 128: transformers' GGUF reader rebuilds a Qwen3 config with its default
     # head_dim (it does not read attention.key_length, which llama.cpp does)
