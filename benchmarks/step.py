@@ -55,11 +55,13 @@ def main() -> None:
     p.add_argument("--seqs", type=int, default=64)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--prompt", default="32:512", help="prompt lengths, as the workload's (e.g. 32 or 32:512)")
+    p.add_argument("--top", type=int, default=0, help="also list the N ops with the most self time")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
 
     llm = LLM(a.model, dtype=a.dtype, max_num_seqs=a.seqs)
-    requests = synthetic_workload(llm.tokenizer, a.seqs, "32:512", "1", seed=0)
+    requests = synthetic_workload(llm.tokenizer, a.seqs, a.prompt, "1", seed=0)
     params = SamplingParams(max_tokens=2 * a.steps + 8, temperature=0, ignore_eos=True)
     for r in requests:
         llm.add_request(r.prompt, params)
@@ -90,6 +92,7 @@ def main() -> None:
     for e in prof.key_averages():
         ops[kind(e.key)] += e.self_cpu_time_total / 1e6
     op_time = sum(ops.values())
+    top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[: a.top]
 
     n = a.steps
     ms = lambda s: 1000 * s / n  # noqa: E731
@@ -107,6 +110,10 @@ def main() -> None:
         print(f"| {key} | {ms(s):.2f} | {100 * s / forward:.1f}% |")
     print(f"| between ops (Python, dispatch) | {ms(between):.2f} | {100 * between / forward:.1f}% |")
     print(f"| **forward** | **{ms(forward):.2f}** | 100% |")
+    if top:
+        print("\n| op | kind | calls / step | ms / step |\n|---|---|---|---|")
+        for e in top:
+            print(f"| {e.key} | {kind(e.key)} | {e.count / n:g} | {ms(e.self_cpu_time_total / 1e6):.3f} |")
     print(
         f"\nScheduling, slot mapping, sampling, bookkeeping and op dispatch together: "
         f"{ms(engine + between):.2f} ms, {100 * (engine + between) / step:.1f}% of a step. "

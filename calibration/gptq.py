@@ -9,6 +9,7 @@ Hessian GPTQ returns exactly what round-to-nearest returns.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -76,6 +77,7 @@ def quantize_weight(
     name: str = "weight",
     range_search: bool = False,
     refine: int = 0,
+    fixed_scales: torch.Tensor | None = None,
 ) -> GPTQResult:
     """GPTQ-quantize W [out, in] given the Hessian H [in, in] of its layer's inputs.
 
@@ -97,7 +99,9 @@ def quantize_weight(
     other column as it is, under the dampened H (the objective GPTQ approximates); the
     qparams stay.
     """
-    return quantize_weights(W, H, [args], block_size, damp, actorder, scale_dtype, log, name, range_search, refine)[0]
+    return quantize_weights(
+        W, H, [args], block_size, damp, actorder, scale_dtype, log, name, range_search, refine, fixed_scales
+    )[0]
 
 
 def quantize_weights(
@@ -112,11 +116,17 @@ def quantize_weights(
     name: str = "weight",
     range_search: bool = False,
     refine: int = 0,
+    fixed_scales: torch.Tensor | None = None,
 ) -> list[GPTQResult]:
     """`quantize_weight` of one W [out, in] under one H for each of `formats` (which share an
     act-order): the column order, the damped Hessian and its inverse Cholesky factor depend
     on W and H only, so they are made once (what mixed precision's sensitivity asks for
-    several formats), and each result is the one `quantize_weight` gives bit for bit."""
+    several formats), and each result is the one `quantize_weight` gives bit for bit.
+
+    `fixed_scales` [out, column blocks] (fp8 blocks, one format): each row's scale in each
+    column block, set before the loop instead of taken when the loop reaches the block, so
+    that a linear's rows can be quantized in parts that cut its row blocks (`guided_block_scales`);
+    the results' scale is then `fixed_scales` itself."""
     orders = {actorder or args.actorder for args in formats}
     if len(orders) != 1:
         raise QuantkitError(
@@ -125,6 +135,8 @@ def quantize_weights(
     actorder = orders.pop()
     for args in formats:
         _check(W, H, args, block_size, damp, actorder, name)
+    if fixed_scales is not None:
+        formats = [_rows_as_blocks(args, W, fixed_scales, name) for args in formats]
     W0, n = W, W.shape[1]
     H = H.detach().to(W.device, torch.float32)
     diag = H.diagonal()
@@ -151,7 +163,7 @@ def quantize_weights(
     inv, results = torch.argsort(perm), []
     for k, (args, gid, gram) in enumerate(zip(formats, gids, grams)):
         gs = fp4_global_scale(W, args)
-        Q, scale, zero_point = _column_loop(W, Hinv, gid, args, block_size, scale_dtype, gram, gs)
+        Q, scale, zero_point = _column_loop(W, Hinv, gid, args, block_size, scale_dtype, gram, gs, fixed_scales)
         if refine:
             if k == len(formats) - 1:
                 del Hinv  # refining needs the damped H, not its factor
@@ -168,6 +180,20 @@ def _group_ids(perm, args, actorder):
     if actorder in ("static", "weight"):
         return perm // _width(args)  # the original contiguous group (or column block) of each visited column
     return torch.arange(perm.numel(), device=perm.device) // _width(args)  # groups over the visiting order
+
+
+def _rows_as_blocks(args: QuantArgs, W: torch.Tensor, fixed: torch.Tensor, name: str) -> QuantArgs:
+    """fp8 blocks whose scales are given per row ([out, column blocks]): the same grid with
+    blocks of one row, so that a column's scales are `fixed`'s column as it stands."""
+    if args.strategy != "block":
+        raise QuantkitError(f"GPTQ takes fixed scales for fp8 blocks only, not the {args.strategy} strategy ({name}).")
+    cols = args.block_structure[1]
+    if tuple(fixed.shape) != (W.shape[0], -(-W.shape[1] // cols)):
+        raise QuantkitError(
+            f"the fixed scales of {name} are {tuple(fixed.shape)}; its weight {tuple(W.shape)} in blocks of "
+            f"{cols} columns needs ({W.shape[0]}, {-(-W.shape[1] // cols)})."
+        )
+    return dataclasses.replace(args, block_structure=(1, cols))
 
 
 def _check(W, H, args, block_size, damp, actorder, name):
@@ -226,9 +252,11 @@ def _group_qparams(w, gram, args, scale_dtype, global_scale=None):
     return clip_qparams(w, ranges, args, scale_dtype)
 
 
-def _column_loop(W, Hinv, gid, args, block_size, scale_dtype, grams=None, global_scale=None):
+def _column_loop(W, Hinv, gid, args, block_size, scale_dtype, grams=None, global_scale=None, fixed=None):
     out, n = W.shape
     qp = [None] * (int(gid.max()) + 1)  # (scale, zero_point) per group id
+    if fixed is not None:  # fp8 blocks: every row's scale per column block, given
+        qp = [(fixed[:, g : g + 1], None) for g in range(len(qp))]
     fast = [None] * len(qp)  # the same as [out] vectors for the inner loop
     if not _grouped(args):
         qp[0] = compute_qparams(W, args, scale_dtype)
@@ -378,13 +406,6 @@ def gptq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale
         raise QuantkitError(
             "guided Hessians split a linear's rows, which act-order group cannot; use --act-order static."
         )
-    if guided and any(s.weights is not None and s.weights.strategy == "block" for s in (scheme, *scheme.overrides)):
-        # measured: fp8-block on gemma3-270m with --guided 4 scored wiki 57.5 (float 28.7), its
-        # row groups of out/4 cutting the 128-row blocks that share a scale
-        raise QuantkitError(
-            "guided Hessians split a linear's rows into groups, which block-wise weight scales "
-            "(fp8-block's 128 × 128) cannot follow; drop --guided."
-        )
 
     def step(index: int, prefix: str, block: nn.Module, inputs) -> None:
         if guided and inputs.guides is None:
@@ -447,7 +468,7 @@ def _finite(H, name):
     return H
 
 
-def _quantize_with(options, W, H, args, scale_dtype, log, name) -> GPTQResult:
+def _quantize_with(options, W, H, args, scale_dtype, log, name, fixed_scales=None) -> GPTQResult:
     """`quantize_weight` with the step's options (GPTQOptions)."""
     return quantize_weight(
         W,
@@ -460,6 +481,7 @@ def _quantize_with(options, W, H, args, scale_dtype, log, name) -> GPTQResult:
         name=name,
         range_search=options.range_search,
         refine=options.refine,
+        fixed_scales=fixed_scales,
     )
 
 
@@ -480,7 +502,9 @@ def _quantize_part(block, part, prefix, H, args, options, results, scale_dtype, 
 def _quantize_guided(block, names, prefix, inputs, replay, scheme, options, results, scale_dtype, log):
     """Each linear of `names` (they read one input) quantized group of rows by group of rows,
     each under its own loss-guided Hessian (`guided.hessians`). A per-tensor scale cannot
-    differ between groups: such a linear is quantized under the mean of its groups' Hessians."""
+    differ between groups: such a linear is quantized under the mean of its groups' Hessians;
+    fp8 blocks, whose 128 rows share a scale that the groups' bounds may cut, take their
+    scales from the float weight before the groups are quantized (`guided_block_scales`)."""
     from quantkit.calibration import guided
 
     fulls = [f"{prefix}.{n}" for n in names]
@@ -492,15 +516,34 @@ def _quantize_guided(block, names, prefix, inputs, replay, scheme, options, resu
         if args.strategy == "tensor":
             hs = [sum(hs) / len(hs)]
         bounds = guided.group_bounds(linear.out_features, len(hs))
+        blocks, rows = guided_block_scales(linear.weight.data, args, scale_dtype)
         parts = [
             _quantize_with(
-                options, linear.weight.data[bounds[k] : bounds[k + 1]], H, args, scale_dtype, log, f"{full} group {k}"
+                options,
+                linear.weight.data[bounds[k] : bounds[k + 1]],
+                H,
+                args,
+                scale_dtype,
+                log,
+                f"{full} group {k}",
+                None if rows is None else rows[bounds[k] : bounds[k + 1]],
             )
             for k, H in enumerate(hs)
         ]
         linear.weight.data.copy_(torch.cat([p.weight for p in parts]))
         zero = None if parts[0].zero_point is None else torch.cat([p.zero_point for p in parts])
-        results[full] = QParams(torch.cat([p.scale for p in parts]), zero, None)  # per tensor: one part
+        scale = blocks if blocks is not None else torch.cat([p.scale for p in parts])  # per tensor: one part
+        results[full] = QParams(scale, zero, None)
+
+
+def guided_block_scales(W: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype):
+    """fp8 blocks: (the min-max scales of W's row × column blocks, each row's scale per column
+    block [out, column blocks]), what guided GPTQ quantizes its row groups under; (None, None)
+    for other strategies. The scales come from the float weight, before GPTQ moves it."""
+    if args.strategy != "block":
+        return None, None
+    blocks = compute_qparams(W, args, scale_dtype)[0]  # [row blocks, column blocks]
+    return blocks, blocks.repeat_interleave(args.block_structure[0], 0)[: W.shape[0]]
 
 
 @torch.no_grad()
