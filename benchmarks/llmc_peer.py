@@ -56,6 +56,19 @@ CASES = {
     "nvfp4a16/gptq": ("nvfp4a16", "gptq", "NVFP4A16", True),
     "nvfp4a16/awq": ("nvfp4a16", "awq", "NVFP4A16", True),
     "nvfp4a16/awq-gptq": ("nvfp4a16", "awq-gptq", "NVFP4A16", True),
+    "mxfp4/rtn": ("mxfp4", "rtn", "MXFP4", False),
+    "w4afp8/rtn": ("w4afp8", "rtn", "W4AFP8", False),
+    **{
+        f"{scheme}/gptq": (scheme, "gptq", preset, True)
+        for scheme, preset in (
+            ("fp8-block", "FP8_BLOCK"),
+            ("mxfp8", "MXFP8"),
+            ("nvfp4", "NVFP4"),
+            ("mxfp4a16", "MXFP4A16"),
+            ("mxfp4", "MXFP4"),
+            ("w4afp8", "W4AFP8"),
+        )
+    },
 }
 # quantkit's command line for a method: awq-gptq is AWQ's scales with GPTQ's rounding (`quantkit awq --gptq`),
 # llm-compressor's AWQModifier (a transform since 0.14) before its GPTQModifier
@@ -305,7 +318,7 @@ def quantize_quantkit(run: Run, case: str) -> None:
     key, folder = f"{case}/quantkit", run.folder("quantkit", case)
     if key in run.results and folder.is_dir():
         return
-    command = ["fp8"] if scheme == "fp8-block" else COMMANDS.get(method, [method])
+    command = ["fp8"] if (scheme, method) == ("fp8-block", "rtn") else COMMANDS.get(method, [method])
     cmd = [run.qk, *command, "-m", run.a.model, "--scheme", scheme, "-o", str(folder), "--overwrite"]
     cmd += ["--calib", "news", "--samples", str(run.a.samples), "--seq-len", str(run.a.seq_len)]
     print(f"{key}: {' '.join(cmd)}", flush=True)
