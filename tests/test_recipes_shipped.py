@@ -49,7 +49,7 @@ def test_shipped_recipe_runs_on_a_tiny_model(name, tiny_llama, tiny_corpus, tmp_
     )
     assert r.exit_code == 0, r.output
     prov = json.loads((tmp_path / "q" / "quantkit.json").read_text())
-    weight_step = next(s.name for s in shipped.steps if s.name not in ("smooth", "kv"))  # after any transform
+    weight_step = next(s.name for s in shipped.steps if s.name not in ("smooth", "rotate", "kv"))  # after transforms
     assert prov["algorithm"] == weight_step and prov["recipe"]["model"] == str(tiny_llama)
     assert (prov["kv_cache"] is not None) == any(s.name == "kv" for s in shipped.steps)
     if shipped.target_bits is not None:
