@@ -18,7 +18,8 @@ from torch import nn
 
 from quantkit.calibration import fp4
 from quantkit.calibration.awq import ClipInputs, clip_qparams, search_clip
-from quantkit.calibration.hooks import Replay, by_args, reduce_each, reduce_inputs, targets, weight_args
+from quantkit.calibration.guided import quantize_rows
+from quantkit.calibration.hooks import Replay, by_args, reduce_each, reduce_inputs, targets
 from quantkit.calibration.method import QParams
 from quantkit.calibration.registry import HESSIAN_BYTES
 from quantkit.errors import QuantkitError
@@ -125,7 +126,7 @@ def quantize_weights(
 
     `fixed_scales` [out, column blocks] (fp8 blocks, one format): each row's scale in each
     column block, set before the loop instead of taken when the loop reaches the block, so
-    that a linear's rows can be quantized in parts that cut its row blocks (`guided_block_scales`);
+    that a linear's rows can be quantized in parts that cut its row blocks (`guided.block_scales`);
     the results' scale is then `fixed_scales` itself."""
     orders = {actorder or args.actorder for args in formats}
     if len(orders) != 1:
@@ -420,7 +421,7 @@ def gptq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale
             groups = [names for names in (targets(scheme, prefix, g) for g in stage) if names]
             if guided:
                 for names in groups:
-                    _quantize_guided(block, names, prefix, inputs, replay, scheme, options, results, scale_dtype, log)
+                    quantize_rows(block, names, prefix, inputs, replay, scheme, options, results, scale_dtype, log)
                 continue
             for chunk in _chunks(block, groups):
                 if len(stage) == 1:
@@ -497,53 +498,6 @@ def _quantize_part(block, part, prefix, H, args, options, results, scale_dtype, 
         g_idx = r.g_idx.clone() if r.g_idx is not None else None  # one tensor per linear on disk
         qp = QParams(scale.clone(), None if zero is None else zero.clone(), g_idx, global_scale=r.global_scale)
         results[f"{prefix}.{name}"] = qp
-
-
-def _quantize_guided(block, names, prefix, inputs, replay, scheme, options, results, scale_dtype, log):
-    """Each linear of `names` (they read one input) quantized group of rows by group of rows,
-    each under its own loss-guided Hessian (`guided.hessians`). A per-tensor scale cannot
-    differ between groups: such a linear is quantized under the mean of its groups' Hessians;
-    fp8 blocks, whose 128 rows share a scale that the groups' bounds may cut, take their
-    scales from the float weight before the groups are quantized (`guided_block_scales`)."""
-    from quantkit.calibration import guided
-
-    fulls = [f"{prefix}.{n}" for n in names]
-    first = get_module(block, names[0])
-    state = reduce_inputs(block, first, inputs, fulls[0], guided.hessians([inputs.guides[f] for f in fulls]), replay)
-    for name, full, hs in zip(names, fulls, state):
-        linear, args = get_module(block, name), weight_args(scheme, prefix, name)
-        hs = [_finite(H, full) for H in hs]
-        if args.strategy == "tensor":
-            hs = [sum(hs) / len(hs)]
-        bounds = guided.group_bounds(linear.out_features, len(hs))
-        blocks, rows = guided_block_scales(linear.weight.data, args, scale_dtype)
-        parts = [
-            _quantize_with(
-                options,
-                linear.weight.data[bounds[k] : bounds[k + 1]],
-                H,
-                args,
-                scale_dtype,
-                log,
-                f"{full} group {k}",
-                None if rows is None else rows[bounds[k] : bounds[k + 1]],
-            )
-            for k, H in enumerate(hs)
-        ]
-        linear.weight.data.copy_(torch.cat([p.weight for p in parts]))
-        zero = None if parts[0].zero_point is None else torch.cat([p.zero_point for p in parts])
-        scale = blocks if blocks is not None else torch.cat([p.scale for p in parts])  # per tensor: one part
-        results[full] = QParams(scale, zero, None)
-
-
-def guided_block_scales(W: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype):
-    """fp8 blocks: (the min-max scales of W's row × column blocks, each row's scale per column
-    block [out, column blocks]), what guided GPTQ quantizes its row groups under; (None, None)
-    for other strategies. The scales come from the float weight, before GPTQ moves it."""
-    if args.strategy != "block":
-        return None, None
-    blocks = compute_qparams(W, args, scale_dtype)[0]  # [row blocks, column blocks]
-    return blocks, blocks.repeat_interleave(args.block_structure[0], 0)[: W.shape[0]]
 
 
 @torch.no_grad()

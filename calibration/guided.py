@@ -30,10 +30,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from quantkit.calibration.hooks import reduce_inputs, weight_args
+from quantkit.calibration.method import QParams
 from quantkit.calibration.runner import BlockInputs, capture_block_inputs
 from quantkit.errors import QuantkitError
 from quantkit.malloc import trim_freed_memory
 from quantkit.models.arch import ArchSpec, get_module
+from quantkit.primitives import compute_qparams
 from quantkit.progress import Track, no_progress
 
 
@@ -300,3 +303,50 @@ def add_weighted_gram(H: torch.Tensor, x: torch.Tensor, w: torch.Tensor, beta: f
             H[a:b, a:].mul_(beta).addmm_((x[:, a:b] * w[:, None]).T, x[:, a:], alpha=alpha)
     for a, b in zip(edges, edges[1:]):
         H[b:, a:b] = H[a:b, b:].T
+
+
+def quantize_rows(block, names, prefix, inputs, replay, scheme, options, results, scale_dtype, log):
+    """Each linear of `names` (they read one input) quantized group of rows by group of rows,
+    each under its own loss-guided Hessian (`hessians`). A per-tensor scale cannot
+    differ between groups: such a linear is quantized under the mean of its groups' Hessians;
+    fp8 blocks, whose 128 rows share a scale that the groups' bounds may cut, take their
+    scales from the float weight before the groups are quantized (`block_scales`)."""
+    from quantkit.calibration.gptq import _finite, _quantize_with
+
+    fulls = [f"{prefix}.{n}" for n in names]
+    first = get_module(block, names[0])
+    state = reduce_inputs(block, first, inputs, fulls[0], hessians([inputs.guides[f] for f in fulls]), replay)
+    for name, full, hs in zip(names, fulls, state):
+        linear, args = get_module(block, name), weight_args(scheme, prefix, name)
+        hs = [_finite(H, full) for H in hs]
+        if args.strategy == "tensor":
+            hs = [sum(hs) / len(hs)]
+        bounds = group_bounds(linear.out_features, len(hs))
+        blocks, rows = block_scales(linear.weight.data, args, scale_dtype)
+        parts = [
+            _quantize_with(
+                options,
+                linear.weight.data[bounds[k] : bounds[k + 1]],
+                H,
+                args,
+                scale_dtype,
+                log,
+                f"{full} group {k}",
+                None if rows is None else rows[bounds[k] : bounds[k + 1]],
+            )
+            for k, H in enumerate(hs)
+        ]
+        linear.weight.data.copy_(torch.cat([p.weight for p in parts]))
+        zero = None if parts[0].zero_point is None else torch.cat([p.zero_point for p in parts])
+        scale = blocks if blocks is not None else torch.cat([p.scale for p in parts])  # per tensor: one part
+        results[full] = QParams(scale, zero, None)
+
+
+def block_scales(W: torch.Tensor, args, scale_dtype: torch.dtype):
+    """fp8 blocks: (the min-max scales of W's row × column blocks, each row's scale per column
+    block [out, column blocks]), what guided GPTQ quantizes its row groups under; (None, None)
+    for other strategies. The scales come from the float weight, before GPTQ moves it."""
+    if args.strategy != "block":
+        return None, None
+    blocks = compute_qparams(W, args, scale_dtype)[0]  # [row blocks, column blocks]
+    return blocks, blocks.repeat_interleave(args.block_structure[0], 0)[: W.shape[0]]

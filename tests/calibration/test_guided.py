@@ -229,14 +229,13 @@ def test_guided_fp8_blocks_keep_one_scale_per_block(tiny_llama, tiny_corpus, tmp
 def test_gptq_with_fixed_block_scales_in_row_parts():
     """fp8 blocks with the float weight's scales fixed: with an identity Hessian every part is
     round-to-nearest under those scales, bit for bit, however the parts cut the row blocks."""
-    from quantkit.calibration.gptq import guided_block_scales
     from quantkit.primitives import dequantize
     from quantkit.primitives import quantize as to_grid
 
     torch.manual_seed(0)
     args = preset("fp8-block").weights
     W = torch.randn(300, 200)
-    blocks, rows = guided_block_scales(W, args, torch.float32)
+    blocks, rows = guided.block_scales(W, args, torch.float32)
     assert blocks.shape == (3, 2) and rows.shape == (300, 2)
     rtn = dequantize(to_grid(W, blocks, None, args), blocks, None, args)
     bounds = [0, 70, 150, 300]  # cut rows 0-127 and 128-255
