@@ -408,6 +408,9 @@ def gptq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale
             "guided Hessians split a linear's rows, which act-order group cannot; use --act-order static."
         )
 
+    def guided_part(W, H, args, name, fixed_scales):  # one row group of a linear under its guided Hessian
+        return _quantize_with(options, W, _finite(H, name), args, scale_dtype, log, name, fixed_scales)
+
     def step(index: int, prefix: str, block: nn.Module, inputs) -> None:
         if guided and inputs.guides is None:
             raise QuantkitError("GPTQ's guided Hessians need the loss gradients; quantize through quantkit.quantize.")
@@ -421,7 +424,7 @@ def gptq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale
             groups = [names for names in (targets(scheme, prefix, g) for g in stage) if names]
             if guided:
                 for names in groups:
-                    quantize_rows(block, names, prefix, inputs, replay, scheme, options, results, scale_dtype, log)
+                    quantize_rows(block, names, prefix, inputs, replay, scheme, results, scale_dtype, guided_part)
                 continue
             for chunk in _chunks(block, groups):
                 if len(stage) == 1:

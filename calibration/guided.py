@@ -305,32 +305,27 @@ def add_weighted_gram(H: torch.Tensor, x: torch.Tensor, w: torch.Tensor, beta: f
         H[b:, a:b] = H[a:b, b:].T
 
 
-def quantize_rows(block, names, prefix, inputs, replay, scheme, options, results, scale_dtype, log):
+def quantize_rows(block, names, prefix, inputs, replay, scheme, results, scale_dtype, quantize):
     """Each linear of `names` (they read one input) quantized group of rows by group of rows,
-    each under its own loss-guided Hessian (`hessians`). A per-tensor scale cannot
-    differ between groups: such a linear is quantized under the mean of its groups' Hessians;
-    fp8 blocks, whose 128 rows share a scale that the groups' bounds may cut, take their
-    scales from the float weight before the groups are quantized (`block_scales`)."""
-    from quantkit.calibration.gptq import _finite, _quantize_with
-
+    each under its own loss-guided Hessian (`hessians`), by `quantize(W, H, args, name,
+    fixed_scales)` (GPTQ's, with its step's options). A per-tensor scale cannot differ between
+    groups: such a linear is quantized under the mean of its groups' Hessians; fp8 blocks,
+    whose 128 rows share a scale that the groups' bounds may cut, take their scales from the
+    float weight before the groups are quantized (`block_scales`)."""
     fulls = [f"{prefix}.{n}" for n in names]
     first = get_module(block, names[0])
     state = reduce_inputs(block, first, inputs, fulls[0], hessians([inputs.guides[f] for f in fulls]), replay)
     for name, full, hs in zip(names, fulls, state):
         linear, args = get_module(block, name), weight_args(scheme, prefix, name)
-        hs = [_finite(H, full) for H in hs]
         if args.strategy == "tensor":
             hs = [sum(hs) / len(hs)]
         bounds = group_bounds(linear.out_features, len(hs))
         blocks, rows = block_scales(linear.weight.data, args, scale_dtype)
         parts = [
-            _quantize_with(
-                options,
+            quantize(
                 linear.weight.data[bounds[k] : bounds[k + 1]],
                 H,
                 args,
-                scale_dtype,
-                log,
                 f"{full} group {k}",
                 None if rows is None else rows[bounds[k] : bounds[k + 1]],
             )
