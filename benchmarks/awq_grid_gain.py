@@ -4,9 +4,10 @@
 
 One real weight W [out, in] of the built-in model and synthetic inputs X whose channels have
 log-normal magnitudes m with 8 outlier channels ×30 (the activation shape AWQ targets); for each
-grid, the output error ‖(Q(W·diag(s))·diag(s)⁻¹ − W)·Xᵀ‖² with s = 1 and with s = m^α for AWQ's
-α grid, min-max scales (no clipping). On an integer grid with shared group scales, scaling the
-salient channels up buys them precision; on a floating-point grid (fp8 e4m3) each weight's
+grid, the output error ‖(Q(W·diag(s))·diag(s)⁻¹ − W)·Xᵀ‖² with s = 1 and with s = m^α over
+`awq.search_scales`' default α grid (0, 1/20, ..., 19/20; it also normalises s, which min-max
+scales do not feel), min-max scales (no clipping). On an integer grid with shared group scales,
+scaling the salient channels up buys them precision; on a floating-point grid (fp8 e4m3) each weight's
 rounding error is already relative to its own size, so scaling moves little.
 """
 
@@ -21,6 +22,7 @@ from quantkit.models.loading import resolve_model
 from quantkit.primitives import compute_qparams, fake_quantize
 from quantkit.scheme import preset
 
+GRID = 20  # AWQ's default grid: α = 0, 1/20, ..., 19/20 (α = 0 is s = 1)
 SCHEMES = {"fp8-block": None, "mxfp8": None, "w4a16": 128, "nvfp4a16": None, "mxfp4a16": None}
 
 
@@ -47,7 +49,7 @@ def main() -> None:
         scheme = preset(name) if group is None else preset(name).with_group_size(group)
         args = scheme.weights
         base = error(args, torch.ones(n))
-        best, alpha = min((error(args, m**al), al) for al in (0.1, 0.25, 0.5, 0.75))
+        best, alpha = min((error(args, m ** (i / GRID)), i / GRID) for i in range(GRID))
         print(f"| {name} | {base:.4g} | {best:.4g} | {alpha} | {best / base:.3f} |")
 
 
