@@ -297,9 +297,11 @@ def to_quantization_config(scheme: QuantScheme) -> dict:
             "output_activations": None,
             "format": o.format,
         }
+    formats = {g["format"] for g in groups.values()}
     return {
         "quant_method": "compressed-tensors",
-        "format": scheme.format,
+        # several formats (mixed precision over FP4 and int8): each group names its own, as compressed-tensors writes
+        "format": "mixed-precision" if len(formats) > 1 else scheme.format,
         "quantization_status": "compressed",
         "config_groups": groups,
         "ignore": list(scheme.ignore),

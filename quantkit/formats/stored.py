@@ -64,23 +64,25 @@ def _kept(key: str, t: torch.Tensor) -> bool:
     return not t.is_floating_point() or key.endswith("_scale")
 
 
-def pack_entry(key: str, t: torch.Tensor, fmt: str, schemes: dict, results: dict, dtype) -> dict:
+def pack_entry(key: str, t: torch.Tensor, schemes: dict, results: dict, dtype) -> dict:
     """What the checkpoint holds for the state entry `key`: a quantized linear's weight
-    packed in `fmt` with its scheme's weights (`schemes`, by module) and its `QParams`
-    (`results`), under its name's tensors; anything else in `dtype` unless `_kept`."""
+    packed in its scheme's format with its weights' arguments (`schemes`, by module: a
+    mixed-precision checkpoint holds several formats) and its `QParams` (`results`), under
+    its name's tensors; anything else in `dtype` unless `_kept`."""
     module = key.rsplit(".", 1)[0]
     if module in results and key.endswith(".weight"):
-        packed = compress(fmt, t, schemes[module].weights, results[module])
+        s = schemes[module]
+        packed = compress(s.format, t, s.weights, results[module])
         return {f"{module}.{k}": v for k, v in packed.items()}
     return {key: t if _kept(key, t) else t.to(dtype)}
 
 
-def entry_bytes(key: str, t: torch.Tensor, fmt: str, schemes: dict, dtype: torch.dtype) -> int:
+def entry_bytes(key: str, t: torch.Tensor, schemes: dict, dtype: torch.dtype) -> int:
     """Bytes the checkpoint holds for the state entry `key` (`t` may be on the meta device),
     a linear in `schemes` (module -> scheme) quantized."""
     module = key.rsplit(".", 1)[0]
     s = schemes.get(module)
     if s is not None and key.endswith(".weight"):
         static = s.input_activations is not None and s.input_activations.dynamic is not True  # "local": a global scale
-        return linear_bytes(fmt, *t.shape, s.weights, dtype.itemsize, static)
+        return linear_bytes(s.format, *t.shape, s.weights, dtype.itemsize, static)
     return t.numel() * (t.element_size() if _kept(key, t) else dtype.itemsize)

@@ -4,8 +4,9 @@ A *unit* is what gets one format: a fusion group of a block (q/k/v together, gat
 together, each other linear; in a sparse block every expert's gate/up together and every
 down together), which keeps each AWQ mapping on one scheme and lets vLLM fuse what it fuses.
 
-`sensitivity` measures, for every unit and every candidate format (int4 per group of 128,
-64 or 32 with the requested scheme's symmetry, int8 per channel, float), the mean KL
+`sensitivity` measures, for every unit and every candidate format (for an int4 scheme int4
+per group of 128, 64 or 32 with its symmetry; for a weight-only FP4 scheme, NVFP4A16 or
+MXFP4A16, that format; and int8 per channel and float), the mean KL
 divergence per token of the model's next-token distribution from the float model's when
 only that unit is quantized in that format, on a few calibration windows: rounded to
 nearest, or by the method that will quantize the model (AWQ, GPTQ), which runs on a copy
@@ -49,7 +50,9 @@ from quantkit.progress import Track, no_progress
 from quantkit.scheme import QuantArgs, QuantScheme
 
 FLOAT = "float"
-FORMATS = ("int4-g128", "int4-g64", "int4-g32", "int8", FLOAT)  # what `candidates` offers, by name
+# what `candidates` offers, by name: int4 schemes the int4 groups, FP4 schemes their own format, both int8 and float
+FORMATS = ("int4-g128", "int4-g64", "int4-g32", "nvfp4", "mxfp4", "int8", FLOAT)
+FP4_CANDIDATES = {"tensor_group": "nvfp4", "group": "mxfp4"}  # a weight-only FP4 scheme's strategy -> its candidate
 ESTIMATORS = ("fisher", "exact")  # how `sensitivity` measures a unit's cost; the first is the default
 FISHER_DRAWS = 4  # labels drawn per token from the float model for the Fisher estimate
 # settings the sensitivity puts in place of the method's own (those the method's options have):
@@ -70,7 +73,7 @@ def listing(names: list[str], word: str) -> str:
 
 
 def _int_methods(word: str) -> str:
-    """The weight methods of the registry that make int4/int8 weights (rtn, awq, gptq), for a message."""
+    """The weight methods of the registry that make int4/int8 and FP4 weights (rtn, awq, gptq), for a message."""
     from quantkit.calibration.registry import METHODS
 
     return listing([m.name for m in METHODS.values() if m.role == "weights" and m.format == "pack-quantized"], word)
@@ -93,22 +96,29 @@ def allowed_formats(names) -> tuple[str, ...] | None:
                 f"{name!r} is not a format --target-bits chooses; use int4 (every group size) or {', '.join(FORMATS)}."
             )
     if all(f == FLOAT for f in picked):
-        raise QuantkitError("the formats to choose from need at least one int format (e.g. int4).")
+        raise QuantkitError("the formats to choose from need at least one quantized format (e.g. int4 or int8).")
     return tuple(f for f in FORMATS if f in picked)
 
 
 def candidates(scheme: QuantScheme) -> dict[str, QuantArgs | None]:
-    """The formats a unit can get: int4 per group of 128 / 64 / 32 (the scheme's symmetry and
-    act-order), int8 per channel (symmetric, w8a16), float."""
+    """The formats a unit can get: for an int4 scheme int4 per group of 128 / 64 / 32 (the
+    scheme's symmetry and act-order), for a weight-only FP4 scheme (nvfp4a16, mxfp4a16) its
+    own format; then int8 per channel (symmetric, w8a16) and float."""
     w = scheme.weights
-    if w is None or w.type != "int" or w.num_bits != 4:
-        raise QuantkitError(f"--target-bits mixes int4 schemes; {scheme.name!r} is not one (use w4a16 or w4a16-asym).")
+    fp4 = w is not None and w.is_fp4 and scheme.input_activations is None
+    if not fp4 and (w is None or w.type != "int" or w.num_bits != 4):
+        raise QuantkitError(
+            f"--target-bits mixes int4 or weight-only FP4 schemes; {scheme.name!r} is not one "
+            "(use w4a16, w4a16-asym, nvfp4a16 or mxfp4a16)."
+        )
+    int8 = QuantArgs(num_bits=8, type="int", symmetric=True, strategy="channel", group_size=None, actorder=w.actorder)
+    if fp4:
+        return {FP4_CANDIDATES[w.strategy]: w, "int8": int8, FLOAT: None}
 
     def int4(group: int) -> QuantArgs:
         return dataclasses.replace(w, strategy="group", group_size=group)
 
-    int8 = QuantArgs(num_bits=8, type="int", symmetric=True, strategy="channel", group_size=None, actorder=w.actorder)
-    return dict(zip(FORMATS, (int4(128), int4(64), int4(32), int8, None)))
+    return {"int4-g128": int4(128), "int4-g64": int4(64), "int4-g32": int4(32), "int8": int8, FLOAT: None}
 
 
 @dataclass(frozen=True)
@@ -140,7 +150,8 @@ class Unit:
         if args is None:
             return 8.0 * float_bytes
         args = dataclasses.replace(args, actorder=None)  # act-order indices were never counted: the choices stay
-        stored = sum(linear_bytes("pack-quantized", o, i, args, float_bytes) for o, i in self.shapes)
+        fmt = QuantScheme("unit", args).format
+        stored = sum(linear_bytes(fmt, o, i, args, float_bytes) for o, i in self.shapes)
         return 8 * stored / self.params
 
 
@@ -184,7 +195,7 @@ def sensitivity(
         raise QuantkitError(f"the sensitivity estimator is one of {', '.join(ESTIMATORS)}, not {estimator!r}.")
     m = method_entry(method)
     if m.format != "pack-quantized":
-        raise QuantkitError(f"sensitivity measures int4/int8 weight formats by {_int_methods('or')}, not {method}.")
+        raise QuantkitError(f"sensitivity measures int4/int8/FP4 weight formats by {_int_methods('or')}, not {method}.")
     options = _search_options(options if options is not None else m.options())
     path = resolve_model(model_name)
     key = _cache_key(path, scheme, calibration, method, options, estimator)
@@ -453,8 +464,8 @@ def choose(
 
 
 def mixed_scheme(scheme: QuantScheme, rows: list[dict], choice: dict[str, str]) -> QuantScheme:
-    """`scheme` with each unit's chosen format: one override per int format (targets: the
-    unit's linears by name), float units in `ignore`. The format most weights get becomes
+    """`scheme` with each unit's chosen format: one override per quantized format (targets:
+    the unit's linears by name), float units in `ignore`. The format most weights get becomes
     the scheme's own, so the config lists the fewest names."""
     cands = candidates(scheme)
     members: dict[str, list[str]] = {}
@@ -491,10 +502,12 @@ def for_target_bits(
     measured with the method that quantizes the model (its registry entry, with `options`),
     by `estimator` (see `sensitivity`)."""
     if method.format != "pack-quantized":
-        raise QuantkitError(f"--target-bits chooses int4/int8 formats for {_int_methods('and')}, not {method.name}.")
-    if scheme.format != "pack-quantized":
         raise QuantkitError(
-            f"--target-bits mixes weight-only int4/int8 formats; it does not take {scheme.name!r}, "
+            f"--target-bits chooses int4/int8/FP4 formats for {_int_methods('and')}, not {method.name}."
+        )
+    if scheme.input_activations is not None:
+        raise QuantkitError(
+            f"--target-bits mixes weight-only formats; it does not take {scheme.name!r}, "
             "whose activations are quantized too."
         )
     if scheme.overrides:

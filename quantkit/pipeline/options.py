@@ -60,7 +60,7 @@ NOT_IN_RECIPE = ("kv_cache", "kv_per_head", "overwrite", "resume")  # a kv step;
 
 def applies(name: str, entry: Method) -> bool:
     """Whether the run option `name` is offered with the weight method `entry` (mixed
-    precision chooses among int formats, so only for methods that pack int weights)."""
+    precision chooses among int and FP4 formats, so only for the methods that pack them)."""
     return not name.startswith("target_") or entry.format == "pack-quantized"
 
 

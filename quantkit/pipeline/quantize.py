@@ -69,20 +69,20 @@ def pack_model(
         state.pop("lm_head.weight", None)
     tensors = {}
     for key in list(state):
-        tensors.update(pack_entry(key, state.pop(key), scheme.format, schemes, results, dtype))
+        tensors.update(pack_entry(key, state.pop(key), schemes, results, dtype))
         if release and key.rsplit(".", 1)[0] in results:
             get_module(model, key.rsplit(".", 1)[0]).weight = None
     return tensors
 
 
-def checkpoint_bytes(model: nn.Module, fmt: str, schemes: dict[str, QuantScheme], dtype: torch.dtype) -> int:
+def checkpoint_bytes(model: nn.Module, schemes: dict[str, QuantScheme], dtype: torch.dtype) -> int:
     """Bytes of tensors the checkpoint will hold, from the (empty) model's shapes: the linears
-    in `schemes` in format `fmt`, the rest in `dtype` (KV-cache scales, added while
+    in `schemes` each in its scheme's format, the rest in `dtype` (KV-cache scales, added while
     calibrating, left out)."""
     state = model.state_dict()
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
-    return sum(entry_bytes(key, t, fmt, schemes, dtype) for key, t in state.items())
+    return sum(entry_bytes(key, t, schemes, dtype) for key, t in state.items())
 
 
 def checkpoint_config(model: nn.Module, scheme: QuantScheme, quantized, dtype) -> dict:
@@ -409,7 +409,7 @@ class _Run:
         and the saved inputs of two blocks, or of every block for guided Hessians' backward
         pass) will not fit on the output's disk."""
         writer, model, c = self.partial.writer, self.model, self.calibration
-        size = checkpoint_bytes(model, self.scheme.format, self.schemes, self.dtype)
+        size = checkpoint_bytes(model, self.schemes, self.dtype)
         if self.head is not None:  # packed, and no longer tied
             size += linear_bytes(self.head.format, *model.get_output_embeddings().weight.shape, self.head.weights, 4)
         inputs = 0
@@ -435,7 +435,6 @@ class _Run:
             self.model,
             self.spec,
             self.scheme.kv_cache,
-            self.scheme.format,
             self.schemes,
             self.weights,
             self.dtype,

@@ -427,7 +427,7 @@ def _target_bits(value, steps) -> float | None:
     weights = [s.name for s in steps if METHODS[s.name].role == "weights"]
     if weights and not run_options.applies("target_bits", METHODS[weights[0]]):
         mixed = ", ".join(m for m in weight_methods() if run_options.applies("target_bits", METHODS[m]))
-        raise _bad("target_bits", value, f"null with the {weights[0]} step (it mixes int4/int8 for {mixed})")
+        raise _bad("target_bits", value, f"null with the {weights[0]} step (it mixes int4/int8/FP4 for {mixed})")
     return float(value)
 
 

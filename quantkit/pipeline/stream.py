@@ -177,12 +177,12 @@ class PartialRun:
 class BlockStream(InMemory):
     """How `run_blocks` gets and leaves each block of the streaming `model` in the run `run`:
     weights read from the model's files (`weights`) before the block, packed tensors
-    (`schemes`: module -> scheme, in format `fmt`; `results`: the method's `QParams`)
+    (`schemes`: module -> scheme, each in its format; `results`: the method's `QParams`)
     written in `dtype` and the run committed after, with what `carried()` returns of the
     steps' state."""
 
-    def __init__(self, model, spec, kv, fmt, schemes, weights, dtype, results, run: PartialRun, carried):
-        self.model, self.spec, self.kv, self.fmt, self.schemes = model, spec, kv, fmt, schemes
+    def __init__(self, model, spec, kv, schemes, weights, dtype, results, run: PartialRun, carried):
+        self.model, self.spec, self.kv, self.schemes = model, spec, kv, schemes
         self.weights, self.dtype, self.results, self.run, self.carried = weights, dtype, results, run, carried
         self.start, self.hidden = run.next_block, run.hidden
         keys = list(model.state_dict())
@@ -199,7 +199,7 @@ class BlockStream(InMemory):
             run.commit(0)
 
     def _write(self, key: str, t: torch.Tensor, results: dict) -> None:
-        for name, packed in pack_entry(key, t, self.fmt, self.schemes, results, self.dtype).items():
+        for name, packed in pack_entry(key, t, self.schemes, results, self.dtype).items():
             self.run.writer.add(name, packed)
 
     def _copy(self, keys: list[str]) -> None:
@@ -252,6 +252,6 @@ class BlockStream(InMemory):
             )
             w = self.weights.read([source])[source].to(self.dtype)
             qparams = {self.spec.lm_head: head_qparams(w, head, self.dtype)}
-            for name, packed in pack_entry(key, w, head.format, {self.spec.lm_head: head}, qparams, self.dtype).items():
+            for name, packed in pack_entry(key, w, {self.spec.lm_head: head}, qparams, self.dtype).items():
                 self.run.writer.add(name, packed)
         self.run.commit(len(self.blocks), None, self.carried(), tail_written=True)

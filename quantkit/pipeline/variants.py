@@ -45,7 +45,7 @@ def shared(model, spec, scheme, method, options, dtype, i, mine, wanted, inputs,
     """`alone` for round-to-nearest and GPTQ, bit for bit: GPTQ's Hessians from one
     pass over the float block, one factorisation per Hessian for all formats; each variant's
     weights swapped into the block (no copy), what it cannot change reused (`Replay`)."""
-    from quantkit.calibration import gptq, rtn
+    from quantkit.calibration import gptq
     from quantkit.calibration.hooks import Replay, targets
     from quantkit.calibration.runner import BlockInputs
     from quantkit.models.arch import get_module
@@ -59,10 +59,7 @@ def shared(model, spec, scheme, method, options, dtype, i, mine, wanted, inputs,
         made = gptq.quantize_alone(block, bspec, prefix, list(zip(quantized, wanted)), run, options, dtype)
     else:
         made = [
-            {
-                f: {n: rtn.quantize_weight(get_module(block, n).weight.data, a, dtype)[0] for g in stage for n in g}
-                for f, a in formats.items()
-            }
+            {f: _rounded(block, bspec, scheme, prefix, stage, a, dtype) for f, a in formats.items()}
             for stage, formats in zip(quantized, wanted)
         ]
     # reused: the attention's outputs after it, and (dense blocks) the earlier stages' linears'
@@ -85,3 +82,14 @@ def shared(model, spec, scheme, method, options, dtype, i, mine, wanted, inputs,
                 for n, w in saved.items():
                     get_module(block, n).weight.data.copy_(w)
             yield unit, name, outs
+
+
+def _rounded(block, bspec, scheme, prefix, stage, args, dtype) -> dict:
+    """linear name -> its weight rounded to nearest in `args`, as `rtn_step` rounds a stage
+    (NVFP4: one weight global scale per fusion group)."""
+    from quantkit.calibration import fp4, rtn
+    from quantkit.models.arch import get_module
+
+    names = [n for g in stage for n in g]
+    shared = fp4.weight_global_scales(bspec, scheme.replace(weights=args, overrides=()), prefix, block, names)
+    return {n: rtn.quantize_weight(get_module(block, n).weight.data, args, dtype, shared.get(n))[0] for n in names}

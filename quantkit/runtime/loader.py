@@ -39,11 +39,12 @@ SUPPORTED = (
     "compressed-tensors int-quantized (W8A8 int8)",
     "compressed-tensors float-quantized block (fp8 128x128), nvfp4-pack-quantized, mxfp4-pack-quantized, "
     "mxfp8-quantized (dequantized at load)",
+    "compressed-tensors mixed-precision (config groups of the formats above)",
     "AutoAWQ GEMM (int4)",
     "GPTQ v1 (int4)",
 )
 # dense: float weights (e.g. KV-cache scales only)
-FORMATS = ("pack-quantized", "float-quantized", "int-quantized", "dense", *qlinear_float.FORMATS[1:])
+FORMATS = ("pack-quantized", "float-quantized", "int-quantized", "dense", "mixed-precision", *qlinear_float.FORMATS[1:])
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 

@@ -86,7 +86,7 @@ def test_the_choice_keeps_to_the_allowed_formats():
     assert mixed.allowed_formats(None) is None
     with pytest.raises(QuantkitError, match="'int3' is not a format --target-bits chooses; use int4"):
         mixed.allowed_formats("int4,int3")
-    with pytest.raises(QuantkitError, match="at least one int format"):
+    with pytest.raises(QuantkitError, match="at least one quantized format"):
         mixed.allowed_formats("float")
     with pytest.raises(QuantkitError, match="none of the formats int4-g64 fits u0"):
         mixed.choose(random_rows(rng, 2), 6.0, ("int4-g64",))

@@ -303,7 +303,7 @@ def test_checkpoint_bytes_are_the_written_tensors(tmp_path, tiny_corpus, family,
     spec = arch_for(model.config)
     s = pipeline._fit_groups(model, spec, s, None)
     schemes = pipeline.linear_schemes(model, spec, s)
-    assert pipeline.checkpoint_bytes(model, s.format, schemes, torch.float32) == written
+    assert pipeline.checkpoint_bytes(model, schemes, torch.float32) == written
 
 
 def test_cli_resume_and_shard_size(tmp_path):
