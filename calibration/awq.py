@@ -187,6 +187,7 @@ def search_clip(
     batch_co: int = 256,
     scale_dtype: torch.dtype = torch.float32,
     name: str = "linear",
+    global_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per (row, group) clipping range [lo, hi] (fp32 [co, n_groups, 2]) for w [co, ci] whose
     inputs are summed up in `inputs` (from `clip_inputs`).
@@ -199,7 +200,8 @@ def search_clip(
     for an asymmetric one, `rounds` rounds of coordinate descent: the upper end alone over the
     ratios with the lower end as chosen so far, then the lower end alone. Each group keeps its
     best candidate; the first is the unclipped range, so the error never exceeds round-to-nearest's.
-    qparams are taken in scale_dtype, as stored. Rows go batch_co at a time.
+    qparams are taken in scale_dtype, as stored (NVFP4: under `global_scale`, the fusion
+    group's, as they will be; None: each candidate's own). Rows go batch_co at a time.
     """
     if grid < 1 or not 0 <= max_shrink < 1 or rounds < 0 or batch_co < 1:
         raise QuantkitError(
@@ -223,7 +225,7 @@ def search_clip(
             lo0 = -hi0
 
         def error(lo, hi):  # [co_b, n_group]
-            d = W - fake_quantize(W, args, *qparams_from_minmax(lo, hi, args, scale_dtype))
+            d = W - fake_quantize(W, args, *qparams_from_minmax(lo, hi, args, scale_dtype, global_scale))
             return inputs.error(d.reshape(W.shape[0], -1, gs).transpose(0, 1))  # d [n_group, co_b, group_size]
 
         best = [lo0, hi0, error(lo0, hi0)]
@@ -443,7 +445,7 @@ def _quantize_clipped(
             first = owner(spec, name)
             if (first, args) not in summed:  # the second moments depend on the group size
                 summed[first, args] = clip_inputs(feats[first], args, name=full)
-            ranges = search_clip(w, summed[first, args], args, scale_dtype=scale_dtype, name=full)
+            ranges = search_clip(w, summed[first, args], args, scale_dtype=scale_dtype, name=full, global_scale=gs)
     if ranges is None:
         q, scale, zero = rtn.quantize_weight(w, args, scale_dtype, gs)
     else:

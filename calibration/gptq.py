@@ -89,7 +89,7 @@ def quantize_weight(
     still cannot be factored, damp is raised ×10 (each retry reported through `log`) up to
     DAMP_RETRIES times, then a QuantkitError is raised. `name` labels the messages.
 
-    With `range_search` (group strategy), a group's qparams are not min-max of its weights
+    With `range_search` (int groups and the FP4 grids), a group's qparams are not min-max of its weights
     when the group starts: its range [lo, hi] is searched (AWQ's clip search, `search_clip`)
     to minimise the error of the group's partial products under the group's block of H,
     d·H_g·dᵀ (H_g ∝ X_gᵀX_g: the output error the group's rounding alone causes). The first
@@ -154,7 +154,7 @@ def quantize_weights(
     gids = [_group_ids(perm, args, actorder) for args in formats]
     grams = [  # each group's block of H, before damping
         [H[cols][:, cols] for cols in (torch.nonzero(gid == g)[:, 0] for g in range(int(gid.max()) + 1))]
-        if range_search and args.strategy == "group" and args.type == "int"
+        if range_search and args.strategy in ("group", "tensor_group") and (args.type == "int" or args.is_fp4)
         else None
         for args, gid in zip(formats, gids)
     ]
@@ -245,12 +245,14 @@ def _inverse_cholesky(H, damp, log, name):
 
 def _group_qparams(w, gram, args, scale_dtype, global_scale=None):
     """qparams of one group's current weights w [out, group_size]: min-max, or with `gram`
-    (its block of H) the range that minimises d·gram·dᵀ."""
+    (its block of H) the range that minimises d·gram·dᵀ (NVFP4: under the weight's global scale)."""
     if gram is None:
         return compute_qparams(w, args, scale_dtype, global_scale)
     inputs = ClipInputs(gram[None], None, w.shape[1])
-    ranges = search_clip(w, inputs, args, batch_co=w.shape[0], scale_dtype=scale_dtype)  # one group: all rows at once
-    return clip_qparams(w, ranges, args, scale_dtype)
+    ranges = search_clip(  # one group: all rows at once
+        w, inputs, args, batch_co=w.shape[0], scale_dtype=scale_dtype, global_scale=global_scale
+    )
+    return clip_qparams(w, ranges, args, scale_dtype, global_scale)
 
 
 def _column_loop(W, Hinv, gid, args, block_size, scale_dtype, grams=None, global_scale=None, fixed=None):

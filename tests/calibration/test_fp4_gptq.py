@@ -64,7 +64,27 @@ def test_awq_clip_search_on_the_fp4_grid_never_loses_to_rtn(name):
     W[:, 7] *= 6  # a column of outliers, worth clipping
     inputs = clip_inputs(X, args)
     gs = nvfp4_global_scale(W.abs().max()) if name == "nvfp4a16" else None
-    ranges = search_clip(W, inputs, args, grid=10)
+    ranges = search_clip(W, inputs, args, grid=10, global_scale=gs)  # scored under the global scale it is stored with
     q = fake_quantize(W, args, *clip_qparams(W, ranges, args, global_scale=gs))
     rtn = fake_quantize(W, args, *compute_qparams(W, args, global_scale=gs))
     assert ((W - q) @ X.T).norm() <= ((W - rtn) @ X.T).norm()
+
+
+@pytest.mark.parametrize("name", ARGS)
+def test_gptq_range_search_on_the_fp4_grid(name):
+    """GPTQ's range search (each group's range searched under its block of H when the group
+    starts) on the fp4 grids: less output error than min-max ranges, and NVFP4's scales are
+    still the fp8 ones stored under the weight's global scale."""
+    args = ARGS[name]
+    X, W = _layer(seed=2)
+    W[:, 7] *= 6  # a column of outliers, worth clipping
+    H, _ = accumulate_hessian(None, X, 0)
+    plain = quantize_weight(W, H, args, actorder="static", refine=0)
+    searched = quantize_weight(W, H, args, actorder="static", refine=0, range_search=True)
+    err = {k: ((W - r.weight) @ X.T).norm() for k, r in (("plain", plain), ("searched", searched))}
+    assert err["searched"] < 0.97 * err["plain"], err
+    if name == "nvfp4a16":
+        gs = searched.global_scale
+        assert torch.equal(gs, nvfp4_global_scale(W.abs().max()))
+        fp8 = (searched.scale * gs).to(torch.float8_e4m3fn).float()
+        assert torch.equal(searched.scale, fp8 / gs)
