@@ -197,7 +197,10 @@ def fit_group_size(scheme: QuantScheme, widths: dict[str, int]) -> tuple[QuantSc
             misfit = misfit or next(n for n in names if widths[n] % group)
             group //= 2
         if misfit:
-            notes.append(f"group size {group}: {first} does not divide the input width {widths[misfit]} of {misfit}.")
+            note = f"group size {group}: {first} does not divide the input width {widths[misfit]} of {misfit}."
+            if s.input_activations is not None and s.input_activations.type == "float":  # w4afp8
+                note += " vLLM's W4A8Fp8 kernel takes group 128 only: vLLM will not load this checkpoint."
+            notes.append(note)
         return s.replace(weights=dataclasses.replace(s.weights, group_size=group), auto_group_size=False)
 
     parts = {id(s): [] for s in (scheme, *scheme.overrides)}

@@ -84,3 +84,15 @@ def test_reads_another_tools_config():
     assert ckpt.scheme_for("lm_head") is None
     assert ckpt.scheme_for("model.layers.0.mlp.gate") is None
     assert ckpt.schemes[0].weights.actorder == "weight"
+
+
+def test_a_fitted_w4afp8_group_says_vllm_will_not_load_it():
+    """vLLM's W4A8Fp8 kernel takes group 128 only: a w4afp8 group fitted below it says so;
+    a w4a16 one does not (vLLM's WNA16 kernels take any group)."""
+    from quantkit.scheme import fit_group_size
+
+    widths = {"model.layers.0.mlp.down_proj": 576}
+    for name, warned in (("w4afp8", True), ("w4a16", False)):
+        scheme, notes = fit_group_size(preset(name).replace(auto_group_size=True), widths)
+        assert scheme.weights.group_size == 64 and len(notes) == 1
+        assert ("vLLM will not load this checkpoint" in notes[0]) == warned
