@@ -135,3 +135,39 @@ def test_target_formats_name_the_fp4_formats(tmp_path, tiny_corpus, monkeypatch)
         quantize(str(path), preset("nvfp4a16"), tmp_path / "r", "rtn", calib, target_bits=6.0, target_formats="int4")
     with pytest.raises(QuantkitError, match="activations are quantized too"):
         quantize(str(path), preset("nvfp4"), tmp_path / "s", "rtn", calib, target_bits=6.0)
+
+
+def test_target_bits_over_nvfp4_on_a_mixture_of_experts(tmp_path, tiny_corpus, monkeypatch):
+    """Mixtral: every expert's w1/w3 one unit and every w2 one; each expert's w1 and w3 share
+    their NVFP4 weight global scale where the unit is NVFP4; the engine serves the checkpoint
+    with the greedy tokens of `quantkit.load`'s model."""
+    from conftest import make_family_model
+
+    from quantkit import assets
+
+    monkeypatch.setattr(assets, "cache_dir", lambda: tmp_path / "cache")
+    path = make_family_model(tmp_path / "m", "mixtral", dtype=torch.bfloat16)
+    out = tmp_path / "q"
+    calib = Calibration(str(tiny_corpus), 8, 32, min_expert_tokens=1)
+    prov = quantize(str(path), preset("nvfp4a16"), out, "rtn", calib, target_bits=6.0)
+    choice = prov["mixed_precision"]["choice"]
+    assert {"nvfp4", "int8"} <= set(choice.values()), choice
+    t = read_tensors(out)
+    gate_up = {label: c for label, c in choice.items() if ".experts." in label and ".w1" in label}
+    assert "nvfp4" in gate_up.values(), choice  # else the shared scales are not checked
+    for label, c in gate_up.items():
+        p = label.split(".experts.")[0] + ".experts"
+        experts = sorted({k.split(".experts.")[1].split(".")[0] for k in t if k.startswith(p + ".")}, key=int)
+        for e in experts:
+            assert (f"{p}.{e}.w1.weight_global_scale" in t) == (c == "nvfp4"), label
+            if c == "nvfp4":
+                assert torch.equal(t[f"{p}.{e}.w1.weight_global_scale"], t[f"{p}.{e}.w3.weight_global_scale"])
+    llm = LLM(str(out), dtype="float32", block_size=16, num_blocks=32)
+    reference = quantkit.load(out, torch.float32)
+    greedy = [
+        reference.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+        for p in PROMPTS
+    ]
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == [
+        g[0, len(p) :].tolist() for g, p in zip(greedy, PROMPTS)
+    ]
