@@ -15,12 +15,14 @@ from quantkit.errors import QuantkitError
 from quantkit.scheme import preset
 
 TARGET_BITS_HELP = (
-    "Mixed precision: give each layer group int4 (group 128/64/32), int8 or float, chosen by its measured "
-    "sensitivity, averaging at most this many bits per weight (as inspect counts them)."
+    "Mixed precision: give each layer group int4 (group 128/64/32; with --scheme nvfp4a16 or mxfp4a16 that "
+    "FP4 format), int8 or float, chosen by its measured sensitivity, averaging at most this many bits per "
+    "weight (as inspect counts them)."
 )
 TARGET_FORMATS_HELP = (
     "With --target-bits: the formats to choose from, comma-separated: int4-g128, int4-g64, int4-g32 "
-    "(int4: all three), int8, float. E.g. int4,float for vLLM's CPU build, which has no int8 weight kernel."
+    "(int4: all three), nvfp4, mxfp4, int8, float. E.g. int4,float for vLLM's CPU build, which has no int8 "
+    "weight kernel."
 )
 
 TARGET_ESTIMATE_HELP = (
