@@ -39,6 +39,19 @@ def bf16_llama(tmp_path_factory):
     return make_tiny_model(path, dtype=torch.bfloat16, hidden_size=128, intermediate_size=256)
 
 
+def assert_engine_greedy_is_quantkit_loads(out):
+    """The engine (float32) serves the checkpoint `out` with the greedy tokens of `quantkit.load`'s model."""
+    llm = LLM(str(out), dtype="float32", block_size=16, num_blocks=32)
+    reference = quantkit.load(out, torch.float32)
+    greedy = [
+        reference.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+        for p in PROMPTS
+    ]
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == [
+        g[0, len(p) :].tolist() for g, p in zip(greedy, PROMPTS)
+    ]
+
+
 def test_fp4_candidates_and_refusals():
     for name, (fmt, _) in FP4.items():
         cands = mixed.candidates(preset(name))
@@ -110,15 +123,7 @@ def test_target_bits_over_fp4_end_to_end(bf16_llama, tiny_corpus, tmp_path, monk
             ref.get_submodule(name).weight.data.copy_(dequantize_linear(stored, s, torch.float32))
     with torch.no_grad():
         torch.testing.assert_close(quantkit.load(out, torch.float32)(IDS).logits, ref(IDS).logits, rtol=1e-4, atol=1e-4)
-    llm = LLM(str(out), dtype="float32", block_size=16, num_blocks=32)
-    reference = quantkit.load(out, torch.float32)
-    greedy = [
-        reference.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
-        for p in PROMPTS
-    ]
-    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == [
-        g[0, len(p) :].tolist() for g, p in zip(greedy, PROMPTS)
-    ]
+    assert_engine_greedy_is_quantkit_loads(out)
 
 
 def test_target_formats_name_the_fp4_formats(tmp_path, tiny_corpus, monkeypatch):
@@ -162,12 +167,4 @@ def test_target_bits_over_nvfp4_on_a_mixture_of_experts(tmp_path, tiny_corpus, m
             assert (f"{p}.{e}.w1.weight_global_scale" in t) == (c == "nvfp4"), label
             if c == "nvfp4":
                 assert torch.equal(t[f"{p}.{e}.w1.weight_global_scale"], t[f"{p}.{e}.w3.weight_global_scale"])
-    llm = LLM(str(out), dtype="float32", block_size=16, num_blocks=32)
-    reference = quantkit.load(out, torch.float32)
-    greedy = [
-        reference.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
-        for p in PROMPTS
-    ]
-    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == [
-        g[0, len(p) :].tolist() for g, p in zip(greedy, PROMPTS)
-    ]
+    assert_engine_greedy_is_quantkit_loads(out)
