@@ -85,7 +85,7 @@ def parse_args() -> argparse.Namespace:
 
 class Run:
     def __init__(self, a: argparse.Namespace):
-        self.a, self.out = a, a.out
+        self.a, self.out = a, a.out.resolve()
         self.out.mkdir(parents=True, exist_ok=True)
         self.path = self.out / "results.json"
         self.results = json.loads(self.path.read_text()) if self.path.exists() else {}
@@ -144,15 +144,15 @@ def quantize_all(run: Run, model_dir: Path, calib: Path) -> None:
     if run.a.parallel and {first, "peer"} <= todo.keys():
         env = dict(os.environ, OMP_NUM_THREADS="1")
         log = run.out / "peer.log"
-        with open(log, "w") as f:
-            peer = subprocess.Popen(todo.pop("peer"), stdout=f, stderr=subprocess.STDOUT, env=env)
+        with open(log, "w") as f:  # in OUT: from the repository root its `import kernels` finds quantkit's kernels/
+            peer = subprocess.Popen(todo.pop("peer"), stdout=f, stderr=subprocess.STDOUT, env=env, cwd=run.out)
         run.results[first] = timed(todo.pop(first), run.out / f"{first}.log", env)
         peer.wait()
         run.results["peer"] = {"rc": peer.returncode, "wall_s": None, "cpu_s": None}
         _peer_result(run)
     for key, cmd in todo.items():
         print(f"{key}: {' '.join(cmd[:3])} ...", flush=True)
-        run.results[key] = timed(cmd, run.out / f"{key}.log", dict(os.environ))
+        run.results[key] = timed(cmd, run.out / f"{key}.log", dict(os.environ), cwd=run.out if key == "peer" else None)
         if key == "peer":
             _peer_result(run)
         run.save()
