@@ -65,30 +65,37 @@ def gate_table(report: dict) -> Table:
     return table
 
 
-def _perplexity(model: str, text: str, seq_len, limit, batch_size: int, json_path: Path | None) -> None:
-    """`quantkit eval` without a baseline, tasks or gates: the perplexity table."""
+def _perplexity(models: list[str], text: str, seq_len, limit, batch_size: int, json_path: Path | None) -> None:
+    """`quantkit eval` without a baseline, tasks or gates: a perplexity table per model."""
     from quantkit.eval.run import evaluate
 
+    results = []
     with progress() as track:
-        result = evaluate(model, text, seq_len, limit, batch_size, track)
+        for model in models:
+            results.append(evaluate(model, text, seq_len, limit, batch_size, track))
     if json_path:
-        write_json(json_path, result)
-    out.print(
-        rows_table(
-            f"perplexity of {model}",
-            [
-                ("dataset", result["dataset"]),
-                ("perplexity", f"{result['ppl']:.4f}"),
-                ("windows × seq_len", f"{result['windows']} × {result['seq_len']} = {result['tokens']} tokens"),
-                ("time", f"{result['eval_time_s']:.1f} s"),
-            ],
+        write_json(json_path, results[0] if len(results) == 1 else results)
+    for model, result in zip(models, results):
+        out.print(
+            rows_table(
+                f"perplexity of {model}",
+                [
+                    ("dataset", result["dataset"]),
+                    ("perplexity", f"{result['ppl']:.4f}"),
+                    ("windows × seq_len", f"{result['windows']} × {result['seq_len']} = {result['tokens']} tokens"),
+                    ("time", f"{result['eval_time_s']:.1f} s"),
+                ],
+            )
         )
-    )
 
 
 @command
 def eval(
-    model: str = typer.Argument(..., help="Built-in name, local folder, hub id or quantkit checkpoint."),
+    models: list[str] = typer.Argument(
+        ...,
+        help="Built-in name, local folder, hub id or quantkit checkpoint; several are scored one after the other, "
+        "against one --baseline scored once.",
+    ),
     ppl: str = typer.Option(
         "wiki", help="Perplexity text: wiki, news, wikitext2, c4, pileval, a .txt/.jsonl/.parquet file, or none."
     ),
@@ -121,7 +128,9 @@ def eval(
     min_top1: Optional[float] = typer.Option(
         None, help="Gate: fail when fewer positions than this fraction keep the baseline's top token (e.g. 0.9)."
     ),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the result to this JSON file."),
+    json_path: Optional[Path] = typer.Option(
+        None, "--json", help="Also write the result to this JSON file (a list of results for several models)."
+    ),
 ):
     """Perplexity on the papers' protocol (non-overlapping windows, mean token NLL) and
     lm-eval tasks; with --baseline, side by side (plus KL divergence and top-1 agreement on
@@ -131,25 +140,27 @@ def eval(
     gates = {"max_ppl_increase": _fraction(max_ppl_increase), "min_recovery": min_recovery}
     gates |= {"max_kld": max_kld, "min_top1": min_top1}
     if baseline is None and not task_list and text and all(g is None for g in gates.values()):
-        return _perplexity(model, text, seq_len, limit, batch_size, json_path)
-    from quantkit.eval.gates import evaluate_gates
+        return _perplexity(models, text, seq_len, limit, batch_size, json_path)
+    from quantkit.eval.gates import evaluate_many
 
     if task_list:
         quiet_lm_eval()
     scope = {"ppl": text, "tasks": task_list, "limit": limit, "seq_len": seq_len, "batch_size": batch_size}
     with progress() as track:
-        report = evaluate_gates(
-            model, baseline, **scope, num_fewshot=num_fewshot, include_path=include_path, **gates, track=track
+        reports = evaluate_many(
+            models, baseline, **scope, num_fewshot=num_fewshot, include_path=include_path, **gates, track=track
         )
     if json_path:
-        write_json(json_path, report)
-    show_gates(report)
+        write_json(json_path, reports[0] if len(reports) == 1 else reports)
+    show_gates(*reports)
 
 
-def show_gates(report: dict) -> None:
-    """The gate table, a sentence per failed gate, and exit code 1 if one failed."""
-    out.print(gate_table(report))
-    for failure in report["failures"]:
-        console.print(f"[bold red]gate failed:[/] {escape(failure)}")
-    if report["failures"]:
+def show_gates(*reports: dict) -> None:
+    """Each report's gate table and a sentence per failed gate; exit code 1 if one failed."""
+    for report in reports:
+        out.print(gate_table(report))
+        which = f"{report['candidate']}: " if len(reports) > 1 else ""
+        for failure in report["failures"]:
+            console.print(f"[bold red]gate failed:[/] {escape(which + failure)}")
+    if any(report["failures"] for report in reports):
         raise typer.Exit(1)

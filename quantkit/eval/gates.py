@@ -215,8 +215,30 @@ def _task_manager(tasks, include_path):
     return task_manager(list(tasks), include_path)
 
 
-def evaluate_gates(
-    candidate: str,
+def evaluate_gates(candidate: str, baseline: str | None = None, **options) -> dict:
+    """Score `candidate` (and `baseline` first, on the same data) on perplexity of the
+    text `ppl` (quantkit's protocol; None to skip) and the lm-eval `tasks` (built-in
+    wiki_cloze and wiki_wordppl, folders under `include_path`, lm-eval's own), `limit`
+    windows / documents each, and apply the thresholds (the keyword arguments of
+    `evaluate_many`, whose one report this is). With a baseline and `ppl`, the
+    baseline leaves its fp16 log-probabilities of every perplexity position in a temporary
+    folder (removed afterwards; 2 bytes × vocabulary per position) and the candidate is
+    compared with them: rows `kld`, `kld_p99`, `top1_agreement` after `ppl`, gated by
+    `max_kld` (nats per token) and `min_top1` (a fraction).
+
+    Returns {"candidate", "baseline", "ppl", "tasks", "limit", "seq_len", "num_fewshot",
+    "thresholds", "rows": [{metric, baseline, candidate, delta, recovery, passed}],
+    "failures": [one sentence per failed threshold], "passed", "results": {"candidate",
+    "baseline": each model's `measure`, the candidate's with "kld" details}, "data_sha256",
+    "versions", "seeds", "recorded"}. When the candidate is a quantkit checkpoint the report
+    is also appended to its `quantkit.json` (`evaluations`) and its model card rewritten
+    ("recorded": true).
+    """
+    return evaluate_many([candidate], baseline, **options)[0]
+
+
+def evaluate_many(
+    candidates: list[str],
     baseline: str | None = None,
     *,
     ppl: str | None = "wiki",
@@ -231,84 +253,66 @@ def evaluate_gates(
     min_top1: float | None = None,
     track: Track | None = None,
     batch_size: int = 1,
-) -> dict:
-    """Score `candidate` (and `baseline` first, on the same data) on perplexity of the
-    text `ppl` (quantkit's protocol; None to skip) and the lm-eval `tasks` (built-in
-    wiki_cloze and wiki_wordppl, folders under `include_path`, lm-eval's own), `limit`
-    windows / documents each, and apply the thresholds. With a baseline and `ppl`, the
-    baseline leaves its fp16 log-probabilities of every perplexity position in a temporary
-    folder (removed afterwards; 2 bytes × vocabulary per position) and the candidate is
-    compared with them: rows `kld`, `kld_p99`, `top1_agreement` after `ppl`, gated by
-    `max_kld` (nats per token) and `min_top1` (a fraction).
-
-    Returns {"candidate", "baseline", "ppl", "tasks", "limit", "seq_len", "num_fewshot",
-    "thresholds", "rows": [{metric, baseline, candidate, delta, recovery, passed}],
-    "failures": [one sentence per failed threshold], "passed", "results": {"candidate",
-    "baseline": each model's `measure`, the candidate's with "kld" details}, "data_sha256",
-    "versions", "seeds", "recorded"}. When the candidate is a quantkit checkpoint the report
-    is also appended to its `quantkit.json` (`evaluations`) and its model card rewritten
-    ("recorded": true).
-    """
+) -> list[dict]:
+    """`evaluate_gates`' report for each of `candidates`, in order, against one `baseline`
+    scored once: its log-probabilities are kept until the last candidate is compared."""
     tasks = [t for t in tasks if t]
+    if not candidates:
+        raise QuantkitError("nothing to evaluate: name at least one model.")
     _check_args(baseline, ppl, tasks, max_ppl_increase, min_recovery, max_kld, min_top1)
-    if baseline is not None:
+    for candidate in candidates if baseline is not None else ():
         check_same_tokenizer(candidate, baseline)
     manager = _task_manager(tasks, include_path)
     options = dict(
         limit=limit, seq_len=seq_len, num_fewshot=num_fewshot, batch_size=batch_size, track=track or no_progress
     )
-    scored, comparer = _score(candidate, baseline, ppl, tasks, manager, options)
-    rows, failures = compare(scored["candidate"], scored.get("baseline"), max_ppl_increase, min_recovery)
-    if comparer is not None:
-        scored["candidate"]["kld"] = comparer.summary()
-        _add_kld_rows(rows, failures, scored["candidate"]["kld"], max_kld, min_top1)
-    report = {
-        "candidate": str(candidate),
-        "baseline": None if baseline is None else str(baseline),
-        "ppl": ppl,
-        "tasks": tasks,
-        "limit": limit,
-        "seq_len": seq_len,
-        "num_fewshot": num_fewshot,
-        "include_path": None if include_path is None else str(include_path),
-        "thresholds": {
-            "max_ppl_increase": max_ppl_increase,
-            "min_recovery": min_recovery,
-            "max_kld": max_kld,
-            "min_top1": min_top1,
-        },
-        "rows": rows,
-        "failures": failures,
-        "passed": not failures,
-        "results": {"candidate": scored["candidate"], "baseline": scored.get("baseline")},
-        "data_sha256": scored["candidate"]["data_sha256"],
-        "versions": _versions(),
-        "seeds": _seeds(tasks),
-    }
-    report["recorded"] = record_evaluation(resolve_model(candidate), report)
-    return report
+    scope = {"ppl": ppl, "tasks": tasks, "limit": limit, "seq_len": seq_len, "num_fewshot": num_fewshot}
+    scope["include_path"] = None if include_path is None else str(include_path)
+    thresholds = {"max_ppl_increase": max_ppl_increase, "min_recovery": min_recovery}
+    thresholds |= {"max_kld": max_kld, "min_top1": min_top1}
+    reports = []
+    for candidate, scored, comparer in _score(candidates, baseline, ppl, tasks, manager, options):
+        rows, failures = compare(scored["candidate"], scored.get("baseline"), max_ppl_increase, min_recovery)
+        if comparer is not None:
+            scored["candidate"]["kld"] = comparer.summary()
+            _add_kld_rows(rows, failures, scored["candidate"]["kld"], max_kld, min_top1)
+        report = {"candidate": str(candidate), "baseline": None if baseline is None else str(baseline), **scope}
+        report |= {"thresholds": thresholds, "rows": rows, "failures": failures, "passed": not failures}
+        report |= {
+            "results": {"candidate": scored["candidate"], "baseline": scored.get("baseline")},
+            "data_sha256": scored["candidate"]["data_sha256"],
+            "versions": _versions(),
+            "seeds": _seeds(tasks),
+        }
+        report["recorded"] = record_evaluation(resolve_model(candidate), report)
+        reports.append(report)
+    return reports
 
 
-def _score(candidate, baseline, ppl, tasks, manager, options) -> tuple[dict, object]:
-    # ({"baseline"?, "candidate"}: each a `measure`, the kld.Comparer that saw the candidate or None);
-    # the baseline's log-probabilities live in a temporary folder until the candidate is scored
+def _score(candidates, baseline, ppl, tasks, manager, options):
+    # yields (candidate, {"baseline"?, "candidate"}: each a `measure`, the kld.Comparer that saw
+    # the candidate or None); the baseline is scored once, and its log-probabilities live in a
+    # temporary folder until the last candidate is scored
     from quantkit.eval.kld import Comparer, Recorder
 
-    scored, comparer = {}, None
+    base, full_from = None, None
     with tempfile.TemporaryDirectory(prefix="quantkit-kld-") as folder:
         if baseline is not None:
             recorder = Recorder(folder) if ppl else None
-            scored["baseline"] = measure(baseline, ppl, tasks, manager, **options, observe=recorder)
+            base = measure(baseline, ppl, tasks, manager, **options, observe=recorder)
             gc.collect()
             if recorder is not None and recorder.full_from == 0:
                 raise QuantkitError(
                     f"{folder} cannot hold the baseline's log-probabilities of one window (2 bytes per token of "
                     "the vocabulary per position, 1 GiB kept free); set TMPDIR to a larger disk."
                 )
-            comparer = Comparer(folder, recorder.full_from) if ppl else None
-        scored["candidate"] = measure(candidate, ppl, tasks, manager, **options, observe=comparer)
-        gc.collect()
-    return scored, comparer
+            full_from = None if recorder is None else recorder.full_from
+        for candidate in candidates:
+            comparer = Comparer(folder, full_from) if baseline is not None and ppl else None
+            scored = {"baseline": base} if baseline is not None else {}
+            scored["candidate"] = measure(candidate, ppl, tasks, manager, **options, observe=comparer)
+            gc.collect()
+            yield candidate, scored, comparer
 
 
 def _add_kld_rows(rows: list, failures: list, stats: dict, max_kld, min_top1) -> None:

@@ -133,6 +133,41 @@ def test_gates_through_the_cli(tiny_llama, quantized, tiny_corpus, tmp_path):
     assert [row["passed"] for row in json.loads((tmp_path / "r.json").read_text())["rows"]][1:] == [True, None, True]
 
 
+def test_several_candidates_against_one_baseline_scored_once(tiny_llama, quantized, tiny_corpus, tmp_path, monkeypatch):
+    """`quantkit eval A B --baseline M`: M is scored once, and each candidate's report equals
+    what a run of its own gives; a gate failing for one of them exits 1 and names it."""
+    from quantkit.eval import gates
+
+    scope = dict(ppl=str(tiny_corpus), seq_len=SEQ_LEN, limit=2)
+    alone = [evaluate_gates(str(m), str(tiny_llama), **scope) for m in (quantized, tiny_llama)]
+    measured = []
+    measure = gates.measure
+    monkeypatch.setattr(gates, "measure", lambda model, *a, **k: measured.append(model) or measure(model, *a, **k))
+    reports = gates.evaluate_many([str(quantized), str(tiny_llama)], str(tiny_llama), **scope)
+    assert measured == [str(tiny_llama), str(quantized), str(tiny_llama)]  # the baseline once, first
+    for report, one in zip(reports, alone):
+        assert report["candidate"] == one["candidate"] and report["rows"] == one["rows"]
+    assert reports[0]["rows"][1]["candidate"] > 1e-3 and reports[1]["rows"][1]["candidate"] < 1e-5  # kld
+
+    common = ["--ppl", str(tiny_corpus), "--seq-len", str(SEQ_LEN), "--limit", "2", "--json", str(tmp_path / "r.json")]
+    kl = reports[0]["rows"][1]["candidate"]
+    r = runner.invoke(app, ["eval", str(quantized), str(tiny_llama), "--baseline", str(tiny_llama), *common])
+    assert r.exit_code == 0, r.output
+    written = json.loads((tmp_path / "r.json").read_text())
+    assert [w["candidate"] for w in written] == [str(quantized), str(tiny_llama)]
+    assert [w["rows"] for w in written] == [one["rows"] for one in alone]
+    gate = ["--max-kld", f"{kl / 2}"]
+    r = runner.invoke(app, ["eval", str(quantized), str(tiny_llama), "--baseline", str(tiny_llama), *common, *gate])
+    assert r.exit_code == 1, r.output
+    assert f"gate failed: {quantized}: kld is" in flat(r.output) and flat(r.output).count("gate failed") == 1
+
+    r = runner.invoke(app, ["eval", str(quantized), str(tiny_llama), *common])  # perplexity only: one table each
+    assert r.exit_code == 0, r.output
+    written = json.loads((tmp_path / "r.json").read_text())
+    assert [w["ppl"] for w in written] == [one["results"]["candidate"]["metrics"]["ppl"] for one in alone]
+    assert f"perplexity of {quantized}" in flat(r.output) and f"perplexity of {tiny_llama}" in flat(r.output)
+
+
 def test_refusals(tiny_llama, tiny_corpus):
     cases = [
         (["eval", str(tiny_llama), "--max-kld", "0.1"], "add --baseline MODEL"),
