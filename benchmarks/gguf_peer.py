@@ -8,7 +8,7 @@ scores every file on the same wiki windows: perplexity, and the KL divergence fr
 file's logits (--kl-divergence-base / --kl-divergence).
 
     QUANTKIT_LLAMA_CPP=/work/peers/llama.cpp-build/bin OMP_NUM_THREADS=1 \\
-        python benchmarks/gguf.py smollm2-135m --types q4_k_m,q4_0,q8_0 --samples 64 --chunks 16
+        python benchmarks/gguf_peer.py smollm2-135m --types q4_k_m,q4_0,q8_0 --samples 64 --chunks 16
 """
 
 from __future__ import annotations
