@@ -35,6 +35,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -146,9 +148,19 @@ def quantize_all(run: Run, model_dir: Path, calib: Path) -> None:
         log = run.out / "peer.log"
         with open(log, "w") as f:  # in OUT: from the repository root its `import kernels` finds quantkit's kernels/
             peer = subprocess.Popen(todo.pop("peer"), stdout=f, stderr=subprocess.STDOUT, env=env, cwd=run.out)
+        start, ended = time.perf_counter(), {}
+
+        def reap():  # the peer's own wall and CPU time (getrusage of all children would mix in quantkit's)
+            _, status, usage = os.wait4(peer.pid, 0)
+            ended.update(wall=time.perf_counter() - start, cpu=usage.ru_utime + usage.ru_stime)
+            peer.returncode = os.waitstatus_to_exitcode(status)
+
+        reaper = threading.Thread(target=reap)
+        reaper.start()
         run.results[first] = timed(todo.pop(first), run.out / f"{first}.log", env)
-        peer.wait()
-        run.results["peer"] = {"rc": peer.returncode, "wall_s": None, "cpu_s": None}
+        reaper.join()
+        wall, cpu = round(ended["wall"], 1), round(ended["cpu"], 1)
+        run.results["peer"] = {"rc": peer.returncode, "wall_s": wall, "cpu_s": cpu}
         _peer_result(run)
     for key, cmd in todo.items():
         print(f"{key}: {' '.join(cmd[:3])} ...", flush=True)

@@ -47,7 +47,6 @@ import json
 import math
 import os
 import platform
-import resource
 import shutil
 import subprocess
 import sys
@@ -213,15 +212,15 @@ class Evaluator:
 
 
 def timed(cmd: list[str], log: Path, env: dict | None = None, cwd: Path | None = None) -> dict:
-    """Run `cmd` with its output in `log`; wall and CPU (user + sys of the child) seconds."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    """Run `cmd` with its output in `log`; wall and CPU (user + sys of the child and its
+    children, from its own wait4, so another child finishing meanwhile is not counted) seconds."""
     start = time.perf_counter()
     with open(log, "w") as f:
-        done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd)
-    wall = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return {"rc": done.returncode, "wall_s": round(wall, 1), "cpu_s": round(cpu, 1)}
+        child = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+        _, status, usage = os.wait4(child.pid, 0)
+    child.returncode = os.waitstatus_to_exitcode(status)
+    wall, cpu = time.perf_counter() - start, usage.ru_utime + usage.ru_stime
+    return {"rc": child.returncode, "wall_s": round(wall, 1), "cpu_s": round(cpu, 1)}
 
 
 def tail(log: Path, lines: int = 6) -> str:

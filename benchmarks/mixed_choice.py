@@ -8,7 +8,10 @@ other in one process; the sensitivities are measured afresh (`--cache`, default 
 
     OMP_NUM_THREADS=1 nice -n 15 python benchmarks/mixed_choice.py [--model smollm2-135m]
         [--method gptq] [--bits 4.56275] [--windows 16] [--samples 128] [--seq-len 512] [--uniform]
-        [--cheaper range_search=false refine=0] [--out /tmp/mixed-choice]
+        [--cheaper range_search=false refine=0] [--costs-from rtn] [--out /tmp/mixed-choice]
+
+`--costs-from METHOD` makes the second run's sensitivity quantize each unit by METHOD with its
+default options instead of `--cheaper`'s settings (e.g. AWQ's choice from round-to-nearest's costs).
 
 The scheme is w4a16-asym group 64 (act-order static for GPTQ, as its command), calibration
 `news`, seed 0, the method's default options.
@@ -31,14 +34,17 @@ from quantkit.pipeline.quantize import quantize
 from quantkit.scheme import preset, with_actorder
 
 
-def run(a, label: str, out: Path, cheaper: dict | None, cache: Path) -> dict:
-    """One run: the checkpoint in out/label, its CPU seconds (sensitivity, all), choice and perplexity."""
+def run(a, label: str, out: Path, cheaper: dict | None, cache: Path, costs_from: str | None = None) -> dict:
+    """One run: the checkpoint in out/label, its CPU seconds (sensitivity, all), choice and
+    perplexity; with `costs_from`, the sensitivity quantizes by that method (its own options)."""
     method = METHODS[a.method]
     scheme = with_actorder(preset("w4a16-asym").with_group_size(64), "static" if method.actorder else None)
     measure, spent = mixed.sensitivity, [0.0]
 
     def timed(*args, **kwargs):
         start = time.process_time()
+        if costs_from:
+            kwargs |= {"method": costs_from, "options": None}
         try:
             return measure(*args, **kwargs, cache=cache)
         finally:
@@ -75,17 +81,19 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=128, help="calibration rows (the command's default)")
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per calibration row")
     parser.add_argument("--cheaper", nargs="*", default=["range_search=false", "refine=0"])
+    parser.add_argument("--costs-from", default=None, choices=("rtn", "gptq", "awq"), help="the second run's costs")
     parser.add_argument("--uniform", action="store_true", help="also the uniform run (no --target-bits)")
     parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "mixed-choice")
     parser.add_argument("--cache", type=Path, default=None, help="sensitivity cache (default: a new folder)")
     a = parser.parse_args()
     cache = a.cache or Path(tempfile.mkdtemp(prefix="sensitivity-"))
-    plans = [("shipped", {}), ("cheaper", dict(map(setting, a.cheaper)))] + [("uniform", None)] * a.uniform
+    second = ("costs-" + a.costs_from, {}) if a.costs_from else ("cheaper", dict(map(setting, a.cheaper)))
+    plans = [("shipped", {}), second] + [("uniform", None)] * a.uniform
     print(f"| {a.method} | sensitivity (CPU s) | the rest (CPU s) | all (CPU s) | wiki ppl ({a.windows}) | choice |")
     print("|---|---|---|---|---|---|")
     rows = []
     for label, cheaper in plans:
-        r = run(a, label, a.out, cheaper, cache)
+        r = run(a, label, a.out, cheaper, cache, a.costs_from if label.startswith("costs-") else None)
         rows.append(r)
         first = rows[0]["choice"]
         differ = "" if r["choice"] is None else f"{sum(first[k] != v for k, v in r['choice'].items())} groups differ"
