@@ -181,13 +181,42 @@ class Learned:
     losses: list[float]
 
 
-def _rows(value, index: torch.Tensor, n: int):
-    # a keyword argument for a subset of a batch's rows: tensors whose first dim is the batch
-    if isinstance(value, torch.Tensor):
-        return value.index_select(0, index) if value.dim() and value.shape[0] == n and n > 1 else value
-    if isinstance(value, (tuple, list)):
-        return type(value)(_rows(v, index, n) for v in value)
-    return value
+def _draws(data: BlockData, batch: int, g: torch.Generator):
+    """Endless steps' rows, (batch, row) pairs: the next `batch` of a shuffle of every
+    calibration row, a new shuffle when fewer are left (so each pass sees each row once)."""
+    rows = [(j, r) for j, h in enumerate(data.hidden) for r in range(h.shape[0])]
+    batch, queue = min(batch, len(rows)), []
+    while True:
+        if len(queue) < batch:
+            queue = [rows[k] for k in torch.randperm(len(rows), generator=g).tolist()]
+        yield sorted(queue[:batch])
+        queue = queue[batch:]
+
+
+def _gather(data: BlockData, picked: list[tuple[int, int]]):
+    """(inputs, keyword arguments, targets) of the rows `picked` ((batch, row) pairs), which
+    may come from several calibration batches: per-row tensors are taken from each row's own
+    batch; what a batch shares by all its rows (positions, a causal mask) is the first's,
+    the same for every batch of rows of one length."""
+    by_batch: dict[int, list[int]] = {}
+    for j, r in picked:
+        by_batch.setdefault(j, []).append(r)
+    parts = [(j, torch.tensor(rows)) for j, rows in by_batch.items()]
+    sizes = [data.hidden[j].shape[0] for j, _ in parts]
+
+    def pick(values: list):
+        first = values[0]
+        if isinstance(first, torch.Tensor):
+            per_row = first.dim() and max(sizes) > 1 and all(v.shape[0] == n for v, n in zip(values, sizes))
+            return torch.cat([v.index_select(0, i) for v, (_, i) in zip(values, parts)]) if per_row else first
+        if isinstance(first, (tuple, list)):
+            return type(first)(pick([v[k] for v in values]) for k in range(len(first)))
+        return first
+
+    h = torch.cat([data.hidden[j].index_select(0, i) for j, i in parts])
+    target = torch.cat([data.targets[j].index_select(0, i) for j, i in parts])
+    kwargs = [data.kwargs[j] for j, _ in parts]
+    return h, {k: pick([kw[k] for kw in kwargs]) for k in kwargs[0]}, target
 
 
 def _output(block: nn.Module, weights: dict[str, torch.Tensor], h: torch.Tensor, kw: dict) -> torch.Tensor:
@@ -215,8 +244,9 @@ def learn_block(
     seed: int = 0,
 ) -> Learned:
     """Learn the `roundings` (linear name in `block` -> `Rounding`) by `iters` signed-gradient
-    steps on the MSE of the block's output against `data.targets`, each step on `batch` rows
-    of one calibration batch drawn at random (`seed`). The kept iterate is the one whose step
+    steps on the MSE of the block's output against `data.targets`, each step on the next
+    `batch` rows of a shuffle of all calibration rows, across batches, shuffled again when
+    they run out (`seed`; the reference's index sampler). The kept iterate is the one whose step
     loss was lowest; if over all rows it scores worse than round-to-nearest (V = 0, α = β =
     1), round-to-nearest is kept, so the result is never worse on the calibration rows. The
     roundings are left holding the kept parameters; the block itself is not modified."""
@@ -227,16 +257,12 @@ def learn_block(
         p.requires_grad_(False)  # no gradient for anything but V, α, β
     start = {n: r.state() for n, r in roundings.items()}
     g = torch.Generator().manual_seed(seed)
+    draws = _draws(data, batch, g)
     best, best_state, losses = float("inf"), start, []
     try:
         with torch.enable_grad():
             for t in range(iters):
-                j = int(torch.randint(len(data.hidden), (1,), generator=g))
-                h, kw, target = data.hidden[j], data.kwargs[j], data.targets[j]
-                n = h.shape[0]
-                if batch < n:
-                    idx = torch.randperm(n, generator=g)[:batch].sort().values
-                    h, target, kw = h.index_select(0, idx), target.index_select(0, idx), _rows(kw, idx, n)
+                h, kw, target = _gather(data, next(draws))
                 weights = {f"{name}.weight": r.weight().to(h.dtype) for name, r in roundings.items()}
                 loss = (_output(block, weights, h, kw).float() - target).pow(2).mean()
                 losses.append(loss.item())

@@ -80,7 +80,7 @@ class AutoRoundOptions:
         None, "Step size of the rounding offsets, decayed linearly to 0 (default 1/iters).", kind="float", min=0
     )
     clip_lr: float | None = option(None, "Step size of the clip factors (default: --lr).", kind="float", min=0)
-    batch: int = option(8, "Calibration rows per step (drawn from one forward batch).", min=1)
+    batch: int = option(8, "Calibration rows per step (drawn from all rows, reshuffled each pass).", min=1)
     grid: str = option(
         "full",
         "Symmetric int grid: full (the reference's and llama.cpp Q4_0's: scale = the group's signed "

@@ -110,6 +110,30 @@ def test_learned_rounding_never_loses_to_round_to_nearest(tiny_llama, name, full
     assert autoround._full_loss(block, weights, data) == pytest.approx(found.loss, rel=1e-4)
 
 
+def test_each_pass_draws_every_calibration_row_once(tiny_llama):
+    """A step's rows come from all batches (8 rows in 2 batches of 4 here), as the reference's
+    index sampler draws them: a shuffle of every row, taken `batch` at a time."""
+    _, _, data = block_data(tiny_llama, "w4a16")
+    draws = autoround._draws(data, 4, torch.Generator().manual_seed(0))
+    for _ in range(3):
+        a, b = next(draws), next(draws)
+        assert sorted(a + b) == [(j, r) for j in range(2) for r in range(4)]
+    assert {j for j, _ in a} | {j for j, _ in b} == {0, 1}
+    assert len(next(autoround._draws(data, 20, torch.Generator()))) == 8  # at most every row
+
+
+def test_rows_gathered_across_batches_run_as_in_their_own_batch(tiny_llama):
+    """The block on rows gathered from two batches (per-row tensors from each row's batch,
+    shared ones once) gives those rows' outputs of the whole batches (tolerance 1e-5)."""
+    block, _, data = block_data(tiny_llama, "w4a16")
+    picked = [(0, 3), (1, 0), (1, 2)]
+    h, kw, target = autoround._gather(data, picked)
+    expected = torch.stack([data.targets[j][r] for j, r in picked])
+    assert torch.equal(target, expected) and torch.equal(h, torch.stack([data.hidden[j][r] for j, r in picked]))
+    with torch.no_grad():
+        torch.testing.assert_close(autoround._output(block, {}, h, kw).float(), expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("name, full", [(n, False) for n in SCHEMES] + [("w4a16", True)])
 def test_the_straight_through_weight_is_the_exact_codes(name, full):
     """`Rounding.weight` (differentiable, STE) against `final` (codes on the primitives' grid)
