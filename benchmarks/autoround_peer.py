@@ -190,7 +190,7 @@ def evaluate(run: Run, key: str) -> dict:
         return run.results[ekey]
     j = run.out / f"eval-{key}.json"
     cmd = [run.qk, "eval", str(run.out / key), "--ppl", "wiki", "--limit", str(run.a.windows)]
-    cmd += ["--baseline", "smollm2-135m", "--json", str(j)]
+    cmd += ["--baseline", "smollm2-135m", "--dtype", "float32", "--json", str(j)]  # AutoRound exports fp16
     r = timed(cmd, run.out / f"eval-{key}.log", dict(os.environ))
     if r["rc"] == 0:
         rows = {row["metric"]: row for row in json.loads(j.read_text())["rows"]}

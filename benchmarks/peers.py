@@ -27,7 +27,9 @@ w4a16-asym. One run, in this order:
 3. one evaluator for all: quantkit's `quantkit eval --ppl wiki --limit W --baseline MODEL` code
    (`gates.measure` with `kld.Recorder` / `kld.Comparer`), the float model scored once per model
    and its log-probabilities kept in OUT/MODEL/baseline-W, then each checkpoint through quantkit's
-   loader (it reads compressed-tensors and GPTQ v1): perplexity of the first W 2048-token windows
+   loader (it reads compressed-tensors and GPTQ v1), computing in float32 as the float model does
+   whatever dtype its tool exported (`quantkit eval --dtype float32`; GPTQModel writes bf16,
+   AutoRound fp16; before 2026-12-05 each ran in its own): perplexity of the first W 2048-token windows
    of `wiki`, KL(float ‖ checkpoint) per token and top-1 agreement on the same positions.
 
 Prints a markdown table per model (also OUT/MODEL/table-W.md): ppl, Δ vs float, Δ / Δ(RTN of
@@ -304,6 +306,8 @@ def baseline(run: Run) -> Path:
 
 def evaluate(run: Run, case: str) -> None:
     """ppl, KL and top-1 of `case`'s checkpoint against the float model (or the loader's error)."""
+    import torch
+
     from quantkit.eval.gates import measure
     from quantkit.eval.kld import Comparer
 
@@ -314,7 +318,8 @@ def evaluate(run: Run, case: str) -> None:
     print(f"{key}: quantkit's evaluator on {run.folder(case)}", flush=True)
     comparer = Comparer(stored)
     try:
-        m = measure(str(run.folder(case)), "wiki", [], limit=run.a.windows, observe=comparer)
+        # in float32, the float model's dtype, whatever dtype the tool exported (GPTQModel: bf16)
+        m = measure(str(run.folder(case)), "wiki", [], limit=run.a.windows, observe=comparer, dtype=torch.float32)
         s = comparer.summary()
         res = {"ppl": m["metrics"]["ppl"], "kld": s["kld"], "kld_p99": s["kld_p99"], "top1": s["top1_agreement"]}
         res |= {"positions": s["positions"], "eval_s": m["eval_time_s"]}

@@ -65,14 +65,24 @@ def gate_table(report: dict) -> Table:
     return table
 
 
-def _perplexity(models: list[str], text: str, seq_len, limit, batch_size: int, json_path: Path | None) -> None:
+def _dtype(name: str):
+    """The torch dtype `--dtype` names, or None for auto."""
+    import torch
+
+    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name != "auto" and name not in names:
+        raise QuantkitError(f"--dtype is auto, float32, bfloat16 or float16, not {name!r}.")
+    return names.get(name)
+
+
+def _perplexity(models: list[str], text: str, seq_len, limit, batch_size, json_path: Path | None, dtype) -> None:
     """`quantkit eval` without a baseline, tasks or gates: a perplexity table per model."""
     from quantkit.eval.run import evaluate
 
     results = []
     with progress() as track:
         for model in models:
-            results.append(evaluate(model, text, seq_len, limit, batch_size, track))
+            results.append(evaluate(model, text, seq_len, limit, batch_size, track, dtype))
     if json_path:
         write_json(json_path, results[0] if len(results) == 1 else results)
     for model, result in zip(models, results):
@@ -111,6 +121,11 @@ def eval(
     ),
     limit: Optional[int] = typer.Option(None, help="Score only the first N windows, and N documents per task."),
     batch_size: int = typer.Option(1, help="Windows (or task requests) per forward pass."),
+    dtype: str = typer.Option(
+        "auto",
+        help="auto (each model computes in its own dtype), float32, bfloat16 or float16: every model, the "
+        "baseline too, computes in this one, so checkpoints exported in other dtypes compare on one footing.",
+    ),
     baseline: Optional[str] = typer.Option(
         None,
         help="The model to compare against, scored first on the same data; its fp16 log-probs wait in "
@@ -139,8 +154,9 @@ def eval(
     task_list = [t.strip() for t in (tasks or "").split(",") if t.strip()]
     gates = {"max_ppl_increase": _fraction(max_ppl_increase), "min_recovery": min_recovery}
     gates |= {"max_kld": max_kld, "min_top1": min_top1}
+    compute = _dtype(dtype)
     if baseline is None and not task_list and text and all(g is None for g in gates.values()):
-        return _perplexity(models, text, seq_len, limit, batch_size, json_path)
+        return _perplexity(models, text, seq_len, limit, batch_size, json_path, compute)
     from quantkit.eval.gates import evaluate_many
 
     if task_list:
@@ -148,7 +164,14 @@ def eval(
     scope = {"ppl": text, "tasks": task_list, "limit": limit, "seq_len": seq_len, "batch_size": batch_size}
     with progress() as track:
         reports = evaluate_many(
-            models, baseline, **scope, num_fewshot=num_fewshot, include_path=include_path, **gates, track=track
+            models,
+            baseline,
+            **scope,
+            num_fewshot=num_fewshot,
+            include_path=include_path,
+            **gates,
+            track=track,
+            dtype=compute,
         )
     if json_path:
         write_json(json_path, reports[0] if len(reports) == 1 else reports)

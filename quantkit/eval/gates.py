@@ -134,13 +134,15 @@ def measure(
     batch_size: int = 1,
     track: Track = no_progress,
     observe=None,
+    dtype=None,
 ) -> dict:
-    """Load one model and score it: {"metrics", "higher_is_better", "data_sha256", "ppl"
-    (details or None), "docs", "eval_time_s"}; the model is freed on return. `observe` sees
-    the perplexity logits (a `kld.Recorder` or `kld.Comparer`)."""
+    """Load one model (computing in `dtype`, default its own) and score it: {"metrics",
+    "higher_is_better", "data_sha256", "ppl" (details or None), "docs", "eval_time_s"}; the
+    model is freed on return. `observe` sees the perplexity logits (a `kld.Recorder` or
+    `kld.Comparer`)."""
     from quantkit.eval.run import load_for_eval, text_perplexity, window_length
 
-    model, tokenizer = load_for_eval(model_name)
+    model, tokenizer = load_for_eval(model_name, dtype)
     start = time.perf_counter()
     result = {"metrics": {}, "higher_is_better": {}, "data_sha256": {}, "ppl": None, "docs": {}}
     if ppl:
@@ -253,9 +255,12 @@ def evaluate_many(
     min_top1: float | None = None,
     track: Track | None = None,
     batch_size: int = 1,
+    dtype=None,
 ) -> list[dict]:
     """`evaluate_gates`' report for each of `candidates`, in order, against one `baseline`
-    scored once: its log-probabilities are kept until the last candidate is compared."""
+    scored once: its log-probabilities are kept until the last candidate is compared. With
+    `dtype` (a torch dtype) every model computes in it, whatever dtype its checkpoint names
+    (checkpoints exported in fp16 or bf16 then compare with an fp32 baseline on one footing)."""
     tasks = [t for t in tasks if t]
     if not candidates:
         raise QuantkitError("nothing to evaluate: name at least one model.")
@@ -266,7 +271,9 @@ def evaluate_many(
     options = dict(
         limit=limit, seq_len=seq_len, num_fewshot=num_fewshot, batch_size=batch_size, track=track or no_progress
     )
+    options["dtype"] = dtype
     scope = {"ppl": ppl, "tasks": tasks, "limit": limit, "seq_len": seq_len, "num_fewshot": num_fewshot}
+    scope["dtype"] = None if dtype is None else str(dtype).removeprefix("torch.")
     scope["include_path"] = None if include_path is None else str(include_path)
     thresholds = {"max_ppl_increase": max_ppl_increase, "min_recovery": min_recovery}
     thresholds |= {"max_kld": max_kld, "min_top1": min_top1}

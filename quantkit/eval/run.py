@@ -61,17 +61,21 @@ def evaluate(
     limit: int | None = None,
     batch_size: int = 1,
     track: Track = no_progress,
+    dtype=None,
 ) -> dict:
-    """Perplexity of `model_name` on the eval split of `ppl` (the papers' protocol), also
-    recorded in the checkpoint's `quantkit.json` and model card when it is a quantkit one.
+    """Perplexity of `model_name` (computing in `dtype`, default its own) on the eval split of
+    `ppl` (the papers' protocol), also recorded in the checkpoint's `quantkit.json` and model
+    card when it is a quantkit one.
 
     `seq_len` defaults to 2048, or the model's context if shorter."""
-    model, tokenizer = load_for_eval(model_name)
+    model, tokenizer = load_for_eval(model_name, dtype)
     start = time.perf_counter()
     result = text_perplexity(model, tokenizer, ppl, seq_len, limit, batch_size, track)
     result = {"model": str(model_name), **result, "eval_time_s": round(time.perf_counter() - start, 2)}
     row = {"metric": "ppl", "baseline": None, "candidate": result["ppl"], "delta": None}
     report = {"ppl": ppl, "limit": limit, "seq_len": seq_len, "rows": [row], "passed": None}
+    if dtype is not None:
+        report["dtype"] = result["dtype"] = str(dtype).removeprefix("torch.")
     result["recorded"] = record_evaluation(
         resolve_model(model_name), report | {"data_sha256": {"ppl": result["data_sha256"]}}
     )

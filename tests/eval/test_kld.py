@@ -2,11 +2,13 @@
 fp32 distributions, and `quantkit eval --baseline` against transformers on the same windows."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from quantkit.calibration.datasets import eval_tokens, load_documents
@@ -168,8 +170,47 @@ def test_several_candidates_against_one_baseline_scored_once(tiny_llama, quantiz
     assert f"perplexity of {quantized}" in flat(r.output) and f"perplexity of {tiny_llama}" in flat(r.output)
 
 
+def test_one_compute_dtype_for_every_model(tiny_llama, tiny_corpus, tmp_path):
+    """`--dtype float32` computes an fp16 export in fp32: against the same weights stored in
+    fp32 it is then exact (the same perplexity; KL within the fp16 storage of the baseline's
+    log-probabilities), where in its own dtype it is not."""
+    half, up = tmp_path / "half", tmp_path / "up"
+    shutil.copytree(tiny_llama, half)
+    AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float16).save_pretrained(half)
+    shutil.copytree(half, up)
+    AutoModelForCausalLM.from_pretrained(half, dtype=torch.float32).save_pretrained(up)
+    scope = dict(ppl=str(tiny_corpus), seq_len=SEQ_LEN, limit=2)
+    own = evaluate_gates(str(half), str(up), **scope)
+    one = evaluate_gates(str(half), str(up), **scope, dtype=torch.float32)
+    assert own["dtype"] is None and one["dtype"] == "float32"
+    ppl, kld = one["rows"][0], one["rows"][1]
+    assert ppl["candidate"] == ppl["baseline"] and kld["candidate"] < 1e-5  # the fp16-stored log-probs
+    assert own["rows"][0]["candidate"] != own["rows"][0]["baseline"]
+    r = runner.invoke(
+        app,
+        [
+            "eval",
+            str(half),
+            "--ppl",
+            str(tiny_corpus),
+            "--seq-len",
+            str(SEQ_LEN),
+            "--limit",
+            "2",
+            "--dtype",
+            "float32",
+            "--json",
+            str(tmp_path / "p.json"),
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    written = json.loads((tmp_path / "p.json").read_text())
+    assert written["ppl"] == ppl["baseline"] and written["dtype"] == "float32"
+
+
 def test_refusals(tiny_llama, tiny_corpus):
     cases = [
+        (["eval", str(tiny_llama), "--dtype", "fp8"], "--dtype is auto, float32, bfloat16 or float16, not 'fp8'"),
         (["eval", str(tiny_llama), "--max-kld", "0.1"], "add --baseline MODEL"),
         (["eval", str(tiny_llama), "--baseline", str(tiny_llama), "--min-top1", "90"], "at most 1 (e.g. 0.9), got 90"),
         (["eval", str(tiny_llama), "--baseline", str(tiny_llama), "--max-kld", "-1"], "--max-kld must be at least 0"),
