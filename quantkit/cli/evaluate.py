@@ -65,16 +65,6 @@ def gate_table(report: dict) -> Table:
     return table
 
 
-def _dtype(name: str):
-    """The torch dtype `--dtype` names, or None for auto."""
-    import torch
-
-    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if name != "auto" and name not in names:
-        raise QuantkitError(f"--dtype is auto, float32, bfloat16 or float16, not {name!r}.")
-    return names.get(name)
-
-
 def _perplexity(models: list[str], text: str, seq_len, limit, batch_size, json_path: Path | None, dtype) -> None:
     """`quantkit eval` without a baseline, tasks or gates: a perplexity table per model."""
     from quantkit.eval.run import evaluate
@@ -154,7 +144,9 @@ def eval(
     task_list = [t.strip() for t in (tasks or "").split(",") if t.strip()]
     gates = {"max_ppl_increase": _fraction(max_ppl_increase), "min_recovery": min_recovery}
     gates |= {"max_kld": max_kld, "min_top1": min_top1}
-    compute = _dtype(dtype)
+    from quantkit.runtime.loader import parse_dtype
+
+    compute = parse_dtype(dtype)
     if baseline is None and not task_list and text and all(g is None for g in gates.values()):
         return _perplexity(models, text, seq_len, limit, batch_size, json_path, compute)
     from quantkit.eval.gates import evaluate_many

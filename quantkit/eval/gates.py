@@ -261,6 +261,8 @@ def evaluate_many(
     scored once: its log-probabilities are kept until the last candidate is compared. With
     `dtype` (a torch dtype) every model computes in it, whatever dtype its checkpoint names
     (checkpoints exported in fp16 or bf16 then compare with an fp32 baseline on one footing)."""
+    from quantkit.runtime.qlinear import dtype_name
+
     tasks = [t for t in tasks if t]
     if not candidates:
         raise QuantkitError("nothing to evaluate: name at least one model.")
@@ -268,12 +270,10 @@ def evaluate_many(
     for candidate in candidates if baseline is not None else ():
         check_same_tokenizer(candidate, baseline)
     manager = _task_manager(tasks, include_path)
-    options = dict(
-        limit=limit, seq_len=seq_len, num_fewshot=num_fewshot, batch_size=batch_size, track=track or no_progress
-    )
-    options["dtype"] = dtype
+    options = dict(limit=limit, seq_len=seq_len, num_fewshot=num_fewshot, batch_size=batch_size, dtype=dtype)
+    options["track"] = track or no_progress
     scope = {"ppl": ppl, "tasks": tasks, "limit": limit, "seq_len": seq_len, "num_fewshot": num_fewshot}
-    scope["dtype"] = None if dtype is None else str(dtype).removeprefix("torch.")
+    scope["dtype"] = None if dtype is None else dtype_name(dtype)
     scope["include_path"] = None if include_path is None else str(include_path)
     thresholds = {"max_ppl_increase": max_ppl_increase, "min_recovery": min_recovery}
     thresholds |= {"max_kld": max_kld, "min_top1": min_top1}

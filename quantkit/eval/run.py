@@ -75,7 +75,9 @@ def evaluate(
     row = {"metric": "ppl", "baseline": None, "candidate": result["ppl"], "delta": None}
     report = {"ppl": ppl, "limit": limit, "seq_len": seq_len, "rows": [row], "passed": None}
     if dtype is not None:
-        report["dtype"] = result["dtype"] = str(dtype).removeprefix("torch.")
+        from quantkit.runtime.qlinear import dtype_name
+
+        report["dtype"] = result["dtype"] = dtype_name(dtype)
     result["recorded"] = record_evaluation(
         resolve_model(model_name), report | {"data_sha256": {"ppl": result["data_sha256"]}}
     )

@@ -210,7 +210,10 @@ def test_one_compute_dtype_for_every_model(tiny_llama, tiny_corpus, tmp_path):
 
 def test_refusals(tiny_llama, tiny_corpus):
     cases = [
-        (["eval", str(tiny_llama), "--dtype", "fp8"], "--dtype is auto, float32, bfloat16 or float16, not 'fp8'"),
+        (
+            ["eval", str(tiny_llama), "--dtype", "fp8"],
+            "dtype 'fp8' is unknown; use one of auto, float32, bfloat16, float16.",
+        ),
         (["eval", str(tiny_llama), "--max-kld", "0.1"], "add --baseline MODEL"),
         (["eval", str(tiny_llama), "--baseline", str(tiny_llama), "--min-top1", "90"], "at most 1 (e.g. 0.9), got 90"),
         (["eval", str(tiny_llama), "--baseline", str(tiny_llama), "--max-kld", "-1"], "--max-kld must be at least 0"),
