@@ -11,7 +11,12 @@ Per quantized linear `<name>` (W [out, in], G groups):
 | `g_idx` | int32 | [in] | group of each input row (i // group_size without act-order) |
 
 w = (q_unsigned - (qzeros_nibble + 1)) * scale. Symmetric checkpoints store zero 8 (7 on disk).
-v1 cannot store an unsigned zero point of 0 (nor read one of 16); such groups are refused.
+v1 cannot store an unsigned zero point of 0 (nor read one of 16); quantkit refuses to write one.
+GPTQModel writes one anyway: its v2 -> v1 export subtracts 0x11111111 from each int32 word, so a
+zero of 0 becomes nibble 15 and borrows 1 from the nibble above (the next output's zero), and its
+loader adds the word back. Checkpoints whose `meta.quantizer` names gptqmodel are read that way
+(`borrows=True`), as GPTQModel computes them; nibble-wise readers (AutoGPTQ, vLLM's GPTQ kernels)
+read such a group's zero as 16 and its neighbour's one too low. Any other nibble of 15 is refused.
 On import, a non-trivial `g_idx` becomes compressed-tensors act-order `group` with
 `weight_g_idx`, and zero points that are all 8 make the checkpoint symmetric, whatever
 `sym` and `desc_act` say (the tensors are what every kernel computes with).
@@ -55,10 +60,14 @@ def to_gptq(
     }
 
 
-def zero_points(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    """Signed zero points int8 [out, G] of one linear's GPTQ v1 `qzeros` (nibble + 1 - 8)."""
+def zero_points(tensors: dict[str, torch.Tensor], name: str, borrows: bool = False) -> torch.Tensor:
+    """Signed zero points int8 [out, G] of one linear's GPTQ v1 `qzeros` (nibble + 1 - 8); with
+    `borrows`, each int32 word plus 0x11111111 (GPTQModel's reading), nibble - 8."""
     qzeros = tensors["qzeros"]
-    zero = unpack(qzeros, qzeros.shape[1] * 8, 4, dim=1).to(torch.int16) + 1  # [G, out]
+    if borrows:  # unpack keeps the low 32 bits of each sum
+        zero = unpack(qzeros.to(torch.int64) + 0x11111111, qzeros.shape[1] * 8, 4, dim=1).to(torch.int16)
+    else:
+        zero = unpack(qzeros, qzeros.shape[1] * 8, 4, dim=1).to(torch.int16) + 1  # [G, out]
     if (zero > 7).any():
         raise QuantkitError(
             f"{name} stores a qzeros nibble of 15 (unsigned zero point 16), which no 4-bit format "
@@ -67,9 +76,9 @@ def zero_points(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     return zero.to(torch.int8).t().contiguous()
 
 
-def decode(tensors: dict[str, torch.Tensor], name: str):
+def decode(tensors: dict[str, torch.Tensor], name: str, borrows: bool = False):
     """(q int8 [out, in], scale fp16 [out, G], signed zero int8 [out, G], g_idx int32 [in] or
-    None) of one linear's `qweight`, `qzeros`, `scales` and `g_idx`."""
+    None) of one linear's `qweight`, `qzeros`, `scales` and `g_idx` (`borrows`: `zero_points`)."""
     qweight, qzeros, scales = tensors["qweight"], tensors["qzeros"], tensors["scales"]
     in_f, out_f = qweight.shape[0] * 8, qweight.shape[1]
     if scales.dim() != 2 or scales.shape[1] != out_f or qzeros.shape != (scales.shape[0], out_f // 8):
@@ -83,7 +92,7 @@ def decode(tensors: dict[str, torch.Tensor], name: str):
             f"{name} has a g_idx that does not index its {scales.shape[0]} groups; the checkpoint is damaged."
         )
     q = unpack(qweight.t(), in_f, 4, dim=1)  # [out, in]
-    return q, scales.t().contiguous(), zero_points(tensors, name), g_idx
+    return q, scales.t().contiguous(), zero_points(tensors, name, borrows), g_idx
 
 
 def gptq_config(args: QuantArgs, damp: float | None = None) -> dict:
@@ -115,6 +124,13 @@ def unsupported(qc: dict) -> str | None:
     if fmt.lower() != "gptq":
         return f"is a GPTQ checkpoint in format {fmt!r}, not v1 (checkpoint_format gptq)"
     return None
+
+
+def borrows(qc: dict) -> bool:
+    """Whether GPTQModel wrote this checkpoint (its zeros of 0 borrow across nibbles, above)."""
+    meta = qc.get("meta")
+    quantizers = meta.get("quantizer", []) if isinstance(meta, dict) else []
+    return any(str(q).lower().startswith("gptqmodel") for q in quantizers)
 
 
 def group_size(qc: dict) -> int | None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -174,8 +175,11 @@ def read_int4(folder: str | Path) -> Int4Checkpoint:
         return Int4Checkpoint(folder, method, config, ct_args, parts, others, decode)
     layout = LAYOUTS[method]
     group_size = layout.group_size(qc)
-    args = _derived_args(parts, layout.zero_points, group_size)
-    return Int4Checkpoint(folder, method, config, args, parts, others, _checked(layout.decode, group_size))
+    zero_points, decode = layout.zero_points, layout.decode
+    if method == "gptq" and gptq.borrows(qc):  # GPTQModel's v1 words (formats/gptq.py)
+        zero_points, decode = partial(zero_points, borrows=True), partial(decode, borrows=True)
+    args = _derived_args(parts, zero_points, group_size)
+    return Int4Checkpoint(folder, method, config, args, parts, others, _checked(decode, group_size))
 
 
 def _checked(decode: Callable, group_size: int | None) -> Callable:

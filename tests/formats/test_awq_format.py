@@ -3,6 +3,7 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.formats import awq, gptq
+from quantkit.packing import pack
 
 SPEC_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's order_map: nibble k holds column 8c + SPEC_ORDER[k]
 
@@ -116,6 +117,35 @@ def test_gptq_nibble_15_is_refused():
     t["qzeros"][0, 0] |= 0xF
     with pytest.raises(QuantkitError, match="layer stores a qzeros nibble of 15"):
         gptq.decode(t, "layer")
+
+
+def gptqmodel_v1(q, scale, zero, group_size):
+    """GPTQ tensors as GPTQModel's v2 -> v1 export writes them: the true zeros (nibble = unsigned
+    zero), then 0x11111111 subtracted from each int32 word, borrows and all."""
+    t = gptq.to_gptq(q, scale, None, group_size, None, "layer")
+    v2 = pack(zero.t().contiguous(), 4, dim=1).to(torch.int64)  # nibble = zero + 8, unsigned
+    v1 = (v2 - 0x11111111) & 0xFFFFFFFF
+    t["qzeros"] = torch.where(v1 >= 2**31, v1 - 2**32, v1).to(torch.int32)
+    return t
+
+
+def test_gptqmodel_zeros_of_0_are_read_as_gptqmodel_reads_them():
+    q, scale, zero = random_linear(out_f=16, in_f=64, groups=2, seed=7)
+    zero[3, 0] = zero[0, 1] = zero[7, 1] = -8  # unsigned zero 0: the nibble wraps to 15 and borrows
+    t = gptqmodel_v1(q, scale, zero, 32)
+    assert torch.equal(gptq.decode(t, "layer", borrows=True)[2], zero)
+    with pytest.raises(QuantkitError, match="qzeros nibble of 15"):  # nibble by nibble it is damaged
+        gptq.decode(t, "layer")
+    # without a zero of 0 there is no borrow, and both readings agree
+    clean = gptqmodel_v1(q, scale, zero.clamp(min=-7), 32)
+    assert torch.equal(gptq.decode(clean, "layer", borrows=True)[2], zero.clamp(min=-7))
+    assert torch.equal(gptq.decode(clean, "layer")[2], zero.clamp(min=-7))
+
+
+def test_only_gptqmodel_checkpoints_are_read_with_borrows():
+    assert gptq.borrows({"quant_method": "gptq", "meta": {"quantizer": ["gptqmodel:7.6.0"]}})
+    assert not gptq.borrows({"quant_method": "gptq", "meta": {"quantizer": ["optimum:1.0", "auto_gptq:0.7"]}})
+    assert not gptq.borrows({"quant_method": "gptq"})
 
 
 @pytest.mark.parametrize(
