@@ -3,7 +3,7 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.formats import awq, gptq
-from quantkit.packing import pack
+from quantkit.packing import _to_int32, pack
 
 SPEC_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's order_map: nibble k holds column 8c + SPEC_ORDER[k]
 
@@ -124,8 +124,7 @@ def gptqmodel_v1(q, scale, zero, group_size):
     zero), then 0x11111111 subtracted from each int32 word, borrows and all."""
     t = gptq.to_gptq(q, scale, None, group_size, None, "layer")
     v2 = pack(zero.t().contiguous(), 4, dim=1).to(torch.int64)  # nibble = zero + 8, unsigned
-    v1 = (v2 - 0x11111111) & 0xFFFFFFFF
-    t["qzeros"] = torch.where(v1 >= 2**31, v1 - 2**32, v1).to(torch.int32)
+    t["qzeros"] = _to_int32((v2 - 0x11111111) & 0xFFFFFFFF)
     return t
 
 
