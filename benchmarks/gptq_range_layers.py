@@ -6,7 +6,7 @@
 The float model (transformers, fp32) runs 32 news rows × 512 (seed 0); each listed block's
 linears' inputs make two Hessians, one of rows 0–15 (calibration) and one of rows 16–31
 (held out). Each linear is GPTQ-quantized on the calibration Hessian as `quantkit gptq` does
-by default (act-order static, damping 0.05, 2 refinement passes), once with the range search
+by default (act-order static, `GPTQOptions`' defaults: damping 0.05, 2 refinement passes), once with the range search
 and once with min-max ranges, and the printed ratio is the search's layer error over min-max's,
 tr((W − Q)·H·(W − Q)ᵀ) under the undamped H, on both Hessians. Below 1: the search gains.
 The blocks' inputs are the float model's, not the quantized blocks' (a layer-level view).
@@ -21,7 +21,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from quantkit.calibration.datasets import calibration_samples, load_documents
-from quantkit.calibration.gptq import quantize_weight
+from quantkit.calibration.gptq import accumulate_hessian, quantize_weight
+from quantkit.calibration.registry import GPTQOptions
 from quantkit.models.loading import load_tokenizer, resolve_model
 from quantkit.scheme import preset
 
@@ -30,7 +31,7 @@ ROWS, SEQ = 32, 512
 
 def error(W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor) -> float:
     D = (W - Q).double()
-    return (D @ H * D).sum().item()
+    return (D @ H.double() * D).sum().item()
 
 
 def main() -> None:
@@ -44,13 +45,13 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ids = calibration_samples(load_tokenizer(path), load_documents("news"), ROWS, SEQ, 0)
     layers = [int(x) for x in a.layers.split(",")]
-    hessians: list[dict[str, torch.Tensor]] = [{}, {}]  # calibration rows, held-out rows
+    hessians: list[dict[str, tuple[torch.Tensor, int]]] = [{}, {}]  # (H, tokens): calibration rows, held-out rows
     half = [0]
 
     def hook(name):
         def record(module, args, output):
-            x = args[0].reshape(-1, args[0].shape[-1]).double()
-            hessians[half[0]][name] = hessians[half[0]].get(name, 0) + x.T @ x / (ROWS // 2 * SEQ)
+            H, n = hessians[half[0]].get(name, (None, 0))
+            hessians[half[0]][name] = accumulate_hessian(H, args[0], n)
 
         return record
 
@@ -67,9 +68,11 @@ def main() -> None:
     args = dataclasses.replace(preset(a.scheme).weights, group_size=a.group_size, actorder="static")
     print(f"{a.model} {a.scheme} g{a.group_size}: layer error of the range search / min-max ranges")
     for name, module in linears.items():
-        W, (calib, held) = module.weight.detach(), (h[name] for h in hessians)
+        W, (calib, held) = module.weight.detach(), (h[name][0] for h in hessians)
+        o = GPTQOptions()  # the command's defaults
         got = [
-            quantize_weight(W, calib.float(), args, damp=0.05, range_search=rs, refine=2).weight for rs in (True, False)
+            quantize_weight(W, calib, args, o.block_size, o.damp, range_search=rs, refine=o.refine).weight
+            for rs in (True, False)
         ]
         ratios = [error(W, got[0], H) / error(W, got[1], H) for H in (calib, held)]
         print(f"{name:26s} calibration {ratios[0]:.3f}  held out {ratios[1]:.3f}", flush=True)
