@@ -76,6 +76,9 @@ typedef float vf_m __attribute__((vector_size(32), aligned(4), may_alias));  // 
 typedef uint32_t vu_m __attribute__((vector_size(32), aligned(4), may_alias));
 constexpr int W = 8;      // fp32 lanes per vector
 constexpr int RMAX = 4;   // few rows at a time (2 x RMAX accumulators of 16 ymm)
+// int4 accumulator chains at one row (decode): 2 x 2 ymm, not the 4 x 2 of chains<1>(), which
+// spill the nibble masks (Zen 4, forced AVX2, 576 -> 3072: 25 -> 30 G weights/s of CPU time)
+constexpr int ONE_ROW_CHAINS4 = 2;
 constexpr int R_MM = 6;   // micro-kernel rows: 6 x 2 ymm accumulators
 inline vf splat(float s) { return vf{s, s, s, s, s, s, s, s}; }
 // 16 int8 -> 2 vectors of int32 (vpmovsxbd through the builtin: the intrinsics' header carries
@@ -101,6 +104,7 @@ typedef float vf_m __attribute__((vector_size(64), aligned(4), may_alias));
 typedef uint32_t vu_m __attribute__((vector_size(64), aligned(4), may_alias));
 constexpr int W = 16;
 constexpr int RMAX = 8;   // 8 accumulators and 8 y vectors of 32 zmm
+constexpr int ONE_ROW_CHAINS4 = 8;  // as chains<1>() (4 measured the same)
 #ifndef QK_R512
 #define QK_R512 8
 #endif
@@ -255,7 +259,7 @@ void prescale(const Problem& p, float* xs, float* sums) {
 // the group's s and zs.
 template <int R>
 void few4(const Problem& p, int64_t t, int64_t m0) {
-  constexpr int A = chains<R>();
+  constexpr int A = R == 1 ? ONE_ROW_CHAINS4 : chains<R>();
   const int32_t* src = p.w4 + t * p.tstride;
   const float* xs = p.xs + m0 * p.K;
   const float* sums = p.sums + m0 * p.groups;
