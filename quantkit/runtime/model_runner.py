@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from quantkit.errors import QuantkitError
-from quantkit.kernels import attention, choice, dense, elementwise
+from quantkit.kernels import attention, choice, cpu, dense, elementwise
 from quantkit.kernels.attention import twin as attention_twin
 from quantkit.kernels.choice import Choice, Problem
 from quantkit.kernels.elementwise import twin as elementwise_twin
@@ -286,8 +286,9 @@ class ModelRunner:
         self.final_softcap = getattr(c, "final_logit_softcapping", None)
         self.argmax = self._pick("argmax", elementwise.ARGMAX)  # the greedy sampler's, on the logits
         shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
-        self.k_cache = [torch.zeros(shape, dtype=kv_dtype, device=self.device) for _ in blocks]
-        self.v_cache = [torch.zeros(shape, dtype=kv_dtype, device=self.device) for _ in blocks]
+        # on the CPU on 2 MB pages (a decode step streams the blocks from scattered places)
+        self.k_cache = [cpu.zeros(shape, kv_dtype, self.device) for _ in blocks]
+        self.v_cache = [cpu.zeros(shape, kv_dtype, self.device) for _ in blocks]
         self.num_blocks, self.block_size = num_blocks, block_size
 
     def _pick(self, op: str, candidates: list, **shapes) -> Callable:

@@ -1,8 +1,11 @@
 """`quantkit.kernels.cpu.HugePageArena`: the copies hold the values, do not overlap, survive the
-arena moving on to a new mapping, and fall back to a plain contiguous tensor when disabled."""
+arena moving on to a new mapping, and fall back to a plain contiguous tensor when disabled.
+`cpu.zeros` (the KV cache's memory): zeros of the shape and dtype, each in its own writable
+mapping on 2 MB boundaries, or torch.zeros where huge pages are off."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from quantkit.kernels import cpu
@@ -29,3 +32,19 @@ def test_arena_can_be_switched_off(monkeypatch):
     t = torch.randn(8, 4).t()
     c = cpu.HugePageArena().copy(t)
     assert not cpu.HugePageArena.available() and torch.equal(c, t) and c.is_contiguous()
+
+
+@pytest.mark.parametrize("huge", ["1", "0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int8])
+def test_zeros_are_zeros_of_their_own(monkeypatch, huge, dtype):
+    monkeypatch.setenv("QUANTKIT_HUGE_PAGES", huge)
+    shape = (5, 64, 3, 64)
+    a, b = cpu.zeros(shape, dtype), cpu.zeros(shape, dtype, torch.device("cpu"))
+    for t in (a, b):
+        assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
+        assert not t.view(torch.uint8).any()
+    if huge == "1" and cpu.HugePageArena.available():
+        assert a.data_ptr() % cpu.HUGE_PAGE == 0 and b.data_ptr() % cpu.HUGE_PAGE == 0
+    a.view(torch.uint8).fill_(7)  # writable, and b is elsewhere
+    assert not b.view(torch.uint8).any() and a.view(torch.uint8).eq(7).all()
+    assert cpu.zeros((0, 4), dtype).shape == (0, 4)
