@@ -14,6 +14,11 @@ prefill: the same model's attention over one 2048-token prefill chunk made of pr
 tokens each (n = 32-2048), all 30 layers: whole prompts (no cached prefix), then the last n/4
 tokens of each prompt after a cached prefix of 3n/4 (chunked prefill, prefix caching).
 `--block-size` sets the cache's block size (16 by default; the engine's CPU default is 64).
+
+decode-fp32: the step of a CPU without native bf16 (fp32 queries and cache, blocks of 64, as the
+engine runs an fp32 model there): 64 sequences of 52-532 tokens, the same caches once as
+torch.zeros allocates them (4 KB pages) and once as the engine does (`kernels.cpu.zeros`: 2 MB
+pages where Linux allows), interleaved; the header says how many MB of K and V a step reads.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import time
 
 import torch
 
-from quantkit.kernels import cpu_ext
+from quantkit.kernels import cpu, cpu_ext
 from quantkit.kernels.attention import cpu as cpu_attention
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
@@ -105,6 +110,29 @@ def decode(repeats: int) -> None:
         )
 
 
+def decode_fp32(repeats: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(52, 533, (64,), generator=g).tolist()
+    q = torch.randn(64, HEADS, HEAD_DIM, generator=g)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    ext = cpu_ext.load().paged_attention
+    caches, tables, _ = make_caches(lens, torch.float32, block=64)
+    placed = []
+    for k, v in caches:
+        hk, hv = cpu.zeros(k.shape, k.dtype), cpu.zeros(v.shape, v.dtype)
+        placed.append((hk.copy_(k), hv.copy_(v)))
+    nbytes = sum(lens) * KV_HEADS * HEAD_DIM * 4 * 2 * LAYERS
+    span = f"{min(lens)}-{max(lens)}"
+    print(f"decode, fp32: 64 sequences of {span} tokens, 30 layers, blocks of 64, {nbytes / 1e6:.0f} MB of K and V")
+
+    def step(caches):
+        t, n = tables.clone(), seq_lens.clone()
+        for k, v in caches:
+            ext(q, k, v, t, n, SCALE, None, None, 0, 0.0)
+
+    compare("decode step, fp32 cache", {"2MB pages": lambda: step(placed), "4KB pages": lambda: step(caches)}, repeats)
+
+
 def prefill(repeats: int, block: int = BLOCK) -> None:
     g = torch.Generator().manual_seed(0)
     ext = cpu_ext.load().paged_prefill
@@ -139,7 +167,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--part", nargs="+", default=["decode", "prefill"], choices=["decode", "prefill"])
+    parts = ["decode", "decode-fp32", "prefill"]
+    parser.add_argument("--part", nargs="+", default=["decode", "prefill"], choices=parts)
     parser.add_argument("--block-size", type=int, default=BLOCK, help="the prefill caches' block size")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -150,6 +179,8 @@ def main() -> None:
         for part in args.part:
             if part == "decode":
                 decode(args.repeats)
+            elif part == "decode-fp32":
+                decode_fp32(args.repeats)
             else:
                 prefill(args.repeats, args.block_size)
 
