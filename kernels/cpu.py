@@ -137,8 +137,8 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     Linux allows (as `HugePageArena`): for the KV cache, which a decode step streams block by block
     from scattered places. On 4 KB pages each 48 KB block (smollm2, fp32, 64 tokens) crosses 12
     page boundaries, where the core takes a TLB miss and its L2 prefetcher stops: smollm2's fp32
-    decode attention at 64 sequences read its K and V at 12 GB/s, on 2 MB pages at 13-14 GB/s
-    (67-82 -> 60-62 ms a step on the Zen 4, docs/benchmarks.md). Pages are taken as they are
+    decode attention at 64 sequences takes 0.95x the time on 2 MB pages (67.2 -> 63.9 CPU ms a
+    step on the Zen 4, `benchmarks/attention.py --part decode-fp32`). Pages are taken as they are
     first written, so the cache's memory grows with use (torch.zeros writes all of it at once)."""
     device = torch.device(device)
     if device.type != "cpu" or not HugePageArena.available():
