@@ -117,10 +117,7 @@ def decode_fp32(repeats: int) -> None:
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     ext = cpu_ext.load().paged_attention
     caches, tables, _ = make_caches(lens, torch.float32, block=64)
-    placed = []
-    for k, v in caches:
-        hk, hv = cpu.zeros(k.shape, k.dtype), cpu.zeros(v.shape, v.dtype)
-        placed.append((hk.copy_(k), hv.copy_(v)))
+    placed = [tuple(cpu.zeros(t.shape, t.dtype).copy_(t) for t in kv) for kv in caches]  # as the engine's
     nbytes = sum(lens) * KV_HEADS * HEAD_DIM * 4 * 2 * LAYERS
     span = f"{min(lens)}-{max(lens)}"
     print(f"decode, fp32: 64 sequences of {span} tokens, 30 layers, blocks of 64, {nbytes / 1e6:.0f} MB of K and V")

@@ -66,10 +66,10 @@ def main() -> None:
             half[0] = r // (ROWS // 2)
             model(ids[r : r + 4])
     args = dataclasses.replace(preset(a.scheme).weights, group_size=a.group_size, actorder="static")
+    o = GPTQOptions()  # the command's defaults
     print(f"{a.model} {a.scheme} g{a.group_size}: layer error of the range search / min-max ranges")
     for name, module in linears.items():
         W, (calib, held) = module.weight.detach(), (h[name][0] for h in hessians)
-        o = GPTQOptions()  # the command's defaults
         got = [
             quantize_weight(W, calib, args, o.block_size, o.damp, range_search=rs, refine=o.refine).weight
             for rs in (True, False)

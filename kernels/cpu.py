@@ -140,10 +140,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     decode attention at 64 sequences takes 0.95x the time on 2 MB pages (67.2 -> 63.9 CPU ms a
     step on the Zen 4, `benchmarks/attention.py --part decode-fp32`). Pages are taken as they are
     first written, so the cache's memory grows with use (torch.zeros writes all of it at once)."""
-    device = torch.device(device)
-    if device.type != "cpu" or not HugePageArena.available():
+    device, nbytes = torch.device(device), math.prod(shape) * dtype.itemsize
+    if device.type != "cpu" or nbytes == 0 or not HugePageArena.available():
         return torch.zeros(shape, dtype=dtype, device=device)
-    numel = math.prod(shape)
-    if numel == 0:
-        return torch.zeros(shape, dtype=dtype)
-    return _huge_mapping(numel * dtype.itemsize)[: numel * dtype.itemsize].view(dtype).view(shape)
+    return _huge_mapping(nbytes)[:nbytes].view(dtype).view(shape)
