@@ -77,7 +77,7 @@ typedef uint32_t vu_m __attribute__((vector_size(32), aligned(4), may_alias));
 constexpr int W = 8;      // fp32 lanes per vector
 constexpr int RMAX = 4;   // few rows at a time (2 x RMAX accumulators of 16 ymm)
 // int4 accumulator chains at one row (decode): 2 x 2 ymm, not the 4 x 2 of chains<1>(), which
-// spill the nibble masks (Zen 4, forced AVX2, 576 -> 3072: 25 -> 30 G weights/s of CPU time)
+// spill the nibble masks (Zen 4, forced AVX2, 576 -> 3072 in cache: 2.13x -> 2.48x fp32, docs/benchmarks.md)
 constexpr int ONE_ROW_CHAINS4 = 2;
 constexpr int R_MM = 6;   // micro-kernel rows: 6 x 2 ymm accumulators
 inline vf splat(float s) { return vf{s, s, s, s, s, s, s, s}; }
