@@ -8,9 +8,10 @@ other in one process; the sensitivities are measured afresh (`--cache`, default 
 
     OMP_NUM_THREADS=1 nice -n 15 python benchmarks/mixed_choice.py [--model smollm2-135m]
         [--method gptq] [--bits 4.56275] [--windows 16] [--samples 128] [--seq-len 512] [--uniform]
-        [--cheaper range_search=false refine=0] [--costs-from rtn] [--out /tmp/mixed-choice]
+        [--cheaper range_search=false refine=0] [--costs-from rtn] [--no-own] [--out /tmp/mixed-choice]
 
-`--costs-from METHOD` makes the second run's sensitivity quantize each unit by METHOD with its
+`--no-own` skips the first run (the method's own options), so the second is compared with the
+uniform run alone. `--costs-from METHOD` makes the second run's sensitivity quantize each unit by METHOD with its
 default options instead of `--cheaper`'s settings (e.g. AWQ's choice from round-to-nearest's costs).
 
 The scheme is w4a16-asym group 64 (act-order static for GPTQ, as its command), calibration
@@ -83,12 +84,13 @@ def main() -> None:
     parser.add_argument("--cheaper", nargs="*", default=["range_search=false", "refine=0"])
     parser.add_argument("--costs-from", default=None, choices=("rtn", "gptq", "awq"), help="the second run's costs")
     parser.add_argument("--uniform", action="store_true", help="also the uniform run (no --target-bits)")
+    parser.add_argument("--no-own", action="store_true", help="skip the run with the method's own options")
     parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "mixed-choice")
     parser.add_argument("--cache", type=Path, default=None, help="sensitivity cache (default: a new folder)")
     a = parser.parse_args()
     cache = a.cache or Path(tempfile.mkdtemp(prefix="sensitivity-"))
     second = ("costs-" + a.costs_from, {}) if a.costs_from else ("cheaper", dict(map(setting, a.cheaper)))
-    plans = [("shipped", {}), second] + [("uniform", None)] * a.uniform
+    plans = [("shipped", {})] * (not a.no_own) + [second] + [("uniform", None)] * a.uniform
     print(f"| {a.method} | sensitivity (CPU s) | the rest (CPU s) | all (CPU s) | wiki ppl ({a.windows}) | choice |")
     print("|---|---|---|---|---|---|")
     rows = []

@@ -327,15 +327,27 @@ SEARCH_TOKENS = 16384  # captured inputs per sequential group that scales and cl
 MODULE_TOKENS = 4096  # tokens of whole sequences that --module-loss runs the attention / MLP on
 
 
-def awq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_dtype, log: Callable | None = None):
+def awq_step(
+    spec: ArchSpec,
+    scheme: QuantScheme,
+    options,
+    results: dict,
+    scale_dtype,
+    log: Callable | None = None,
+    scales: dict[str, torch.Tensor] | None = None,
+):
     """Runner step: per mapping (norm → q,k,v; v → o when shapes allow; norm → gate,up;
     up → down) search activation-aware scales and fold them into the previous op, then
     search per-group clipping ranges for each linear (q and k too: on smollm2 that
     measured better) and quantize with them; with `gptq`, GPTQ's step quantizes the scaled
     block instead (its range search in place of the clip search). With `load_search`
     nothing is searched and no calibration data is needed (but for GPTQ's Hessians); with
-    `save_search` the search is written when the last block is done (`step.finish()`)."""
+    `save_search` the search is written when the last block is done (`step.finish()`).
+    `scales` (key "PREFIX.PREV.awq_scales" → [ci]) are folded instead of searching for the
+    mappings they name, the clip search still runs; `step.scales` holds every mapping's
+    scales folded so far, by the same keys (mixed precision's sensitivity reuses a unit's)."""
     o = options
+    folded: dict[str, torch.Tensor] = {}
     loaded = _read_search(Path(o.load_search)) if o.load_search else None
     record = {} if o.save_search else None
     rounding = None
@@ -362,13 +374,16 @@ def awq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_
                         f"the saved AWQ search has no scales for {prefix}.{m.prev}; "
                         "it was made for another model or scheme."
                     )
-                scales = loaded[key].float()
+                found = loaded[key].float()
+            elif scales is not None and key in scales:
+                found = scales[key]
+                scaled_inputs(bspec, feats, m, found)
             else:
                 x = feats[mapping_input(bspec, m)]
                 output_fn = (
                     module_output(inspected[m.inspect], linears, calls[m.inspect]) if m.inspect in inspected else None
                 )
-                scales = search_scales(
+                found = search_scales(
                     x,
                     [lin.weight.data for lin in linears],
                     weight_args(scheme, prefix, m.linears[0]),  # one for the mapping (checked by the pipeline)
@@ -378,17 +393,30 @@ def awq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_
                     scale_dtype=scale_dtype,
                     name=f"{prefix}.{m.prev}",
                 ).scales
-                scaled_inputs(bspec, feats, m, scales)
-            fold_scales(b.prev_weight, b.prev_bias, [lin.weight.data for lin in linears] + b.readers, scales, b.offset)
+                scaled_inputs(bspec, feats, m, found)
+            fold_scales(b.prev_weight, b.prev_bias, [lin.weight.data for lin in linears] + b.readers, found, b.offset)
+            folded[key] = found
             if record is not None:
-                record[key] = scales
+                record[key] = found
         if rounding is not None:
             rounding(index, prefix, block, inputs)
             return
         _clip_and_quantize(
-            block, bspec, prefix, names, feats, inputs, loaded, record, o.clip, scheme, scale_dtype, results
+            block,
+            bspec,
+            prefix,
+            names,
+            feats,
+            inputs,
+            loaded,
+            record,
+            o.clip_rounds if o.clip else None,
+            scheme,
+            scale_dtype,
+            results,
         )
 
+    step.scales = folded
     if record is not None:  # carried from block to block: a resumed run restores it
         step.finish = lambda: _write_search(Path(o.save_search), record)
         step.state, step.restore = lambda: dict(record), record.update
@@ -403,9 +431,10 @@ def _features(spec, block, names, inputs):
 
 
 def _clip_and_quantize(block, bspec, prefix, names, feats, inputs, loaded, record, clip, scheme, scale_dtype, results):
-    """Each linear of the block clipped (`search_clip`) and quantized, after the scales are
-    folded; NVFP4 global scales shared by each fusion group and, for `nvfp4`, the input
-    global scales observed once the block is quantized (`calibration/fp4.py`)."""
+    """Each linear of the block clipped (`search_clip` with `clip` rounds; None: no clip
+    search) and quantized, after the scales are folded; NVFP4 global scales shared by each
+    fusion group and, for `nvfp4`, the input global scales observed once the block is
+    quantized (`calibration/fp4.py`)."""
     summed = {}  # per input: what the clip search scores with
     shared = fp4.weight_global_scales(bspec, scheme, prefix, block, names)  # NVFP4, after the folding
     for name in names:
@@ -433,7 +462,7 @@ def _quantize_clipped(
 ):
     linear = get_module(block, name)
     w, ranges = linear.weight.data, None
-    if clip:
+    if clip is not None:
         if loaded is not None:
             ranges = loaded.get(f"{full}.awq_clip")
             if ranges is not None and ranges.dim() != 3:
@@ -445,7 +474,9 @@ def _quantize_clipped(
             first = owner(spec, name)
             if (first, args) not in summed:  # the second moments depend on the group size
                 summed[first, args] = clip_inputs(feats[first], args, name=full)
-            ranges = search_clip(w, summed[first, args], args, scale_dtype=scale_dtype, name=full, global_scale=gs)
+            ranges = search_clip(
+                w, summed[first, args], args, rounds=clip, scale_dtype=scale_dtype, name=full, global_scale=gs
+            )
     if ranges is None:
         q, scale, zero = rtn.quantize_weight(w, args, scale_dtype, gs)
     else:

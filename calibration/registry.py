@@ -34,6 +34,9 @@ class AWQOptions:
     grid: int = option(20, "Points of the scale-exponent grid in [0, 1).", min=1)
     duo: bool = option(False, "Blend weight magnitudes into the scales (duo scaling).")
     clip: bool = option(True, "Search per-group clipping ranges (else round to nearest).")
+    clip_rounds: int = option(
+        2, "Rounds of the asymmetric clip search's coordinate descent (each end alone) after both ends shrink.", min=0
+    )
     gptq: bool = option(
         False,
         "Round with GPTQ's error feedback after the scales are folded (Hessian of the scaled inputs, "

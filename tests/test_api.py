@@ -25,6 +25,7 @@ def test_quantize_evaluate_load_and_generate(tiny_llama, tiny_corpus, tmp_path):
                 "grid": 4,
                 "duo": False,
                 "clip": True,
+                "clip_rounds": 2,
                 "gptq": False,
                 "guided": 0,
                 "module_loss": False,

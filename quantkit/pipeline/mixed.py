@@ -10,7 +10,9 @@ MXFP4A16, that format; and int8 per channel and float), the mean KL
 divergence per token of the model's next-token distribution from the float model's when
 only that unit is quantized in that format, on a few calibration windows: rounded to
 nearest, or by the method that will quantize the model (AWQ, GPTQ), which runs on a copy
-of the unit's block with every other linear left float, calibrated on the same windows.
+of the unit's block with every other linear left float, calibrated on the same windows
+(AWQ searches a unit's scales once, at the scheme's own format, for all its int4 formats,
+and its int8 costs are round-to-nearest's: `variants.ABRIDGED`, `ROUNDED`).
 The method matters: AWQ removes much of each unit's rounding error, and unevenly, so the
 costs it leaves rank the units differently from round-to-nearest's (with guided Hessians,
 GPTQ's loss gradients come from one backward pass over the same windows). The result is
@@ -37,6 +39,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import itertools
 import json
 import math
 from collections.abc import Callable
@@ -59,8 +62,15 @@ FISHER_DRAWS = 4  # labels drawn per token from the float model for the Fisher e
 # GPTQ without range search and refinement. On smollm2 (benchmarks/mixed_choice.py, wiki 16
 # windows, docs/benchmarks.md "Accuracy features' cost, measured") it cut GPTQ's sensitivity from
 # 430 to 163 CPU-s and `--target-bits` from 1.60x to 1.18x the uniform run, changing 9 of 120
-# choices: ppl 22.0578 against 22.0067 with the method's own options (uniform: 22.2957)
-SENSITIVITY_CHEAPER: dict[str, object] = {"range_search": False, "refine": 0}
+# choices: ppl 22.0578 against 22.0067 with the method's own options (uniform: 22.2957).
+# AWQ's asymmetric clip search without its coordinate-descent rounds: with the abridged
+# sensitivity (`variants.ABRIDGED`) 220 CPU-s against 395 for the full one, 9 of 120 choices
+# differ (docs/benchmarks.md "AWQ's --target-bits, abridged")
+SENSITIVITY_CHEAPER: dict[str, object] = {"range_search": False, "refine": 0, "clip_rounds": 0}
+# candidates that an abridged method's sensitivity (`variants.ABRIDGED`: AWQ) measures by
+# round-to-nearest instead: on smollm2 AWQ's int8 costs chose nothing differently
+# from round-to-nearest's (w4a16-asym g64, 4.56275 bits: the same 120 choices, 2026-12-06)
+ROUNDED = ("int8",)
 FORMATS_NEED_BITS = (  # the refusal of target_formats without target_bits (recipe and pipeline)
     "target_formats (--target-formats) goes with target_bits (--target-bits): "
     "it limits the formats mixed precision chooses from."
@@ -237,8 +247,9 @@ def _cache_key(path: Path, scheme: QuantScheme, calibration, method: str, option
         "estimator": estimator,
         **({"draws": FISHER_DRAWS} if estimator == "fisher" else {}),
         # 3: KL without the cancellation of Σ p log p - Σ p log q; 4: GPTQ refines its rounding;
-        # 5: the estimator is in the result (and the key)
-        "version": 5,
+        # 5: the estimator is in the result (and the key); 6: AWQ's int8 by round-to-nearest,
+        # its scales searched once per unit
+        "version": 6,
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -247,6 +258,7 @@ def _measure(path: Path, scheme: QuantScheme, calibration, track: Track, method,
     import torch
 
     from quantkit.calibration.datasets import calibration_samples, load_documents
+    from quantkit.calibration.registry import METHODS
     from quantkit.calibration.runner import BlockInputs, capture_block_inputs
     from quantkit.models.arch import arch_for, get_module
     from quantkit.models.loading import load_float_model
@@ -273,11 +285,17 @@ def _measure(path: Path, scheme: QuantScheme, calibration, track: Track, method,
     from quantkit.pipeline import variants as made
 
     variants = made.shared if method.name in made.SHARED else made.alone
+    rounded = ROUNDED if method.name in made.ABRIDGED else ()  # those candidates by round-to-nearest
     costs, n = {}, len(get_module(model, spec.blocks))
     for i in track(range(n), "sensitivity (blocks)", n):
         mine = [u for u in found if u.block == i]
         wanted = [{n: a for n, a in cands.items() if a is not None and u.fits(a)} for u in mine]
-        step = variants(model, spec, scheme, method, options, dtype, i, mine, wanted, inputs, kwargs, guides)
+        by_method = [{n: a for n, a in w.items() if n not in rounded} for w in wanted]
+        by_rtn = [{n: a for n, a in w.items() if n in rounded} for w in wanted]
+        step = variants(model, spec, scheme, method, options, dtype, i, mine, by_method, inputs, kwargs, guides)
+        if any(by_rtn):
+            rtn = made.shared(model, spec, scheme, METHODS["rtn"], None, dtype, i, mine, by_rtn, inputs, kwargs, None)
+            step = itertools.chain(step, rtn)
         with torch.no_grad():  # the variants are made as the loop asks for them
             for unit, name, outs in step:
                 costs.setdefault(unit, {FLOAT: 0.0})[name] = cost(i, outs)

@@ -112,6 +112,30 @@ def test_awq_saved_search_reproduces_the_checkpoint(tiny_llama, tiny_corpus, tmp
 
 
 @pytest.mark.parametrize("name", ["w4a16", "w4a16-asym"])
+def test_awq_clip_rounds_reach_the_asymmetric_clip_search(tiny_llama, tiny_corpus, tmp_path, name):
+    """`clip_rounds` is the asymmetric clip search's coordinate-descent rounds: 0 changes the
+    asymmetric scheme's ranges and leaves the symmetric one's (±amax shrinks as one) as they are."""
+    from safetensors.torch import load_file
+
+    scheme, calib = preset(name).with_group_size(32), Calibration(str(tiny_corpus), 4, 32)
+    found = []
+    for rounds in (0, 2):
+        search = tmp_path / f"s{rounds}.safetensors"
+        quantize(
+            str(tiny_llama),
+            scheme,
+            tmp_path / f"q{rounds}",
+            "awq",
+            calib,
+            {"clip_rounds": rounds, "save_search": search},
+        )
+        found.append({k: v for k, v in load_file(search).items() if k.endswith(".awq_clip")})
+    assert found[0].keys() == found[1].keys() and len(found[0]) == 14
+    same = all(torch.equal(found[0][k], found[1][k]) for k in found[0])
+    assert same == preset(name).weights.symmetric
+
+
+@pytest.mark.parametrize("name", ["w4a16", "w4a16-asym"])
 def test_awq_with_gptq_rounding_keeps_the_scales_and_lowers_the_error(tiny_llama, name):
     scheme = preset(name).with_group_size(32)
     float_model = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()

@@ -193,6 +193,8 @@ def test_the_sensitivity_options_take_the_cheaper_settings_the_method_has(monkey
 
     shipped = mixed._search_options(METHODS["gptq"].options())  # as shipped: GPTQ's searches off
     assert (shipped.range_search, shipped.refine) == (False, 0)
+    shipped = mixed._search_options(METHODS["awq"].options())  # AWQ's clip search without its rounds
+    assert (shipped.clip, shipped.clip_rounds, shipped.grid) == (True, 0, 20)
     monkeypatch.setattr(mixed, "SENSITIVITY_CHEAPER", {})
     assert mixed._search_options(METHODS["gptq"].options()) == METHODS["gptq"].options()
     monkeypatch.setattr(mixed, "SENSITIVITY_CHEAPER", CHEAPER)
@@ -213,6 +215,34 @@ def test_awq_reads_each_blocks_inputs_captured_once(tmp_path, tiny_corpus, monke
     every = mixed.sensitivity(str(path), scheme, calib, cache=tmp_path / "b", method="awq")
     assert once["units"] == every["units"] and len(once["units"]) == 8
     assert mixed.choose(once["units"], 5.0) == mixed.choose(every["units"], 5.0)
+
+
+def test_awqs_abridged_sensitivity(tmp_path, tiny_corpus, monkeypatch):
+    """AWQ's sensitivity, abridged (`variants.ABRIDGED`): its int8 costs are round-to-nearest's,
+    bit for bit; its cost at the scheme's own format is the full search's, bit for bit; each
+    other int4 format folds that format's scales (its own clip search), so its cost differs from
+    a search of its own but stays within reach of it; the scales are searched once per unit."""
+    from quantkit.calibration import awq
+
+    path = make_tiny_model(tmp_path / "m")
+    calib, scheme = Calibration(str(tiny_corpus), 4, 32), preset("w4a16-asym").with_group_size(32)
+    calls, real = [], awq.search_scales
+    monkeypatch.setattr(awq, "search_scales", lambda *a, **k: calls.append(1) or real(*a, **k))
+    abridged = mixed.sensitivity(str(path), scheme, calib, cache=tmp_path / "a", method="awq")
+    searches = len(calls)
+    rounded = mixed.sensitivity(str(path), scheme, calib, cache=tmp_path / "r", method="rtn")
+    monkeypatch.setattr(variants, "ABRIDGED", ())
+    full = mixed.sensitivity(str(path), scheme, calib, cache=tmp_path / "f", method="awq")
+    # at most once per unit (o_proj has no mapping on this GQA model), where the full one searches per format
+    assert 0 < searches <= len(abridged["units"]) and len(calls) - searches >= 3 * searches
+    own = "int4-g32"  # the scheme's format
+    for a, r, f in zip(abridged["units"], rounded["units"], full["units"]):
+        assert a["kld"]["int8"] == r["kld"]["int8"]
+        assert a["kld"][own] == f["kld"][own]
+        others = [c for c in a["kld"] if c.startswith("int4-") and c != own]
+        assert others and all(0.5 * f["kld"][c] <= a["kld"][c] <= 2 * f["kld"][c] for c in others)
+    for c in ("int8", "int4-g64"):  # else the shortcuts changed nothing and this test proves nothing
+        assert any(a["kld"][c] != f["kld"][c] for a, f in zip(abridged["units"], full["units"]))
 
 
 def test_fisher_estimate_equals_its_formula(tmp_path, tiny_corpus):
