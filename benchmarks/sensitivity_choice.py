@@ -1,0 +1,90 @@
+"""Does a cheaper sensitivity keep the choice? Mixed precision's sensitivity (`mixed.sensitivity`)
+measured in full (the method's own options on every unit × format, as before 2026-12-06) and in
+cheaper ways, one after the other in one process, each one's CPU seconds (`time.process_time`),
+and each one's `--target-bits` choice scored by the full costs: how many fusion groups choose
+differently and the summed KL (by the full costs) of its choice, against the full one's and the
+uniform scheme's. No checkpoint is made (`mixed_choice.py` does that, end to end).
+
+    OMP_NUM_THREADS=1 python benchmarks/sensitivity_choice.py [--model smollm2-135m] [--method awq]
+        [--bits 4.56275] [--ways full abridged abridged:clip_rounds=0 abridged:clip=false abridged:grid=10]
+
+A way is `full` (`variants.ABRIDGED` empty: the method on every format, and no
+`SENSITIVITY_CHEAPER` settings) or `abridged` (as shipped for AWQ: a unit's scales searched once,
+int8 by round-to-nearest), then `:KEY=VALUE` settings put in place of the method's options
+(`mixed.SENSITIVITY_CHEAPER`'s role). The scheme is w4a16-asym group 64, the sensitivity's windows
+`mixed.SENSITIVITY_WINDOWS` of `news`, seed 0; the costs are kept in `--out` (a new folder each way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+from mixed_speed import setting  # benchmarks/mixed_speed.py: "key=value" -> (key, bool / int / float)
+
+from quantkit.calibration.method import Calibration
+from quantkit.calibration.registry import METHODS
+from quantkit.pipeline import mixed, variants
+from quantkit.scheme import preset
+
+
+def measure(a, way: str, out: Path) -> tuple[float, list[dict]]:
+    """(CPU s, the units' costs) of one way."""
+    kind, *settings = way.split(":")
+    if kind not in ("full", "abridged"):
+        raise SystemExit(f"a way is full or abridged, then :KEY=VALUE settings; not {way!r}")
+    rows, seq = mixed.SENSITIVITY_WINDOWS
+    scheme = preset("w4a16-asym").with_group_size(64)
+    kept = variants.ABRIDGED, mixed.SENSITIVITY_CHEAPER
+    variants.ABRIDGED = () if kind == "full" else kept[0]
+    mixed.SENSITIVITY_CHEAPER = dict(map(setting, settings))
+    try:
+        start = time.process_time()
+        result = mixed.sensitivity(
+            a.model,
+            scheme,
+            Calibration(samples=rows, seq_len=seq),
+            method=a.method,
+            options=METHODS[a.method].options(),
+            cache=Path(tempfile.mkdtemp(dir=out)),
+        )
+        return time.process_time() - start, result["units"]
+    finally:
+        variants.ABRIDGED, mixed.SENSITIVITY_CHEAPER = kept
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--method", default="awq", choices=("awq", "gptq", "rtn"))
+    parser.add_argument("--bits", type=float, default=4.56275, help="--target-bits (uniform g64's bits)")
+    parser.add_argument(
+        "--ways", nargs="+", default=["full", "abridged", "abridged:clip_rounds=0", "abridged:clip=false"]
+    )
+    parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "sensitivity-choice")
+    a = parser.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    if a.ways[0] != "full":
+        raise SystemExit("the first way is full: the others are scored by its costs")
+    print(f"| {a.method} sensitivity | CPU s | ÷ full | groups choosing differently | summed KL by the full costs |")
+    print("|---|---|---|---|---|")
+    full = None
+    for way in a.ways:
+        seconds, units = measure(a, way, a.out)
+        if full is None:
+            full, base = units, seconds
+            uniform = sum(r["kld"]["int4-g64"] for r in units)
+            best = mixed.choose(units, a.bits)
+        choice = mixed.choose(units, a.bits)
+        differ = sum(best[k] != v for k, v in choice.items())
+        kl = sum(r["kld"][choice[r["label"]]] for r in full)
+        kept = (uniform - kl) / (uniform - sum(r["kld"][best[r["label"]]] for r in full))
+        gain = f"{kl:.5f} ({kept:.1%} of the full choice's gain)"
+        print(f"| {way} | {seconds:.1f} | {seconds / base:.2f} | {differ} of {len(choice)} | {gain} |", flush=True)
+    print(f"\nuniform w4a16-asym g64: summed KL {uniform:.5f} by the full costs")
+
+
+if __name__ == "__main__":
+    main()
