@@ -26,6 +26,16 @@ def _auto_dtype_is_float32(monkeypatch):
     monkeypatch.setattr("quantkit.kernels.cpu.native_bf16", lambda: False)
 
 
+@pytest.fixture(autouse=True)
+def _sensitivity_cache_of_its_own(monkeypatch, tmp_path_factory):
+    """Mixed precision's sensitivity caches under the user's quantkit cache; a test's goes to a
+    folder of its own (a test that sets the cache itself still does)."""
+    from quantkit.pipeline import mixed
+
+    folder = tmp_path_factory.mktemp("sensitivity")
+    monkeypatch.setattr(mixed, "_cache_dir", lambda: folder)
+
+
 TEXT = [
     "The quick brown fox jumps over the lazy dog near the river bank.",
     "Quantization maps floating point weights to a small grid of integers.",

@@ -63,10 +63,11 @@ FISHER_DRAWS = 4  # labels drawn per token from the float model for the Fisher e
 # windows, docs/benchmarks.md "Accuracy features' cost, measured") it cut GPTQ's sensitivity from
 # 430 to 163 CPU-s and `--target-bits` from 1.60x to 1.18x the uniform run, changing 9 of 120
 # choices: ppl 22.0578 against 22.0067 with the method's own options (uniform: 22.2957).
-# AWQ's asymmetric clip search without its coordinate-descent rounds: with the abridged
-# sensitivity (`variants.ABRIDGED`) 220 CPU-s against 395 for the full one, 9 of 120 choices
-# differ (docs/benchmarks.md "AWQ's --target-bits, abridged")
-SENSITIVITY_CHEAPER: dict[str, object] = {"range_search": False, "refine": 0, "clip_rounds": 0}
+# AWQ's clip search without its coordinate-descent rounds (`clip_rounds` 0) was tried and not
+# shipped: with the abridged sensitivity (`variants.ABRIDGED`) `--target-bits` took 1.38x the
+# uniform run, but its choice lost the whole gain over the uniform run (wiki 16 windows 22.0882
+# against 22.0947; docs/benchmarks.md "AWQ's --target-bits, abridged")
+SENSITIVITY_CHEAPER: dict[str, object] = {"range_search": False, "refine": 0}
 # candidates that an abridged method's sensitivity (`variants.ABRIDGED`: AWQ) measures by
 # round-to-nearest instead: on smollm2 AWQ's int8 costs chose nothing differently
 # from round-to-nearest's (w4a16-asym g64, 4.56275 bits: the same 120 choices, 2026-12-06)
