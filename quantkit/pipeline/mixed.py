@@ -11,8 +11,7 @@ divergence per token of the model's next-token distribution from the float model
 only that unit is quantized in that format, on a few calibration windows: rounded to
 nearest, or by the method that will quantize the model (AWQ, GPTQ), which runs on a copy
 of the unit's block with every other linear left float, calibrated on the same windows
-(AWQ searches a unit's scales once, at the scheme's own format, for all its int4 formats,
-and its int8 costs are round-to-nearest's: `variants.ABRIDGED`, `ROUNDED`).
+(AWQ's int8 costs are round-to-nearest's, `ROUNDED`: they choose as AWQ's do).
 The method matters: AWQ removes much of each unit's rounding error, and unevenly, so the
 costs it leaves rank the units differently from round-to-nearest's (with guided Hessians,
 GPTQ's loss gradients come from one backward pass over the same windows). The result is
@@ -68,10 +67,10 @@ FISHER_DRAWS = 4  # labels drawn per token from the float model for the Fisher e
 # uniform run, but its choice lost the whole gain over the uniform run (wiki 16 windows 22.0882
 # against 22.0947; docs/benchmarks.md "AWQ's --target-bits, abridged")
 SENSITIVITY_CHEAPER: dict[str, object] = {"range_search": False, "refine": 0}
-# candidates that an abridged method's sensitivity (`variants.ABRIDGED`: AWQ) measures by
-# round-to-nearest instead: on smollm2 AWQ's int8 costs chose nothing differently
-# from round-to-nearest's (w4a16-asym g64, 4.56275 bits: the same 120 choices, 2026-12-06)
-ROUNDED = ("int8",)
+# candidates the sensitivity measures by round-to-nearest instead of the method, by method: on
+# smollm2 AWQ's int8 costs chose nothing differently from round-to-nearest's (w4a16-asym g64,
+# 4.56275 bits: the same 120 choices, benchmarks/sensitivity_choice.py, 2026-12-06)
+ROUNDED: dict[str, tuple[str, ...]] = {"awq": ("int8",)}
 FORMATS_NEED_BITS = (  # the refusal of target_formats without target_bits (recipe and pipeline)
     "target_formats (--target-formats) goes with target_bits (--target-bits): "
     "it limits the formats mixed precision chooses from."
@@ -236,6 +235,8 @@ def _search_options(options):
 
 
 def _cache_key(path: Path, scheme: QuantScheme, calibration, method: str, options, estimator: str) -> str:
+    from quantkit.pipeline import variants
+
     files = {f.name: f.stat().st_size for f in sorted(Path(path).glob("*.safetensors"))}
     what = {
         "model": str(Path(path).resolve()),
@@ -248,9 +249,10 @@ def _cache_key(path: Path, scheme: QuantScheme, calibration, method: str, option
         "estimator": estimator,
         **({"draws": FISHER_DRAWS} if estimator == "fisher" else {}),
         # 3: KL without the cancellation of Σ p log p - Σ p log q; 4: GPTQ refines its rounding;
-        # 5: the estimator is in the result (and the key); 6: AWQ's int8 by round-to-nearest,
-        # its scales searched once per unit
+        # 5: the estimator is in the result (and the key); 6: AWQ's int8 by round-to-nearest
         "version": 6,
+        **({"rounded": list(ROUNDED[method])} if ROUNDED.get(method) else {}),
+        **({"scales_once": True} if method in variants.SCALES_ONCE else {}),  # a trial's costs kept apart
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -286,7 +288,7 @@ def _measure(path: Path, scheme: QuantScheme, calibration, track: Track, method,
     from quantkit.pipeline import variants as made
 
     variants = made.shared if method.name in made.SHARED else made.alone
-    rounded = ROUNDED if method.name in made.ABRIDGED else ()  # those candidates by round-to-nearest
+    rounded = ROUNDED.get(method.name, ())  # those candidates by round-to-nearest
     costs, n = {}, len(get_module(model, spec.blocks))
     for i in track(range(n), "sensitivity (blocks)", n):
         mine = [u for u in found if u.block == i]

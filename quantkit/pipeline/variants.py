@@ -12,18 +12,20 @@ from quantkit.scheme import QuantScheme
 
 SHARED = ("rtn", "gptq")  # methods whose units' formats `shared` makes from one pass over a block
 CAPTURED = ("awq",)  # methods whose copies read their inputs captured once per block (`BlockInputs.captured`)
-# methods whose sensitivity is abridged: `alone` searches a unit's scales once, at the scheme's
-# own format, for all the unit's formats (AWQ's scale search was 59% of its sensitivity on
-# smollm2, 2026-12-06), and `mixed.ROUNDED`'s candidates are measured by round-to-nearest
-ABRIDGED = ("awq",)
+# methods whose unit's scales `alone` searches once, at the scheme's own format, and folds for
+# the unit's other formats. Tried for AWQ (its scale search was 59% of its sensitivity on
+# smollm2) and not shipped: the costs of the other group sizes then miss what AWQ's own search
+# at them will do in the final run; 3 of 120 choices changed and the checkpoint lost most of
+# the choice's perplexity gain (docs/benchmarks.md "AWQ's --target-bits, abridged")
+SCALES_ONCE: tuple[str, ...] = ()
 
 
 def alone(model, spec, scheme: QuantScheme, method, options, dtype, i, mine, wanted, inputs, kwargs, guides):
     """(unit, format, block i's outputs per batch with only that unit quantized to it) for each
     unit and format of `wanted`: the method's step on a copy of the block (AWQ's way; `shared`'s
-    reference). AWQ searches a unit's scales once, at the scheme's own format where the unit
-    takes it (else its first), and folds those for the unit's other formats, each with its own
-    clip search (`ABRIDGED`)."""
+    reference). A method of `SCALES_ONCE` searches a unit's scales once, at the scheme's own
+    format where the unit takes it (else its first), and folds those for the unit's other
+    formats, each with its own clip search."""
     import copy
 
     from quantkit.calibration.runner import BlockInputs
@@ -37,7 +39,7 @@ def alone(model, spec, scheme: QuantScheme, method, options, dtype, i, mine, wan
 
         bspec = spec.for_block(float_block)
         captured = mapping_inputs(bspec, float_block, bspec.linears, BlockInputs(inputs[i], kwargs[i]), SEARCH_TOKENS)
-    reuse = method.name in ABRIDGED
+    reuse = method.name in SCALES_ONCE
     for unit, formats in zip(mine, wanted):
         searched = None  # AWQ: the unit's scales, from its first format's search
         for name, args in sorted(formats.items(), key=lambda f: f[1] != scheme.weights):  # the scheme's own first
