@@ -400,8 +400,8 @@ def _extra_passes(config, b, cost_model, tokens, seq_len, group_size, block_forw
     input, each the products of its blocks on and above the diagonal, `guided.GRAM_BLOCKS`);
     the sensitivity (`pipeline.mixed`, on its SENSITIVITY_WINDOWS: the float pass, the Fisher
     pass with FISHER_DRAWS labels, and per block each unit × format quantized by the method
-    and the block run once more; AWQ's abridged sensitivity, `variants.ABRIDGED`, does less:
-    counted as the full one, an upper bound)."""
+    and the block run once more; AWQ's int8, measured by round-to-nearest, `mixed.ROUNDED`,
+    is counted as AWQ's: an upper bound)."""
     from quantkit.calibration.guided import GRAM_BLOCKS
     from quantkit.pipeline.mixed import FISHER_DRAWS, SENSITIVITY_WINDOWS
 

@@ -63,7 +63,7 @@ FISHER_DRAWS = 4  # labels drawn per token from the float model for the Fisher e
 # 430 to 163 CPU-s and `--target-bits` from 1.60x to 1.18x the uniform run, changing 9 of 120
 # choices: ppl 22.0578 against 22.0067 with the method's own options (uniform: 22.2957).
 # AWQ's clip search without its coordinate-descent rounds (`clip_rounds` 0) was tried and not
-# shipped: with the abridged sensitivity (`variants.ABRIDGED`) `--target-bits` took 1.38x the
+# shipped: with `variants.SCALES_ONCE` for AWQ, `--target-bits` took 1.38x the
 # uniform run, but its choice lost the whole gain over the uniform run (wiki 16 windows 22.0882
 # against 22.0947; docs/benchmarks.md "AWQ's --target-bits, abridged")
 SENSITIVITY_CHEAPER: dict[str, object] = {"range_search": False, "refine": 0}
