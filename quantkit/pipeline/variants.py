@@ -13,7 +13,7 @@ from quantkit.scheme import QuantScheme
 SHARED = ("rtn", "gptq")  # methods whose units' formats `shared` makes from one pass over a block
 CAPTURED = ("awq",)  # methods whose copies read their inputs captured once per block (`BlockInputs.captured`)
 # methods whose unit's scales `alone` searches once, at the scheme's own format, and folds for
-# the unit's other formats. Tried for AWQ (its scale search was 59% of its sensitivity on
+# the unit's other formats. Tried for AWQ (its scale search was most of its sensitivity on
 # smollm2) and not shipped: the costs of the other group sizes then miss what AWQ's own search
 # at them will do in the final run; 3 of 120 choices changed and the checkpoint lost most of
 # the choice's perplexity gain (docs/benchmarks.md "AWQ's --target-bits, abridged")
