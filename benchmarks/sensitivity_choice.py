@@ -6,13 +6,14 @@ differently and the summed KL (by the full costs) of its choice, against the ful
 uniform scheme's. No checkpoint is made (`mixed_choice.py` does that, end to end).
 
     OMP_NUM_THREADS=1 python benchmarks/sensitivity_choice.py [--model smollm2-135m] [--method awq]
-        [--bits 4.56275] [--ways full shipped once once:clip_rounds=0 once:clip=false once:grid=10]
+        [--bits 4.56275] [--ways full shipped shipped:clip_rounds=0 shipped:grid=10]
 
 A way is `full` (the method on every unit × format with its own options: `mixed.ROUNDED` and
-`mixed.SENSITIVITY_CHEAPER` empty), `shipped` (as `--target-bits` measures: for AWQ its int8 costs
-by round-to-nearest) or `once` (shipped, and a unit's scales searched once at the scheme's own
-format, `variants.SCALES_ONCE`: tried, not shipped), then `:KEY=VALUE` settings put in place of
-the method's options (`mixed.SENSITIVITY_CHEAPER`'s role). The scheme is w4a16-asym group 64, the sensitivity's windows
+`mixed.SENSITIVITY_CHEAPER` empty) or `shipped` (as `--target-bits` measures: for AWQ its int8
+costs by round-to-nearest), then `:KEY=VALUE` settings put in place of the method's options
+(`mixed.SENSITIVITY_CHEAPER`'s role). (A third way, AWQ's scales searched once per unit, was
+measured at commit 4defee1 as `abridged` and is not in the code: docs/benchmarks.md.)
+The scheme is w4a16-asym group 64, the sensitivity's windows
 `mixed.SENSITIVITY_WINDOWS` of `news`, seed 0; the costs are kept in `--out` (a new folder each way).
 """
 
@@ -27,21 +28,20 @@ from mixed_speed import setting  # benchmarks/mixed_speed.py: "key=value" -> (ke
 
 from quantkit.calibration.method import Calibration
 from quantkit.calibration.registry import METHODS
-from quantkit.pipeline import mixed, variants
+from quantkit.pipeline import mixed
 from quantkit.scheme import preset
 
 
 def measure(a, way: str, out: Path) -> tuple[float, list[dict]]:
     """(CPU s, the units' costs) of one way."""
     kind, *settings = way.split(":")
-    if kind not in ("full", "shipped", "once"):
-        raise SystemExit(f"a way is full, shipped or once, then :KEY=VALUE settings; not {way!r}")
+    if kind not in ("full", "shipped"):
+        raise SystemExit(f"a way is full or shipped, then :KEY=VALUE settings; not {way!r}")
     rows, seq = mixed.SENSITIVITY_WINDOWS
     scheme = preset("w4a16-asym").with_group_size(64)
-    kept = variants.SCALES_ONCE, mixed.ROUNDED, mixed.SENSITIVITY_CHEAPER
-    variants.SCALES_ONCE = (a.method,) if kind == "once" else ()
-    mixed.ROUNDED = {} if kind == "full" else kept[1]
-    mixed.SENSITIVITY_CHEAPER = dict(map(setting, settings)) if settings or kind == "full" else kept[2]
+    kept = mixed.ROUNDED, mixed.SENSITIVITY_CHEAPER
+    mixed.ROUNDED = {} if kind == "full" else kept[0]
+    mixed.SENSITIVITY_CHEAPER = dict(map(setting, settings)) if settings or kind == "full" else kept[1]
     try:
         start = time.process_time()
         result = mixed.sensitivity(
@@ -54,7 +54,7 @@ def measure(a, way: str, out: Path) -> tuple[float, list[dict]]:
         )
         return time.process_time() - start, result["units"]
     finally:
-        variants.SCALES_ONCE, mixed.ROUNDED, mixed.SENSITIVITY_CHEAPER = kept
+        mixed.ROUNDED, mixed.SENSITIVITY_CHEAPER = kept
 
 
 def main() -> None:
@@ -62,9 +62,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--method", default="awq", choices=("awq", "gptq", "rtn"))
     parser.add_argument("--bits", type=float, default=4.56275, help="--target-bits (uniform g64's bits)")
-    parser.add_argument(
-        "--ways", nargs="+", default=["full", "shipped", "once", "once:clip_rounds=0", "once:clip=false"]
-    )
+    parser.add_argument("--ways", nargs="+", default=["full", "shipped"])
     parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "sensitivity-choice")
     a = parser.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)

@@ -327,27 +327,16 @@ SEARCH_TOKENS = 16384  # captured inputs per sequential group that scales and cl
 MODULE_TOKENS = 4096  # tokens of whole sequences that --module-loss runs the attention / MLP on
 
 
-def awq_step(
-    spec: ArchSpec,
-    scheme: QuantScheme,
-    options,
-    results: dict,
-    scale_dtype,
-    log: Callable | None = None,
-    scales: dict[str, torch.Tensor] | None = None,
-):
+def awq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_dtype, log: Callable | None = None):
     """Runner step: per mapping (norm → q,k,v; v → o when shapes allow; norm → gate,up;
     up → down) search activation-aware scales and fold them into the previous op, then
     search per-group clipping ranges for each linear (q and k too: on smollm2 that
     measured better) and quantize with them; with `gptq`, GPTQ's step quantizes the scaled
     block instead (its range search in place of the clip search). With `load_search`
     nothing is searched and no calibration data is needed (but for GPTQ's Hessians); with
-    `save_search` the search is written when the last block is done (`step.finish()`).
-    `scales` (key "PREFIX.PREV.awq_scales" → [ci]) are folded instead of searching for the
-    mappings they name, the clip search still runs; `step.scales` holds every mapping's
-    scales folded so far, by the same keys (mixed precision's sensitivity reuses a unit's)."""
+    `save_search` the search is written when the last block is done (`step.finish()`)."""
     o = options
-    folded: dict[str, torch.Tensor] = {}
+    rounds = o.clip_rounds if o.clip else None  # the clip search's rounds; None: no clip search
     loaded = _read_search(Path(o.load_search)) if o.load_search else None
     record = {} if o.save_search else None
     rounding = None
@@ -374,16 +363,13 @@ def awq_step(
                         f"the saved AWQ search has no scales for {prefix}.{m.prev}; "
                         "it was made for another model or scheme."
                     )
-                found = loaded[key].float()
-            elif scales is not None and key in scales:
-                found = scales[key]
-                scaled_inputs(bspec, feats, m, found)
+                scales = loaded[key].float()
             else:
                 x = feats[mapping_input(bspec, m)]
                 output_fn = (
                     module_output(inspected[m.inspect], linears, calls[m.inspect]) if m.inspect in inspected else None
                 )
-                found = search_scales(
+                scales = search_scales(
                     x,
                     [lin.weight.data for lin in linears],
                     weight_args(scheme, prefix, m.linears[0]),  # one for the mapping (checked by the pipeline)
@@ -393,30 +379,17 @@ def awq_step(
                     scale_dtype=scale_dtype,
                     name=f"{prefix}.{m.prev}",
                 ).scales
-                scaled_inputs(bspec, feats, m, found)
-            fold_scales(b.prev_weight, b.prev_bias, [lin.weight.data for lin in linears] + b.readers, found, b.offset)
-            folded[key] = found
+                scaled_inputs(bspec, feats, m, scales)
+            fold_scales(b.prev_weight, b.prev_bias, [lin.weight.data for lin in linears] + b.readers, scales, b.offset)
             if record is not None:
-                record[key] = found
+                record[key] = scales
         if rounding is not None:
             rounding(index, prefix, block, inputs)
             return
         _clip_and_quantize(
-            block,
-            bspec,
-            prefix,
-            names,
-            feats,
-            inputs,
-            loaded,
-            record,
-            o.clip_rounds if o.clip else None,
-            scheme,
-            scale_dtype,
-            results,
+            block, bspec, prefix, names, feats, inputs, loaded, record, rounds, scheme, scale_dtype, results
         )
 
-    step.scales = folded
     if record is not None:  # carried from block to block: a resumed run restores it
         step.finish = lambda: _write_search(Path(o.save_search), record)
         step.state, step.restore = lambda: dict(record), record.update

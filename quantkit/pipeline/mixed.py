@@ -63,7 +63,7 @@ FISHER_DRAWS = 4  # labels drawn per token from the float model for the Fisher e
 # 430 to 163 CPU-s and `--target-bits` from 1.60x to 1.18x the uniform run, changing 9 of 120
 # choices: ppl 22.0578 against 22.0067 with the method's own options (uniform: 22.2957).
 # AWQ's clip search without its coordinate-descent rounds (`clip_rounds` 0) was tried and not
-# shipped: with `variants.SCALES_ONCE` for AWQ, `--target-bits` took 1.38x the
+# shipped: with AWQ's scales searched once per unit (a trial, commit 0603841) `--target-bits` took 1.38x the
 # uniform run, but its choice lost the whole gain over the uniform run (wiki 16 windows 22.0882
 # against 22.0947; docs/benchmarks.md "AWQ's --target-bits, abridged")
 SENSITIVITY_CHEAPER: dict[str, object] = {"range_search": False, "refine": 0}
@@ -235,8 +235,6 @@ def _search_options(options):
 
 
 def _cache_key(path: Path, scheme: QuantScheme, calibration, method: str, options, estimator: str) -> str:
-    from quantkit.pipeline import variants
-
     files = {f.name: f.stat().st_size for f in sorted(Path(path).glob("*.safetensors"))}
     what = {
         "model": str(Path(path).resolve()),
@@ -252,7 +250,6 @@ def _cache_key(path: Path, scheme: QuantScheme, calibration, method: str, option
         # 5: the estimator is in the result (and the key); 6: AWQ's int8 by round-to-nearest
         "version": 6,
         **({"rounded": list(ROUNDED[method])} if ROUNDED.get(method) else {}),
-        **({"scales_once": True} if method in variants.SCALES_ONCE else {}),  # a trial's costs kept apart
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -12,20 +12,11 @@ from quantkit.scheme import QuantScheme
 
 SHARED = ("rtn", "gptq")  # methods whose units' formats `shared` makes from one pass over a block
 CAPTURED = ("awq",)  # methods whose copies read their inputs captured once per block (`BlockInputs.captured`)
-# methods whose unit's scales `alone` searches once, at the scheme's own format, and folds for
-# the unit's other formats. Tried for AWQ (its scale search was most of its sensitivity on
-# smollm2) and not shipped: the costs of the other group sizes then miss what AWQ's own search
-# at them will do in the final run; 3 of 120 choices changed and the checkpoint lost most of
-# the choice's perplexity gain (docs/benchmarks.md "AWQ's --target-bits, abridged")
-SCALES_ONCE: tuple[str, ...] = ()
 
 
 def alone(model, spec, scheme: QuantScheme, method, options, dtype, i, mine, wanted, inputs, kwargs, guides):
     """(unit, format, block i's outputs per batch with only that unit quantized to it) for each
-    unit and format of `wanted`: the method's step on a copy of the block (AWQ's way; `shared`'s
-    reference). A method of `SCALES_ONCE` searches a unit's scales once, at the scheme's own
-    format where the unit takes it (else its first), and folds those for the unit's other
-    formats, each with its own clip search."""
+    unit and format of `wanted`: the method's step on a copy of the block (AWQ's way; `shared`'s reference)."""
     import copy
 
     from quantkit.calibration.runner import BlockInputs
@@ -39,18 +30,14 @@ def alone(model, spec, scheme: QuantScheme, method, options, dtype, i, mine, wan
 
         bspec = spec.for_block(float_block)
         captured = mapping_inputs(bspec, float_block, bspec.linears, BlockInputs(inputs[i], kwargs[i]), SEARCH_TOKENS)
-    reuse = method.name in SCALES_ONCE
     for unit, formats in zip(mine, wanted):
-        searched = None  # AWQ: the unit's scales, from its first format's search
-        for name, args in sorted(formats.items(), key=lambda f: f[1] != scheme.weights):  # the scheme's own first
+        for name, args in formats.items():
             block = copy.deepcopy(float_block)
             names = (f"{prefix}.{n}" for n in spec.for_block(block).linears)
             others = tuple(n for n in names if n not in unit.linears)
             only = scheme.replace(weights=args, overrides=(), ignore=scheme.ignore + others)
-            step = method.make_step(spec, only, options, {}, dtype, None, **({"scales": searched} if searched else {}))
+            step = method.make_step(spec, only, options, {}, dtype, None)
             step(i, prefix, block, BlockInputs(inputs[i], kwargs[i], guides, captured))
-            if reuse and searched is None:
-                searched = step.scales
             yield unit, name, BlockInputs(inputs[i], kwargs[i]).run(block)
 
 
