@@ -1,7 +1,11 @@
 """Per linear: does GPTQ's range search end with less layer error than min-max ranges?
 
     OMP_NUM_THREADS=1 python benchmarks/gptq_range_layers.py [--model gemma3-270m] [--layers 4,12]
-        [--scheme w4a16-asym] [--group-size 64]
+        [--scheme w4a16-asym] [--group-size 64] [--full-range]
+
+With --full-range (a symmetric scheme) the two runs are the range search as shipped and the
+same search without its full-range candidates (`calibration.awq._full_range` switched off for
+that run): below 1, the full-range grids gain.
 
 The float model (transformers, fp32) runs 32 news rows × 512 (seed 0); each listed block's
 linears' inputs make two Hessians, one of rows 0–15 (calibration) and one of rows 16–31
@@ -20,6 +24,7 @@ import dataclasses
 import torch
 from transformers import AutoModelForCausalLM
 
+from quantkit.calibration import awq
 from quantkit.calibration.datasets import calibration_samples, load_documents
 from quantkit.calibration.gptq import accumulate_hessian, quantize_weight
 from quantkit.calibration.registry import GPTQOptions
@@ -40,6 +45,7 @@ def main() -> None:
     p.add_argument("--layers", default="4,12", help="block indices, comma-separated")
     p.add_argument("--scheme", default="w4a16-asym")
     p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--full-range", action="store_true", help="the search with its full-range grids over without them")
     a = p.parse_args()
     path = resolve_model(a.model)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -67,15 +73,25 @@ def main() -> None:
             model(ids[r : r + 4])
     args = dataclasses.replace(preset(a.scheme).weights, group_size=a.group_size, actorder="static")
     o = GPTQOptions()  # the command's defaults
-    print(f"{a.model} {a.scheme} g{a.group_size}: layer error of the range search / min-max ranges")
+    what = "with its full-range grids / without" if a.full_range else "/ min-max ranges"
+    print(f"{a.model} {a.scheme} g{a.group_size}: layer error of the range search {what}")
+    shipped, sums = awq._full_range, [0.0] * 4
+
+    def run(W, H, search, full):
+        awq._full_range = shipped if full else (lambda args: False)
+        try:
+            return quantize_weight(W, H, args, o.block_size, o.damp, range_search=search, refine=o.refine).weight
+        finally:
+            awq._full_range = shipped
+
     for name, module in linears.items():
         W, (calib, held) = module.weight.detach(), (h[name][0] for h in hessians)
-        got = [
-            quantize_weight(W, calib, args, o.block_size, o.damp, range_search=rs, refine=o.refine).weight
-            for rs in (True, False)
-        ]
-        ratios = [error(W, got[0], H) / error(W, got[1], H) for H in (calib, held)]
-        print(f"{name:26s} calibration {ratios[0]:.3f}  held out {ratios[1]:.3f}", flush=True)
+        pair = ((True, True), (True, False)) if a.full_range else ((True, True), (False, True))
+        got = [run(W, calib, search, full) for search, full in pair]
+        errors = [error(W, q, H) for H in (calib, held) for q in got]
+        sums = [t + e for t, e in zip(sums, errors)]
+        print(f"{name:26s} calibration {errors[0] / errors[1]:.3f}  held out {errors[2] / errors[3]:.3f}", flush=True)
+    print(f"{'all, summed':26s} calibration {sums[0] / sums[1]:.3f}  held out {sums[2] / sums[3]:.3f}")
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from quantkit.models.arch import ArchSpec, get_module
 from quantkit.primitives import (
     _expand,
     dequantize,
+    full_range_scale,
     minmax,
     qparams_from_minmax,
     round_e2m1,
@@ -52,16 +53,6 @@ from quantkit.primitives import (
 from quantkit.scheme import QuantArgs, QuantScheme
 
 CLIP_MIN = 0.5  # the clip factors α, β stay in [CLIP_MIN, 1]
-
-
-def full_range_scale(lo: torch.Tensor, hi: torch.Tensor, args: QuantArgs, scale_dtype=torch.float32) -> torch.Tensor:
-    """The reference's symmetric int scale per group (its `quant_tensor_sym`, llama.cpp's Q4_0
-    `d = max / -8`): the end of [min(lo, 0), max(hi, 0)] of larger magnitude (hi on a tie)
-    over qmin, so that end quantizes to qmin exactly (negative when it is hi); a scale
-    below `scale_dtype`'s tiny becomes 1. Differentiable in lo and hi; shaped like them."""
-    lo, hi = lo.clamp(max=0), hi.clamp(min=0)
-    scale = torch.where(hi < -lo, lo, hi) / args.qmin
-    return torch.where(scale.abs() > torch.finfo(scale_dtype).tiny, scale, torch.ones_like(scale))
 
 
 def _ste(y: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,8 @@ multiplies the linears' input columns by s (the float function is unchanged), an
 final quantization uses (or, with the `gptq` option, GPTQ rounds the scaled weights with
 error feedback). The shape of mit-han-lab/llm-awq `auto_scale.py` / `auto_clip.py`
 without hooks or model knowledge: the caller captures x and names the modules. The grid
-is the one of `quantkit.primitives` (min-max qparams, as round-to-nearest).
+is the one of `quantkit.primitives` (min-max qparams, as round-to-nearest; a symmetric int
+group's clip may choose the full-range grid, `primitives.full_range_scale`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,14 @@ from quantkit.calibration.method import QParams
 from quantkit.calibration.registry import METHODS, GPTQOptions
 from quantkit.errors import QuantkitError
 from quantkit.models.arch import ArchSpec, get_module
-from quantkit.primitives import check_group_size, compute_qparams, fake_quantize, minmax, qparams_from_minmax
+from quantkit.primitives import (
+    check_group_size,
+    compute_qparams,
+    fake_quantize,
+    full_range_scale,
+    minmax,
+    qparams_from_minmax,
+)
 from quantkit.scheme import QuantArgs, QuantScheme, with_actorder
 
 SCALE_MIN = 1e-4  # floor of s: channels whose activations are all zero stay finite
@@ -196,10 +204,14 @@ def search_clip(
     to it and rounding to nearest gives) and is scored by the mean squared error of the
     group's partial dot products (`ClipInputs.error`). The ratios are 1, 1 - 1/grid, ... (int(max_shrink·grid)
     of them, so 1 ... 0.55 by default). First both ends shrink together by each ratio
-    (llm-awq's `auto_clip`; for a symmetric scheme, whose range is ±amax, that is all); then,
-    for an asymmetric one, `rounds` rounds of coordinate descent: the upper end alone over the
-    ratios with the lower end as chosen so far, then the lower end alone. Each group keeps its
-    best candidate; the first is the unclipped range, so the error never exceeds round-to-nearest's.
+    (llm-awq's `auto_clip`); then, for an asymmetric scheme, `rounds` rounds of coordinate
+    descent: the upper end alone over the ratios with the lower end as chosen so far, then the
+    lower end alone. A symmetric int scheme's range is ±amax, and it also tries the full-range
+    grid (`full_range_scale`) of the group's own [min, max] shrunk by each ratio: a finer step
+    with the lowest code on the group's end of larger magnitude (a negative scale when that end
+    is the max), stored in the same format; its range is the one it clamps to, [qmin·s, qmax·s]
+    in order, never balanced (`clip_qparams`). Each group keeps its best candidate; the first is
+    the unclipped min-max range, so the error never exceeds round-to-nearest's.
     qparams are taken in scale_dtype, as stored (NVFP4: under `global_scale`, the fusion
     group's, as they will be; None: each candidate's own). Rows go batch_co at a time.
     """
@@ -220,12 +232,13 @@ def search_clip(
     for W in w.detach().float().split(batch_co):  # W [co_b, ci]
         lo0, hi0 = minmax(W, args)  # [co_b, n_group]
         lo0, hi0 = lo0.clamp(max=0), hi0.clamp(min=0)
+        signed = (lo0, hi0)
         if args.symmetric:
             hi0 = torch.maximum(-lo0, hi0)
             lo0 = -hi0
 
         def error(lo, hi):  # [co_b, n_group]
-            d = W - fake_quantize(W, args, *qparams_from_minmax(lo, hi, args, scale_dtype, global_scale))
+            d = W - fake_quantize(W, args, *clip_qparams(W, torch.stack((lo, hi), -1), args, scale_dtype, global_scale))
             return inputs.error(d.reshape(W.shape[0], -1, gs).transpose(0, 1))  # d [n_group, co_b, group_size]
 
         best = [lo0, hi0, error(lo0, hi0)]
@@ -238,6 +251,10 @@ def search_clip(
 
         for r in ratios[1:]:
             keep(lo0 * r, hi0 * r)
+        if _full_range(args):
+            for r in ratios:
+                s = full_range_scale(signed[0] * r, signed[1] * r, args, scale_dtype).to(scale_dtype).float()
+                keep(torch.minimum(args.qmin * s, args.qmax * s), torch.maximum(args.qmin * s, args.qmax * s))
         for _ in range(0 if args.symmetric else rounds):
             lo = best[0]
             for r in ratios:
@@ -261,14 +278,24 @@ def clip_qparams(
     group to its range at the ends of the integer grid, exactly as the search scored it
     (clamping the weights first and taking min-max qparams of the result would put the
     clamped values on a rounding tie, ±7.5 steps for symmetric int4, where float noise picks
-    the side)."""
+    the side). A symmetric int range that is not balanced (lo ≠ −hi) is a full-range grid's
+    [qmin·s, qmax·s]: its scale s is `full_range_scale`'s, the end of larger magnitude over qmin."""
     gs = args.group_size if args.strategy in ("group", "tensor_group") else w.shape[1]
     if ranges.shape != (w.shape[0], w.shape[1] // gs, 2):
         raise QuantkitError(
             f"clip ranges of shape {tuple(ranges.shape)} do not fit a weight {tuple(w.shape)} in groups of {gs}."
         )
     lo, hi = ranges.to(w.device, torch.float32).unbind(-1)  # [co, n_group] each
-    return qparams_from_minmax(lo, hi, args, scale_dtype, global_scale)  # NVFP4: a fused group's global scale
+    scale, zero = qparams_from_minmax(lo, hi, args, scale_dtype, global_scale)  # NVFP4: a fused group's global scale
+    if _full_range(args):
+        full = full_range_scale(lo, hi, args, scale_dtype).to(scale_dtype)
+        scale = torch.where(lo == -hi, scale, full)
+    return scale, zero
+
+
+def _full_range(args: QuantArgs) -> bool:
+    """Whether the clip search also tries full-range grids: symmetric int groups."""
+    return args.type == "int" and args.symmetric and args.strategy == "group"
 
 
 def _fake_quantize(w, args, scale_dtype):

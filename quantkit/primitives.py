@@ -5,7 +5,9 @@ fake-quantized models) goes through these functions.
 
 Conventions, as in compressed-tensors so vLLM and transformers agree with us:
 - int: signed values in [-2^(b-1), 2^(b-1)-1] (int4: [-8, 7]), stored as int8.
-  symmetric: scale = amax / ((qmax - qmin) / 2), zero point 0.
+  symmetric: scale = amax / ((qmax - qmin) / 2), zero point 0; the searches may store the
+  full-range scale instead (`full_range_scale`: the end of larger magnitude on qmin, a negative
+  scale when that end is the max), the same format.
   asymmetric: scale = (max - min) / (qmax - qmin), zero point = round(qmin - min / scale),
   an integer in [qmin, qmax]. min/max are widened to include 0.
 - float (fp8 e4m3): scale = amax / 448, values float8_e4m3fn; strategy block: one scale per
@@ -164,6 +166,18 @@ def qparams_from_minmax(
         return scale, None
     zero = torch.round(args.qmin - lo / scale.float()).clamp(args.qmin, args.qmax).to(torch.int8)
     return scale, zero
+
+
+def full_range_scale(lo: torch.Tensor, hi: torch.Tensor, args: QuantArgs, scale_dtype=torch.float32) -> torch.Tensor:
+    """The "full range" symmetric int scale per group (AutoRound's `quant_tensor_sym`, llama.cpp's
+    Q4_0 `d = max / -8`): the end of [min(lo, 0), max(hi, 0)] of larger magnitude (hi on a tie)
+    over qmin, so that end quantizes to qmin exactly (negative when it is hi); a scale below
+    `scale_dtype`'s tiny becomes 1. Codes stay in [qmin, qmax] and x' = q · scale, the symmetric
+    format as stored; against min-max's amax / ((qmax - qmin) / 2) the step is finer (int4:
+    amax / 8 against amax / 7.5) and the larger end is not clipped. Differentiable in lo and hi."""
+    lo, hi = lo.clamp(max=0), hi.clamp(min=0)
+    scale = torch.where(hi < -lo, lo, hi) / args.qmin
+    return torch.where(scale.abs() > torch.finfo(scale_dtype).tiny, scale, torch.ones_like(scale))
 
 
 def float_scales(

@@ -205,12 +205,21 @@ def test_clip_is_never_worse_and_helps_an_outlier(args):
     gs = args.group_size or 128
     w_g = w.reshape(96, -1, gs)
     lo0, hi0 = w_g.amin(-1).clamp(max=0), w_g.amax(-1).clamp(min=0)
+    assert ranges.shape == (*hi0.shape, 2)
+    lo, hi = ranges.unbind(-1)
+    if args.symmetric and args.strategy == "group":
+        # balanced: min-max's ±r·amax; else a full-range grid's [qmin·s, qmax·s] = r·amax on the
+        # group's end of larger magnitude and 7/8 of that on the other
+        balanced = lo == -hi
+        assert (~balanced).any()
+        big, small = torch.maximum(-lo, hi), torch.minimum(-lo, hi)
+        torch.testing.assert_close(small[~balanced], big[~balanced] * 7 / 8)
+        assert torch.equal((-lo > hi)[~balanced], (-lo0 > hi0)[~balanced])
+        lo, hi = -big, big
     if args.symmetric:
         hi0 = torch.maximum(-lo0, hi0)
         lo0 = -hi0
-        assert torch.equal(ranges[..., 0], -ranges[..., 1])
-    assert ranges.shape == (*hi0.shape, 2)
-    lo, hi = ranges.unbind(-1)
+        assert torch.equal(lo, -hi)
     assert (hi <= hi0).all() and (hi >= 0.55 * hi0 * (1 - 1e-6)).all()  # within the ratios 1 ... 0.55
     assert (lo >= lo0).all() and (lo <= 0.55 * lo0 * (1 - 1e-6)).all()
 
@@ -220,6 +229,32 @@ def test_clip_is_never_worse_and_helps_an_outlier(args):
     assert hi[0, 0] < 0.7 * hi0[0, 0]
     assert err_clip[0, 0] < 0.7 * err_rtn[0, 0]  # measured 0.24-0.52 over seeds 11-14 and these schemes
     assert err_clip.mean() < 0.95 * err_rtn.mean()  # measured 0.61-0.90
+
+
+def test_symmetric_groups_take_the_full_range_grid_where_it_is_better():
+    # uniform weights: min-max's grid clips the larger end at 7 steps of amax / 7.5; the full
+    # range puts that end on -8 (a negative scale when it is the max) at a step of amax / 8
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(512, 128, generator=g)
+    w = torch.rand(64, 128, generator=g) * 2 - 1
+    inputs = clip_inputs(x, GROUP32)
+    ranges = search_clip(w, inputs, GROUP32)
+    scale, zero = clip_qparams(w, ranges, GROUP32)
+    err = _group_errors(w, fake_quantize(w, GROUP32, scale, zero), x, 32)
+    best_balanced = None  # the search over min-max grids alone, by hand
+    amax = w.reshape(64, 4, 32).abs().amax(-1)
+    for r in [1 - i / 20 for i in range(10)]:
+        e = _group_errors(
+            w, fake_quantize(w, GROUP32, *clip_qparams(w, torch.stack((-r * amax, r * amax), -1), GROUP32)), x, 32
+        )
+        best_balanced = e if best_balanced is None else torch.minimum(best_balanced, e)
+    assert (err <= best_balanced * (1 + 1e-5)).all()
+    assert err.mean() < 0.97 * best_balanced.mean()  # measured 0.90-0.93 over seeds 0-5
+    full = ranges[..., 0] != -ranges[..., 1]
+    assert full.float().mean() > 0.3  # measured 0.43-0.45 over seeds 0-4
+    w_g = w.reshape(64, 4, 32)
+    max_is_larger = w_g.amax(-1) >= -w_g.amin(-1)
+    assert torch.equal((scale < 0)[full], max_is_larger[full])  # the larger end on code -8
 
 
 def test_asymmetric_clip_moves_each_end_on_its_own():

@@ -62,6 +62,8 @@ def make_weight(n, k, group_size, symmetric, act_order, scale_dtype, seed=0):
         g_idx = (torch.randperm(k, generator=gen) // group_size).to(torch.int32)
         cols = torch.argsort(g_idx, stable=True)
     scales, zeros = compute_qparams(w[:, cols], args, scale_dtype)  # groups of the sorted columns
+    if symmetric:  # every other row mirrored: the negative scales a full-range grid may store
+        scales = torch.where(torch.arange(n)[:, None] % 2 == 1, -scales, scales)
     q = quantize(w, scales, zeros, args, g_idx)
     to = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
     return to(pack(q)), to(scales), to(zeros), to(g_idx)
