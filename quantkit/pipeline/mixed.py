@@ -247,8 +247,9 @@ def _cache_key(path: Path, scheme: QuantScheme, calibration, method: str, option
         "estimator": estimator,
         **({"draws": FISHER_DRAWS} if estimator == "fisher" else {}),
         # 3: KL without the cancellation of Σ p log p - Σ p log q; 4: GPTQ refines its rounding;
-        # 5: the estimator is in the result (and the key); 6: AWQ's int8 by round-to-nearest
-        "version": 6,
+        # 5: the estimator is in the result (and the key); 6: AWQ's int8 by round-to-nearest;
+        # 7: the symmetric int searches try the full-range grid
+        "version": 7,
         **({"rounded": list(ROUNDED[method])} if ROUNDED.get(method) else {}),
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
