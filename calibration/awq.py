@@ -238,7 +238,7 @@ def search_clip(
             lo0 = -hi0
 
         def error(lo, hi):  # [co_b, n_group]
-            d = W - fake_quantize(W, args, *clip_qparams(W, torch.stack((lo, hi), -1), args, scale_dtype, global_scale))
+            d = W - fake_quantize(W, args, *_range_qparams(lo, hi, args, scale_dtype, global_scale))
             return inputs.error(d.reshape(W.shape[0], -1, gs).transpose(0, 1))  # d [n_group, co_b, group_size]
 
         best = [lo0, hi0, error(lo0, hi0)]
@@ -286,6 +286,11 @@ def clip_qparams(
             f"clip ranges of shape {tuple(ranges.shape)} do not fit a weight {tuple(w.shape)} in groups of {gs}."
         )
     lo, hi = ranges.to(w.device, torch.float32).unbind(-1)  # [co, n_group] each
+    return _range_qparams(lo, hi, args, scale_dtype, global_scale)
+
+
+def _range_qparams(lo, hi, args, scale_dtype, global_scale):
+    # `clip_qparams` of ranges [co, n_group] each, unchecked (the search's inner loop)
     scale, zero = qparams_from_minmax(lo, hi, args, scale_dtype, global_scale)  # NVFP4: a fused group's global scale
     if _full_range(args):
         full = full_range_scale(lo, hi, args, scale_dtype).to(scale_dtype)
