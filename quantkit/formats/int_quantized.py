@@ -10,12 +10,18 @@ Per quantized linear `<name>`:
 
 The config group's `input_activations` are {num_bits: 8, type: int, symmetric: true,
 strategy: token, dynamic: true}: no activation tensor is stored.
+
+compressed-tensors (and so llm-compressor) also writes int weights of fewer bits on fp8
+activations (W4AFP8) in this format, one int8 per int4 value (`weight` [out, in], group scales
+[out, in / group], `weight_zero_point` [out, in / group] int8 when asymmetric); vLLM's W4A8Fp8
+scheme reads only pack-quantized, and `quantkit.load` repacks them so (`as_pack_quantized`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from quantkit.packing import pack
 from quantkit.primitives import quantize
 from quantkit.scheme import QuantArgs, QuantScheme
 
@@ -52,3 +58,19 @@ def param_info(out_features: int, in_features: int, args: QuantArgs, dtype: torc
         "weight": ((out_features, in_features), torch.int8),
         "weight_scale": ((out_features, 1) if args.strategy == "channel" else (1,), dtype),
     }
+
+
+def as_pack_quantized(tensors: dict[str, torch.Tensor], name: str, args: QuantArgs) -> None:
+    """Repack one linear `name` stored int-quantized with fewer than 8 bits (one int8 per value)
+    as pack-quantized, in `tensors`, in place. ValueError if its values do not fit `args`."""
+    if f"{name}.weight" not in tensors:
+        raise ValueError(f"{name}.weight is missing")
+    q = tensors.pop(f"{name}.weight")
+    low, high = -(1 << (args.num_bits - 1)), (1 << (args.num_bits - 1)) - 1
+    if q.dtype != torch.int8 or q.dim() != 2 or q.min() < low or q.max() > high:
+        raise ValueError(f"{name}.weight is not int{args.num_bits} values stored as int8 [out, in]")
+    tensors[f"{name}.weight_packed"] = pack(q, args.num_bits)
+    tensors[f"{name}.weight_shape"] = torch.tensor(list(q.shape), dtype=torch.int64)
+    zero_point = tensors.pop(f"{name}.weight_zero_point", None)
+    if zero_point is not None:
+        tensors[f"{name}.weight_zero_point"] = pack(zero_point.reshape(q.shape[0], -1), args.num_bits, dim=0)

@@ -36,7 +36,7 @@ from quantkit.scheme import CheckpointConfig, from_quantization_config
 SUPPORTED = (
     "compressed-tensors pack-quantized (int4, int8; int4 on fp8 activations, w4afp8; other widths dequantized at load)",
     "compressed-tensors float-quantized (fp8)",
-    "compressed-tensors int-quantized (W8A8 int8)",
+    "compressed-tensors int-quantized (W8A8 int8; int4 on fp8 activations, repacked at load)",
     "compressed-tensors float-quantized block (fp8 128x128), nvfp4-pack-quantized, mxfp4-pack-quantized, "
     "mxfp8-quantized (dequantized at load)",
     "compressed-tensors mixed-precision (config groups of the formats above)",
@@ -106,6 +106,15 @@ def _quantized_linear(linear: nn.Linear, scheme, dtype: torch.dtype, path: Path)
     )
 
 
+def _repack_int_quantized(tensors: dict, name: str, scheme, path: Path) -> None:
+    try:
+        int_quantized.as_pack_quantized(tensors, name, scheme.weights)
+    except ValueError as e:
+        raise QuantkitError(
+            f"checkpoint {path} is int-quantized with int{scheme.weights.num_bits} weights, but {e}; re-create it."
+        ) from None
+
+
 def _fp8_per_token(acts) -> bool:
     """w4afp8's activations: fp8 per token, taken at run time."""
     return acts.type == "float" and acts.num_bits == 8 and acts.strategy == "token" and acts.dynamic is True
@@ -134,6 +143,8 @@ def load(path: str | os.PathLike, dtype: torch.dtype | None = None) -> nn.Module
             _replace(model, name, qlinear_float.make_linear(module, scheme, dtype))
             dequantized[name] = scheme
         elif scheme is not None:
+            if ckpt.format == "int-quantized" and scheme.format == "pack-quantized":  # e.g. llm-compressor's W4AFP8
+                _repack_int_quantized(tensors, name, scheme, path)
             _replace(model, name, _quantized_linear(module, scheme, dtype, path))
     _dequantize(tensors, dequantized, dtype, path)
     model.load_notes = qlinear_float.load_notes(Counter(map(qlinear_float.kind, dequantized.values())), dtype)

@@ -11,6 +11,7 @@ from conftest import make_family_model, make_tiny_model
 from transformers import AutoModelForCausalLM
 
 import quantkit
+from quantkit.errors import QuantkitError
 from quantkit.formats.checkpoint import read_tensors
 from quantkit.formats.inspect import describe
 from quantkit.pipeline.quantize import Calibration, quantize
@@ -81,6 +82,56 @@ def test_w4afp8_quantizes_activations_per_token_in_fp8(bf16_llama, tiny_corpus, 
     assert fp8.model.layers[0].self_attn.q_proj.acts == preset("w4afp8").input_activations
     a, b = logits(fp8), logits(quantkit.load(tmp_path / "w4a16", torch.float32))
     assert not torch.equal(a, b) and (a - b).pow(2).mean() < 0.1 * b.pow(2).mean()  # fp8 rounding, not garbage
+
+
+def as_int_quantized(packed, out):
+    """`packed` (a pack-quantized w4afp8 checkpoint) as compressed-tensors 0.20.1 writes the same
+    scheme when left to infer its format (llm-compressor's W4AFP8): int-quantized, one int8 per
+    int4 value in `weight`, fp32 group scales."""
+    from safetensors.torch import save_file
+
+    from quantkit.packing import unpack
+
+    out.mkdir()
+    for f in packed.iterdir():
+        if f.suffix != ".safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    tensors = read_tensors(packed)
+    for key in [k for k in tensors if k.endswith(".weight_packed")]:
+        name = key.removesuffix(".weight_packed")
+        shape = tensors.pop(f"{name}.weight_shape").tolist()
+        tensors[f"{name}.weight"] = unpack(tensors.pop(key), shape[1], 4)
+        tensors[f"{name}.weight_scale"] = tensors[f"{name}.weight_scale"].float()
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    qc = config["quantization_config"]
+    for group in [qc, *qc["config_groups"].values()]:
+        group["format"] = "int-quantized"
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_int_quantized_w4afp8_is_repacked_at_load(bf16_llama, tiny_corpus, tmp_path):
+    """Another tool's W4AFP8 (int-quantized) loads to the logits of the same weights packed, and
+    to transformers' on it; a value out of int4's range is named, not taken for a missing tensor."""
+    quantize(str(bf16_llama), preset("w4afp8"), tmp_path / "q", "rtn", Calibration(str(tiny_corpus), 4, 32))
+    other = as_int_quantized(tmp_path / "q", tmp_path / "int")
+    stored = read_tensors(other)["model.layers.0.mlp.down_proj.weight"]
+    assert stored.dtype == torch.int8 and stored.shape == (128, 256) and stored.abs().max() <= 8
+    ours = quantkit.load(other, torch.float32)
+    assert isinstance(ours.model.layers[0].mlp.down_proj, PackedInt4Linear)
+    a = logits(ours)
+    torch.testing.assert_close(a, logits(quantkit.load(tmp_path / "q", torch.float32)), rtol=1e-5, atol=1e-5)
+    theirs = AutoModelForCausalLM.from_pretrained(other, dtype=torch.float32).eval()
+    torch.testing.assert_close(a, logits(theirs), rtol=1e-4, atol=1e-4)
+
+    from safetensors.torch import save_file
+
+    tensors = read_tensors(other)
+    tensors["model.layers.0.mlp.down_proj.weight"][0, 0] = 9
+    save_file(tensors, other / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(QuantkitError, match="is int-quantized with int4 weights, but .*down_proj.weight is not int4"):
+        quantkit.load(other)
 
 
 @pytest.mark.parametrize("name", ["w4afp8", "w3a16"])
