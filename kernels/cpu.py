@@ -138,9 +138,13 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     from scattered places. On 4 KB pages each 48 KB block (smollm2, fp32, 64 tokens) crosses 12
     page boundaries, where the core takes a TLB miss and its L2 prefetcher stops: smollm2's fp32
     decode attention at 64 sequences takes 0.95x the time on 2 MB pages (67.2 -> 63.9 CPU ms a
-    step on the Zen 4, `benchmarks/attention.py --part decode-fp32`). Pages are taken as they are
-    first written, so the cache's memory grows with use (torch.zeros writes all of it at once)."""
+    step on the Zen 4, `benchmarks/attention.py --part decode-fp32`). Every page is taken here, as
+    torch.zeros does: taken on first write while serving, a huge-page fault can stall in the
+    kernel's compaction, which cost the engine 4% of its bf16 throughput on the AMX Xeon
+    (`benchmarks/ab_bench.sh`, 2026-12-06; 1.03x torch.zeros' once the pages are taken here)."""
     device, nbytes = torch.device(device), math.prod(shape) * dtype.itemsize
     if device.type != "cpu" or nbytes == 0 or not HugePageArena.available():
         return torch.zeros(shape, dtype=dtype, device=device)
-    return _huge_mapping(nbytes)[:nbytes].view(dtype).view(shape)
+    out = _huge_mapping(nbytes)
+    out.zero_()  # take every page now, as torch.zeros does, not while serving
+    return out[:nbytes].view(dtype).view(shape)

@@ -1,9 +1,12 @@
 """`quantkit.kernels.cpu.HugePageArena`: the copies hold the values, do not overlap, survive the
 arena moving on to a new mapping, and fall back to a plain contiguous tensor when disabled.
 `cpu.zeros` (the KV cache's memory): zeros of the shape and dtype, each in its own writable
-mapping on 2 MB boundaries, or torch.zeros where huge pages are off."""
+mapping on 2 MB boundaries, or torch.zeros where huge pages are off, its pages taken when made."""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,3 +51,17 @@ def test_zeros_are_zeros_of_their_own(monkeypatch, huge, dtype):
     a.view(torch.uint8).fill_(7)  # writable, and b is elsewhere
     assert not b.view(torch.uint8).any() and a.view(torch.uint8).eq(7).all()
     assert cpu.zeros((0, 4), dtype).shape == (0, 4)
+
+
+def resident_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads Linux's /proc/self/statm")
+@pytest.mark.parametrize("huge", ["1", "0"])
+def test_zeros_takes_its_pages_when_made(monkeypatch, huge):
+    """Not on first write while serving, where a huge-page fault can wait on compaction."""
+    monkeypatch.setenv("QUANTKIT_HUGE_PAGES", huge)
+    before = resident_bytes()
+    t = cpu.zeros((64, 1 << 20), torch.uint8)
+    assert resident_bytes() - before >= t.nbytes * 0.95
