@@ -76,3 +76,28 @@ def test_what_w8a8_does_not_take(weights, acts, reason):
         input_activations=dataclasses.replace(w8a8.input_activations, **acts),
     )
     assert reason in unsupported(scheme)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_int4_stored_as_int8_repacks_to_the_same_values(symmetric):
+    """Another tool's int-quantized int4 (one int8 per value, zero points [out, groups] when
+    asymmetric) as pack-quantized: the same values and zero points, unpacked again."""
+    from quantkit.formats.int_quantized import as_pack_quantized
+    from quantkit.formats.pack_quantized import decompress_ints
+
+    args = QuantArgs(num_bits=4, type="int", symmetric=symmetric, strategy="group", group_size=32)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-8, 8, (24, 64), generator=g, dtype=torch.int8)
+    tensors = {"l.weight": q.clone(), "l.weight_scale": torch.rand(24, 2)}
+    if not symmetric:
+        tensors["l.weight_zero_point"] = torch.randint(-8, 8, (24, 2), generator=g, dtype=torch.int8)
+    zp = tensors.get("l.weight_zero_point")
+    as_pack_quantized(tensors, "l", args)
+    assert "l.weight" not in tensors and tensors["l.weight_packed"].dtype == torch.int32
+    values, scale, zero_point, _ = decompress_ints({k.removeprefix("l."): v for k, v in tensors.items()}, args)
+    assert torch.equal(values, q) and scale is tensors["l.weight_scale"]
+    assert zero_point is None if symmetric else torch.equal(zero_point, zp)
+    with pytest.raises(ValueError, match="l.weight is missing"):
+        as_pack_quantized({}, "l", args)
+    with pytest.raises(ValueError, match="not int4 values"):
+        as_pack_quantized({"l.weight": q.clone().fill_(8)}, "l", args)
