@@ -177,7 +177,8 @@ def with_quantization_config(src, dst, qc):
 LOADS = (
     "quantkit loads compressed-tensors pack-quantized (int4, int8; int4 on fp8 activations, w4afp8; other widths "
     "dequantized at load), compressed-tensors float-quantized (fp8), "
-    "compressed-tensors int-quantized (W8A8 int8), compressed-tensors float-quantized block (fp8 128x128), "
+    "compressed-tensors int-quantized (W8A8 int8; int4 on fp8 activations, repacked at load), "
+    "compressed-tensors float-quantized block (fp8 128x128), "
     "nvfp4-pack-quantized, mxfp4-pack-quantized, mxfp8-quantized (dequantized at load), "
     "compressed-tensors mixed-precision (config groups of the formats above), AutoAWQ GEMM (int4), GPTQ v1 (int4)."
 )
