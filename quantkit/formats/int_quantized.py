@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from quantkit.packing import pack
+from quantkit.formats import pack_quantized
 from quantkit.primitives import quantize
 from quantkit.scheme import QuantArgs, QuantScheme
 
@@ -63,14 +63,14 @@ def param_info(out_features: int, in_features: int, args: QuantArgs, dtype: torc
 def as_pack_quantized(tensors: dict[str, torch.Tensor], name: str, args: QuantArgs) -> None:
     """Repack one linear `name` stored int-quantized with fewer than 8 bits (one int8 per value)
     as pack-quantized, in `tensors`, in place. ValueError if its values do not fit `args`."""
-    if f"{name}.weight" not in tensors:
-        raise ValueError(f"{name}.weight is missing")
+    for key in (f"{name}.weight", f"{name}.weight_scale"):
+        if key not in tensors:
+            raise ValueError(f"{key} is missing")
     q = tensors.pop(f"{name}.weight")
-    low, high = -(1 << (args.num_bits - 1)), (1 << (args.num_bits - 1)) - 1
-    if q.dtype != torch.int8 or q.dim() != 2 or q.min() < low or q.max() > high:
+    if q.dtype != torch.int8 or q.dim() != 2 or q.min() < args.qmin or q.max() > args.qmax:
         raise ValueError(f"{name}.weight is not int{args.num_bits} values stored as int8 [out, in]")
-    tensors[f"{name}.weight_packed"] = pack(q, args.num_bits)
-    tensors[f"{name}.weight_shape"] = torch.tensor(list(q.shape), dtype=torch.int64)
     zero_point = tensors.pop(f"{name}.weight_zero_point", None)
     if zero_point is not None:
-        tensors[f"{name}.weight_zero_point"] = pack(zero_point.reshape(q.shape[0], -1), args.num_bits, dim=0)
+        zero_point = zero_point.reshape(q.shape[0], -1)
+    packed = pack_quantized.pack_ints(q, tensors.pop(f"{name}.weight_scale"), zero_point, args)
+    tensors.update({f"{name}.{k}": v for k, v in packed.items()})

@@ -31,11 +31,22 @@ def compress(
     g_idx: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """The packed tensors of one linear (keys without the module prefix)."""
-    q = quantize(weight, scale, zero_point, args, g_idx)
+    return pack_ints(quantize(weight, scale, zero_point, args, g_idx), scale, zero_point, args, g_idx)
+
+
+def pack_ints(
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    args: QuantArgs,
+    g_idx: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """The packed tensors of one linear from its int values q [out, in] (int8) and zero points
+    [out, groups] (keys without the module prefix)."""
     out = {
         "weight_packed": pack(q, args.num_bits),
         "weight_scale": scale.contiguous(),
-        "weight_shape": torch.tensor(list(weight.shape), dtype=torch.int64),
+        "weight_shape": torch.tensor(list(q.shape), dtype=torch.int64),
     }
     if zero_point is not None:
         out["weight_zero_point"] = pack(zero_point, args.num_bits, dim=0)

@@ -100,4 +100,4 @@ def test_int4_stored_as_int8_repacks_to_the_same_values(symmetric):
     with pytest.raises(ValueError, match="l.weight is missing"):
         as_pack_quantized({}, "l", args)
     with pytest.raises(ValueError, match="not int4 values"):
-        as_pack_quantized({"l.weight": q.clone().fill_(8)}, "l", args)
+        as_pack_quantized({"l.weight": q.clone().fill_(8), "l.weight_scale": torch.rand(24, 2)}, "l", args)
