@@ -11,7 +11,11 @@ Candidates (int8 weights per channel, x quantized to int8 per token on every cal
 - avx: the quantkit AVX2 / AVX-512 VNNI W8A8 kernel (`kernels/int8/avx.py`), when it loads.
 
 Each is timed interleaved with the others, --rounds times (each a loop of ~20 ms of this
-thread's CPU time), and the median is printed in ms with fp32 / candidate (> 1: faster).
+thread's CPU time), and the median is printed in ms with fp32 / candidate (> 1: faster), and
+each int8 candidate's error against the exact W8A8 result (the twin, `kernels/int8/twin.py`):
+‖y − twin‖ / ‖twin‖ on x with four outlier channels (×20), as LLM activations have. An exact
+kernel shows ~1e-7 (fp32 rounding); oneDNN on AVX2 without VNNI saturates int16 pair sums
+(`onednn.saturates`) and shows far more: it runs here anyway (`inexact_ok`), to be timed.
 
 --isa avx2 re-runs this script in a subprocess with QUANTKIT_ISA=avx2, ATEN_CPU_CAPABILITY=avx2,
 MKL_ENABLE_INSTRUCTIONS=AVX2 and ONEDNN_MAX_CPU_ISA=AVX2 set before torch is imported, so that
@@ -36,30 +40,29 @@ AVX2_ENV = {
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out): qkv fused, o, gate/up fused, down
 
 
-def candidates(k: int, n: int) -> dict:
-    """name -> fn(x) for one [n, k] per-channel int8 weight."""
+def candidates(k: int, n: int) -> tuple[dict, object]:
+    """(name -> fn(x) for one [n, k] per-channel int8 weight, the exact W8A8 function of it)."""
     import torch
     import torch.nn.functional as F
 
-    from quantkit.kernels.int8 import onednn
+    from quantkit.kernels.int8 import onednn, twin
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(n, k, generator=g)
     scale = w.abs().amax(1, keepdim=True) / 127.5
     w_int8 = torch.round(w / scale).clamp(-128, 127).to(torch.int8)
     dense = w_int8.float() * scale
-    packed = onednn.prepack_w8a8(w_int8, scale)
+    packed = onednn.prepack_w8a8(w_int8, scale, inexact_ok=True)
     found = {"fp32": lambda x: F.linear(x, dense), "onednn": lambda x: onednn.w8a8_gemm_cpu(x, packed)}
-    try:
-        from quantkit.kernels.int8 import avx
-    except ImportError:
-        return found
+    exact = lambda x: twin.int8_gemm(x, w_int8, scale)  # noqa: E731
+    from quantkit.kernels.int8 import avx
+
     weight, why = avx.repack(w_int8, scale)
     if weight is not None:
         found["avx"] = lambda x: avx.gemm(x, weight)
     else:
         print(f"(no avx candidate: {why})")
-    return found
+    return found, exact
 
 
 def main() -> None:
@@ -84,22 +87,30 @@ def main() -> None:
         f"fp32-activation W8A8, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, torch {torch.__version__} "
         f"(ATen {torch.backends.cpu.get_cpu_capability()}), {cpu_name()}, 1 thread{forced}\n"
     )
+    from quantkit.kernels.int8 import onednn
+
+    print(f"oneDNN's int8 sums saturate here: {onednn.saturates()}\n")
     names = None
     for k, n in SHAPES:
-        fns = candidates(k, n)
+        fns, exact = candidates(k, n)
         if names is None:
             names = [name for name in fns if name != "fp32"]
-            head = "| in→out | M | fp32 ms | " + " | ".join(f"{v} ms | fp32 / {v}" for v in names) + " |"
+            cols = " | ".join(f"{v} ms | fp32 / {v} | {v} error" for v in names)
+            head = "| in→out | M | fp32 ms | " + cols + " |"
             print(head + "\n|" + "---|" * (head.count("|") - 1))
         for m in a.rows:
-            x = torch.randn(m, k)
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            x[:, :4] *= 20  # outlier channels
+            ref = exact(x)
+            err = {v: ((fns[v](x) - ref).norm() / ref.norm()).item() for v in names}
             impls = {name: timer(lambda fn=fn: fn(x)) for name, fn in fns.items()}
             times = {name: [] for name in impls}
             for _ in range(a.rounds):
                 for name, once in impls.items():
                     times[name].append(once())
             ms = {name: statistics.median(t) for name, t in times.items()}
-            cells = [f"{ms['fp32']:.4f}"] + [f"{ms[v]:.4f} | **{ms['fp32'] / ms[v]:.2f}×**" for v in names]
+            cells = [f"{ms['fp32']:.4f}"]
+            cells += [f"{ms[v]:.4f} | **{ms['fp32'] / ms[v]:.2f}×** | {err[v]:.1e}" for v in names]
             print(f"| {k}→{n} | {m} | " + " | ".join(cells) + " |", flush=True)
 
 

@@ -9,6 +9,8 @@
   activations and, on a CPU with AMX-INT8, fp32 ones (faster there from 64 rows, measured in
   docs/benchmarks.md); for fp32 activations without AMX-INT8 it steps aside for the AVX2 /
   AVX-512 VNNI kernel (`avx.py`, faster there), which `QUANTKIT_ISA=avx2|avx512` also forces.
+  On AVX2 without VNNI oneDNN's int8 sums saturate (`onednn.saturates`), so it refuses there
+  and the AVX2 kernel takes every activation dtype.
 
 `build` returns x -> y, with the kernel's own layout of the weight, where it makes one, as
 `.weight`.
@@ -102,8 +104,8 @@ def _onednn(elementwise: bool):
 
 
 def _w8a8_avx_ok(p: Problem) -> tuple[bool, str]:
-    if p.dtype != torch.float32:
-        return False, f"its activations are {str(p.dtype)[6:]}; it takes float32"
+    # any float activations (converted to fp32 in the call); oneDNN, before it in the list, takes
+    # bf16 wherever its sums are exact
     if p.scales.numel() not in (1, p.weight.shape[0]):
         return False, "its weight scales are neither per channel nor per tensor"
     if not w8a8_avx.forced() and w8a8_avx.has_amx_int8():  # before choose_isa: no build where it is not used

@@ -24,11 +24,27 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return xf.div_(scale).round_().clamp_(-128, 127).to(torch.int8), scale
 
 
+_CPU_EXACT: list[bool] = []  # the probe's verdict, once per process
+
+
+def cpu_exact() -> bool:
+    """Whether `torch._int_mm`'s int32 sums are exact on this CPU. It runs oneDNN's int8 GEMM,
+    which on AVX2 without VNNI saturates at int16 (`onednn.saturates`); probed once on the
+    worst case, every operand 127, where the exact sum is 127²·64."""
+    if not _CPU_EXACT:
+        a = torch.full((2, 64), 127, dtype=torch.int8)
+        _CPU_EXACT.append(bool((torch._int_mm(a, a.t()) == 127 * 127 * 64).all()))
+    return _CPU_EXACT[0]
+
+
 def unsupported(out_features: int, in_features: int, device: torch.device | str) -> str | None:
     """Why `int8_gemm` cannot take an [out, in] weight on `device`, or None when it can."""
-    if torch.device(device).type == "cuda" and (in_features % 8 or out_features % 8):
+    kind = torch.device(device).type
+    if kind == "cuda" and (in_features % 8 or out_features % 8):
         shape = f"[{out_features}, {in_features}]"
         return f"cuBLASLt's int8 GEMM needs in and out features that are multiples of 8, not {shape}"
+    if kind == "cpu" and not cpu_exact():
+        return "on this CPU (AVX2 without VNNI) torch._int_mm's int8 products saturate in int16: its sums are not exact"
     return None
 
 

@@ -1,5 +1,6 @@
 """W8A8 on the CPU: int8 weights and per-token int8 activations through oneDNN's int8 GEMM (AMX /
-VNNI), on a weight prepacked at load."""
+VNNI / AVX-512), on a weight prepacked at load. Not on AVX2 without VNNI, where its sums are not
+exact (`saturates`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from quantkit.errors import QuantkitError
 
 _HAS_QLINEAR = hasattr(torch.ops.onednn, "qlinear_prepack") and torch.backends.mkldnn.is_available()
+_SATURATES: list[bool] = []  # the probe's verdict, once per process
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,24 +30,51 @@ class W8A8CpuWeight:
     elementwise: object | None = None
 
 
-def w8a8_unsupported(out_features: int, in_features: int) -> str | None:
-    """Why `w8a8_gemm_cpu` cannot run an [out, in] weight, or None when it can."""
+def saturates() -> bool:
+    """Whether oneDNN's int8 GEMM loses the exact int32 sums here. On AVX2 without VNNI (and with
+    ONEDNN_MAX_CPU_ISA=AVX2) it adds 128 to the int8 activations and multiplies them with
+    `vpmaddubsw`, whose sums of two u8·s8 products saturate at int16 (255·127·2 > 32767); on
+    smollm2's real activations that error was up to 4× W8A8's own (docs/benchmarks.md). Probed
+    once per process on the worst case, every activation and weight 127, where the exact sum is
+    127²·64; on AVX-512, AVX-VNNI and AMX oneDNN's sums are exact."""
+    if not _SATURATES:
+        k = 64
+        packed = torch.ops.onednn.qlinear_prepack(torch.full((16, k), 127, dtype=torch.int8), None)
+        ones, zeros = torch.ones(16), torch.zeros(16, dtype=torch.int64)
+        q = torch.full((1, k), 127, dtype=torch.int8)
+        y = torch.ops.onednn.qlinear_pointwise(
+            q, 1.0, 0, packed, ones, zeros, None, 1.0, 0, torch.float32, "none", [], ""
+        )
+        _SATURATES.append(not bool((y == 127 * 127 * k).all()))
+    return _SATURATES[0]
+
+
+def w8a8_unsupported(out_features: int, in_features: int, inexact_ok: bool = False) -> str | None:
+    """Why `w8a8_gemm_cpu` cannot run an [out, in] weight, or None when it can. `inexact_ok`
+    lets it run where its int32 sums saturate (`saturates`; benchmarks only)."""
     if not _HAS_QLINEAR:
         return "this torch has no oneDNN int8 linear (onednn.qlinear_pointwise)"
     if out_features < 1 or in_features < 1:
         return f"the weight [{out_features}, {in_features}] is empty"
+    if not inexact_ok and saturates():
+        return "on this CPU (AVX2 without VNNI) oneDNN's int8 products saturate in int16: its sums are not exact"
     return None
 
 
-def prepack_w8a8(w_int8: torch.Tensor, scales: torch.Tensor, elementwise: bool = True) -> W8A8CpuWeight:
+def prepack_w8a8(
+    w_int8: torch.Tensor, scales: torch.Tensor, elementwise: bool = True, inexact_ok: bool = False
+) -> W8A8CpuWeight:
     """int8 [N, K] weight and its scales ([N, 1], [N] or [1]) -> `W8A8CpuWeight`, with the C++
-    element-wise passes when `elementwise` and they build here (`quantkit.kernels.int8.cpp`)."""
+    element-wise passes when `elementwise` and they build here (`quantkit.kernels.int8.cpp`);
+    `inexact_ok` as in `w8a8_unsupported`."""
     n, k = w_int8.shape
-    why = w8a8_unsupported(n, k)
-    if why or w_int8.dtype != torch.int8 or scales.numel() not in (1, n):
+    why = w8a8_unsupported(n, k, inexact_ok)
+    if why:
+        raise QuantkitError(f"oneDNN's int8 linear cannot run here: {why}; use another W8A8 kernel.")
+    if w_int8.dtype != torch.int8 or scales.numel() not in (1, n):
         raise QuantkitError(
             f"oneDNN's int8 linear takes an int8 [N, K] weight with N or 1 scales (got {w_int8.dtype} "
-            f"[{n}, {k}] and {scales.numel()} scales{'; ' + why if why else ''}); use the torch twin."
+            f"[{n}, {k}] and {scales.numel()} scales); use the torch twin."
         )
     from quantkit.kernels.int8 import cpp as cpu_w8a8
 

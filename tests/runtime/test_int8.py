@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 import quantkit
 from quantkit.errors import QuantkitError
+from quantkit.kernels.int8 import int_mm, onednn
 from quantkit.pipeline.quantize import Calibration, quantize
 from quantkit.runtime.qlinear import Int8Linear, fuse_linears
 from quantkit.scheme import preset
@@ -73,15 +74,17 @@ def test_the_kernels_agree(w8a8):
                 assert (kernel.name, kernel.why) == ("int8 twin (dequantizes on every call)", "backend torch")
         twin = model(IDS).logits
         assert rel(fast, twin) < 1e-3  # int32 sums against fp32 ones (see above)
+        gpu_kernel = "torch._int_mm" if int_mm.cpu_exact() else "int8 twin (dequantizes on every call)"
         for m in model.modules():
             if isinstance(m, Int8Linear):
-                assert m.prepare(torch.float32, "cpu", "triton").name == "torch._int_mm"
+                assert m.prepare(torch.float32, "cpu", "triton").name == gpu_kernel  # run here for the test
         assert rel(model(IDS).logits, twin) < 1e-3
         model.to(torch.bfloat16)  # prepared again on the first bf16 call: oneDNN, bf16 out
         bf16 = model(IDS).logits.float()
     assert rel(bf16, twin) < 0.1  # bf16 activations move some int8 roundings (float bf16: ~0.02 here)
 
 
+@pytest.mark.skipif(onednn.w8a8_unsupported(8, 8) is not None, reason="no exact oneDNN int8 linear here")
 def test_without_the_cpp_passes_the_kernel_says_so(w8a8, monkeypatch):
     up = quantkit.load(w8a8).model.layers[0].mlp.up_proj
     x = torch.randn(3, 64)
@@ -112,7 +115,11 @@ def test_engine_runs_w8a8_in_bf16(w8a8):
     llm = LLM(str(w8a8), dtype="bfloat16", block_size=16, num_blocks=32)
     linears = llm.runner.linears  # per block: q/k/v and gate/up fused, o and down; then lm_head
     assert all(isinstance(m, Int8Linear) for m in linears[:-1]) and len(linears) == 4 * len(llm.runner.layers) + 1
-    assert not [n for n in llm.notes if "Linear" in n]  # every linear got the fast kernel
+    slow = [n for n in llm.notes if "Linear" in n]
+    if onednn.saturates():  # AVX2 without VNNI: oneDNN is passed over, as it should be, and the note says why
+        assert slow and all("saturate in int16" in n for n in slow)
+    else:
+        assert not slow  # every linear got the fast kernel
     (out,) = llm.generate([[1, 2, 3, 4, 5, 6, 7]], SamplingParams(max_tokens=6, temperature=0))
     assert len(out.token_ids) == 6
 

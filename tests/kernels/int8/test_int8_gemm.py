@@ -14,14 +14,19 @@ the output rounding:
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from quantkit import ops
 from quantkit.errors import QuantkitError
+from quantkit.kernels import cpu_ext
 from quantkit.kernels.int8 import onednn
 from quantkit.kernels.int8 import twin as int8_twin
-from quantkit.kernels.int8.int_mm import int8_gemm, quantize_per_token, unsupported
+from quantkit.kernels.int8.int_mm import cpu_exact, int8_gemm, quantize_per_token, unsupported
 from quantkit.primitives import compute_qparams, fake_quantize, quantize, sqnr
 from quantkit.scheme import QuantArgs
 
@@ -72,6 +77,7 @@ def test_twin_is_fake_quantized_matmul(strategy):
     torch.testing.assert_close(int8_twin.int8_gemm(x, w_int8, w_scale), expected, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.skipif(unsupported(N, K, "cpu") is not None, reason="torch._int_mm is not exact on this CPU")
 @pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize("strategy", ["channel", "tensor"])
 def test_int_mm_path_matches_the_twin(m, strategy):
@@ -124,7 +130,7 @@ def test_launcher_refuses_bad_inputs_in_one_sentence():
     with pytest.raises(QuantkitError, match="int8 \\[N, K\\] weight"):
         int8_gemm(torch.randn(3, K), w_int8.float(), w_scale)
     assert "multiples of 8" in unsupported(41, 96, "cuda")
-    assert unsupported(41, 96, "cpu") is None
+    assert unsupported(41, 96, "cpu") is None if cpu_exact() else "saturate in int16" in unsupported(41, 96, "cpu")
 
 
 def _ext():
@@ -157,6 +163,7 @@ def test_cpp_row_scaling_rounds_like_torch():
     assert torch.equal(y, expected)
 
 
+@pytest.mark.skipif(onednn.w8a8_unsupported(N, K) is not None, reason="no exact oneDNN int8 linear here")
 @pytest.mark.parametrize("m", MS)
 def test_onednn_path_with_and_without_the_cpp_passes(m):
     _ext()
@@ -167,3 +174,27 @@ def test_onednn_path_with_and_without_the_cpp_passes(m):
     assert torch.equal(onednn.w8a8_gemm_cpu(x, fused), onednn.w8a8_gemm_cpu(x, plain))  # fp32: identical
     ref = int8_twin.int8_gemm(x.bfloat16().float(), w_int8, w_scale)
     assert sqnr(ref, onednn.w8a8_gemm_cpu(x.bfloat16(), fused).float()) > 40
+
+
+SATURATES = "from quantkit.kernels.int8 import int_mm, onednn; print(onednn.saturates(), int_mm.cpu_exact())"
+EXACT_ISAS = {"avx512bw", "avx512_vnni", "avx_vnni", "amx_int8"}  # oneDNN sums exactly with any of them
+
+
+@pytest.mark.skipif(onednn.w8a8_unsupported(N, K, inexact_ok=True) is not None, reason="no oneDNN int8 linear")
+@pytest.mark.skipif("avx2" not in cpu_ext._cpu_flags().split(), reason="not an AVX2 CPU")
+def test_onednn_saturates_on_avx2_and_is_exact_beyond():
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}  # what an AVX2-only CPU runs
+    capped = subprocess.run([sys.executable, "-c", SATURATES], env=env, capture_output=True, text=True, check=True)
+    assert capped.stdout.split()[-2:] == ["True", "False"]  # oneDNN's qlinear and torch._int_mm alike
+    if EXACT_ISAS & set(cpu_ext._cpu_flags().split()) and "ONEDNN_MAX_CPU_ISA" not in os.environ:
+        assert not onednn.saturates() and cpu_exact()
+
+
+@pytest.mark.skipif(onednn.w8a8_unsupported(N, K, inexact_ok=True) is not None, reason="no oneDNN int8 linear")
+def test_where_onednn_saturates_it_refuses_in_one_sentence(monkeypatch):
+    monkeypatch.setattr(onednn, "saturates", lambda: True)
+    w_int8, w_scale = make_weight()
+    assert "saturate in int16" in onednn.w8a8_unsupported(N, K)
+    with pytest.raises(QuantkitError, match="cannot run here: on this CPU .* not exact; use another W8A8 kernel"):
+        onednn.prepack_w8a8(w_int8, w_scale)
+    assert onednn.prepack_w8a8(w_int8, w_scale, inexact_ok=True).out_features == N  # benchmarks time it anyway

@@ -24,7 +24,7 @@ import torch
 from quantkit.errors import QuantkitError
 from quantkit.kernels import cpu_ext
 from quantkit.kernels.choice import Problem, choose
-from quantkit.kernels.int8 import W8A8
+from quantkit.kernels.int8 import W8A8, onednn
 from quantkit.kernels.int8 import avx as w8a8_avx
 from quantkit.kernels.int8 import twin as int8_twin
 from quantkit.kernels.int8.int_mm import quantize_per_token
@@ -123,15 +123,33 @@ def test_without_the_extension_it_says_why(monkeypatch):
 def test_the_chooser_takes_it_for_fp32_without_amx_or_when_forced(monkeypatch, amx, forced):
     monkeypatch.setattr(w8a8_avx, "has_amx_int8", lambda: amx)
     monkeypatch.setattr(cpu_ext, "ISA_ENV", "avx2" if forced else "")
+    monkeypatch.setattr(onednn, "saturates", lambda: False)
     w_int8, scale = make(40, 96, seed=0)
     choice = choose("W8A8 int8 GEMM", W8A8, Problem("cpu", torch.float32, weight=w_int8, scales=scale))
-    onednn, ours = W8A8[1].name, W8A8[2].name
+    onednn_name, ours = W8A8[1].name, W8A8[2].name
     if amx and not forced:
-        assert (choice.name, choice.why) == (onednn, None)
+        assert (choice.name, choice.why) == (onednn_name, None)
     else:
         assert choice.name == ours and "the AVX W8A8 kernel is faster" in choice.why
         x = make_x(5, 96, seed=1)
         ref = int8_twin.int8_gemm(x, w_int8, scale)
         torch.testing.assert_close(choice.fn(x), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
     bf16 = choose("W8A8 int8 GEMM", W8A8, Problem("cpu", torch.bfloat16, weight=w_int8, scales=scale))
-    assert (bf16.name, bf16.why) == (onednn, None)  # bf16 activations: oneDNN, wherever it runs
+    assert (bf16.name, bf16.why) == (onednn_name, None)  # bf16 activations: oneDNN where its sums are exact
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_where_onednn_saturates_the_chooser_takes_it_for_every_dtype(monkeypatch, dtype):
+    monkeypatch.setattr(w8a8_avx, "has_amx_int8", lambda: False)
+    monkeypatch.setattr(onednn, "saturates", lambda: True)
+    w_int8, scale = make(40, 96, seed=0)
+    choice = choose("W8A8 int8 GEMM", W8A8, Problem("cpu", dtype, weight=w_int8, scales=scale))
+    assert choice.name == W8A8[2].name
+    if dtype == torch.bfloat16:
+        assert "saturate in int16: its sums are not exact" in choice.why
+    x = make_x(5, 96, seed=1).to(dtype)
+    y = choice.fn(x)
+    ref = int8_twin.int8_gemm(x.float(), w_int8, scale)
+    assert y.dtype == dtype  # bf16: the fp32 result rounded once
+    rtol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(y.float(), ref, rtol=rtol, atol=1e-5 * ref.abs().max().item())
