@@ -40,10 +40,14 @@ def test_fp8_checkpoint_loads_in_quantkit_and_transformers(tiny_llama, tiny_corp
     float_model = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
     with torch.no_grad():
         a, b, f = ours(IDS).logits, theirs(IDS).logits, float_model(IDS).logits
-    # static: compressed-tensors divides by the input scale in another order, which flips
-    # the fp8 rounding of an occasional activation (measured max |Δ| 7e-5 on logits of ~4)
-    tol = 1e-5 if name == "fp8-dynamic" else 2e-4
-    torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    # static: compressed-tensors divides by the input scale in another order, which flips the
+    # fp8 rounding of an occasional activation, and the flip travels on through the layers:
+    # measured max |Δ| 7e-5 (‖Δ‖ / ‖b‖ 4e-6) on logits of ~4 with AVX-512's fp32 sums, 7e-3 (3e-4)
+    # with everything capped at AVX2
+    if name == "fp8-dynamic":
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    else:
+        assert (a - b).norm() < 1e-3 * b.norm() and (a - b).abs().max() < 0.05
     assert (a - f).pow(2).mean() < 0.05 * f.pow(2).mean()  # close to float, but quantized
     assert not torch.equal(a, f)
 
