@@ -4,7 +4,7 @@ on smollm2-135m's real activations, for the ISA oneDNN runs here.
     OMP_NUM_THREADS=1 python benchmarks/onednn_exact.py [--isa avx2] [--layers 2 12 25] [--tokens 512]
 
 The float model runs one row of `news` (seed 0) and each chosen linear's input is kept; its
-weight is quantized to int8 per output channel (max|w| / 127, as `quantkit rtn --scheme w8a8`),
+weight is quantized to int8 per output channel as `quantkit rtn --scheme w8a8` does (`primitives`),
 and oneDNN's result (`onednn.w8a8_gemm_cpu`, run even where it is not exact: `inexact_ok`) is
 compared with the exact one (`kernels/int8/twin.py`: the same int8 values, fp32 sums). Per
 linear: ‖oneDNN − exact‖ / ‖exact‖, the share of outputs off by more than 1e-3 of the largest,
@@ -40,6 +40,8 @@ def main() -> None:
     from quantkit.calibration.datasets import calibration_samples, load_documents
     from quantkit.kernels.int8 import onednn, twin
     from quantkit.models.loading import load_float_model
+    from quantkit.primitives import compute_qparams, quantize
+    from quantkit.scheme import preset
 
     torch.set_num_threads(1)
     model, tok, _ = load_float_model("smollm2-135m", dtype=torch.float32)
@@ -58,8 +60,9 @@ def main() -> None:
     print("|---|---|---|---|")
     for key, x in inputs.items():
         w = model.get_submodule(key).weight.data
-        s = w.abs().amax(1, keepdim=True) / 127
-        w_int8 = torch.round(w / s).clamp(-128, 127).to(torch.int8)
+        args = preset("w8a8").weights
+        s = compute_qparams(w, args)[0]
+        w_int8 = quantize(w, s, None, args)
         exact = twin.int8_gemm(x, w_int8, s)
         y = onednn.w8a8_gemm_cpu(x, onednn.prepack_w8a8(w_int8, s, inexact_ok=True))
         f = F.linear(x, w)

@@ -7,6 +7,8 @@ takes oneDNN's prepacked int8 GEMM instead (`quantkit.kernels.cpu.w8a8_gemm_cpu`
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from quantkit.errors import QuantkitError
@@ -24,17 +26,13 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return xf.div_(scale).round_().clamp_(-128, 127).to(torch.int8), scale
 
 
-_CPU_EXACT: list[bool] = []  # the probe's verdict, once per process
-
-
+@functools.cache
 def cpu_exact() -> bool:
     """Whether `torch._int_mm`'s int32 sums are exact on this CPU. It runs oneDNN's int8 GEMM,
     which on AVX2 without VNNI saturates at int16 (`onednn.saturates`); probed once on the
     worst case, every operand 127, where the exact sum is 127²·64."""
-    if not _CPU_EXACT:
-        a = torch.full((2, 64), 127, dtype=torch.int8)
-        _CPU_EXACT.append(bool((torch._int_mm(a, a.t()) == 127 * 127 * 64).all()))
-    return _CPU_EXACT[0]
+    a = torch.full((2, 64), 127, dtype=torch.int8)
+    return bool((torch._int_mm(a, a.t()) == 127 * 127 * 64).all())
 
 
 def unsupported(out_features: int, in_features: int, device: torch.device | str) -> str | None:

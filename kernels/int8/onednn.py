@@ -4,6 +4,7 @@ exact (`saturates`)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -11,7 +12,6 @@ import torch
 from quantkit.errors import QuantkitError
 
 _HAS_QLINEAR = hasattr(torch.ops.onednn, "qlinear_prepack") and torch.backends.mkldnn.is_available()
-_SATURATES: list[bool] = []  # the probe's verdict, once per process
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +30,7 @@ class W8A8CpuWeight:
     elementwise: object | None = None
 
 
+@functools.cache
 def saturates() -> bool:
     """Whether oneDNN's int8 GEMM loses the exact int32 sums here. On AVX2 without VNNI (and with
     ONEDNN_MAX_CPU_ISA=AVX2) it adds 128 to the int8 activations and multiplies them with
@@ -37,16 +38,12 @@ def saturates() -> bool:
     smollm2's real activations that error was up to 4× W8A8's own (docs/benchmarks.md). Probed
     once per process on the worst case, every activation and weight 127, where the exact sum is
     127²·64; on AVX-512, AVX-VNNI and AMX oneDNN's sums are exact."""
-    if not _SATURATES:
-        k = 64
-        packed = torch.ops.onednn.qlinear_prepack(torch.full((16, k), 127, dtype=torch.int8), None)
-        ones, zeros = torch.ones(16), torch.zeros(16, dtype=torch.int64)
-        q = torch.full((1, k), 127, dtype=torch.int8)
-        y = torch.ops.onednn.qlinear_pointwise(
-            q, 1.0, 0, packed, ones, zeros, None, 1.0, 0, torch.float32, "none", [], ""
-        )
-        _SATURATES.append(not bool((y == 127 * 127 * k).all()))
-    return _SATURATES[0]
+    k = 64
+    packed = torch.ops.onednn.qlinear_prepack(torch.full((16, k), 127, dtype=torch.int8), None)
+    ones, zeros = torch.ones(16), torch.zeros(16, dtype=torch.int64)
+    q = torch.full((1, k), 127, dtype=torch.int8)
+    y = torch.ops.onednn.qlinear_pointwise(q, 1.0, 0, packed, ones, zeros, None, 1.0, 0, torch.float32, "none", [], "")
+    return not bool((y == 127 * 127 * k).all())
 
 
 def w8a8_unsupported(out_features: int, in_features: int, inexact_ok: bool = False) -> str | None:
