@@ -25,7 +25,7 @@ has no gradient to follow.
 What the block sees (as the reference implementation does): the quantized block runs on
 the inputs the runner gives it (the previous blocks quantized) and is scored against the
 float block's output on the float model's own inputs, a second stream of hidden states
-this step keeps from block to block (`FloatStream`, saved with a resumable run's state).
+this step keeps from block to block (`runner.FloatStream`, saved with a resumable run's state).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from quantkit.calibration import fp4
 from quantkit.calibration.hooks import targets, weight_args
 from quantkit.calibration.method import Calibration, QParams
 from quantkit.calibration.registry import AutoRoundOptions
+from quantkit.calibration.runner import FloatStream
 from quantkit.models.arch import ArchSpec, get_module
 from quantkit.primitives import (
     _expand,
@@ -284,29 +285,6 @@ def _keep(block, roundings, data, start, best_state, losses) -> Learned:
             r.load(start[n])
         loss = rtn_loss
     return Learned(rtn_loss, loss, losses)
-
-
-class FloatStream:
-    """The float model's hidden states between blocks (the targets' inputs): block `index`'s
-    inputs per batch, or None before the first block. A streaming run saves it at each commit
-    (`state`) and `--resume` restores it, so a resumed run is the uninterrupted one."""
-
-    def __init__(self):
-        self.index, self.hidden = None, None
-
-    def inputs(self, index: int, quantized: list[torch.Tensor]) -> list[torch.Tensor]:
-        if self.index != index:
-            return quantized
-        return [h.to(q.device) for h, q in zip(self.hidden, quantized)]
-
-    def advance(self, index: int, outputs: list[torch.Tensor]) -> None:
-        self.index, self.hidden = index + 1, outputs
-
-    def state(self) -> dict | None:
-        return None if self.hidden is None else {"index": self.index, "hidden": [h.cpu() for h in self.hidden]}
-
-    def restore(self, saved: dict) -> None:
-        self.index, self.hidden = saved["index"], saved["hidden"]
 
 
 @torch.no_grad()

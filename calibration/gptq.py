@@ -22,6 +22,7 @@ from quantkit.calibration.guided import quantize_rows
 from quantkit.calibration.hooks import Replay, by_args, reduce_each, reduce_inputs, targets
 from quantkit.calibration.method import QParams
 from quantkit.calibration.registry import HESSIAN_BYTES
+from quantkit.calibration.targets import FloatTargets
 from quantkit.errors import QuantkitError
 from quantkit.models.arch import ArchSpec, get_module
 from quantkit.primitives import FP4_MAX, check_group_size, compute_qparams, nvfp4_global_scale, round_e2m1
@@ -402,16 +403,28 @@ def gptq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale
     per expert: every expert's gate/up are quantized after one pass (or a few, HESSIAN_BYTES
     of Hessians at a time), then every expert's down. With `options.guided` (dense blocks),
     each linear's groups of rows are quantized under their own loss-guided Hessians
-    (`calibration.guided`; the block's `inputs.guides`)."""
+    (`calibration.guided`; the block's `inputs.guides`). With `options.float_targets` (dense
+    blocks), each group's weights are first moved to the least-squares fit of the float
+    model's outputs from the quantized inputs (`calibration.targets`): the float model's
+    hidden states travel beside the quantized ones (`runner.FloatStream`, saved with a
+    resumable run's state) and each block is copied before it is quantized."""
 
-    guided = options.guided
+    guided, floats = options.guided, options.float_targets
+    if floats and guided:
+        raise QuantkitError("--float-targets and --guided cannot be combined yet; drop one.")
+    if floats and spec.moe is not None:
+        raise QuantkitError(
+            "--float-targets is for dense models (an expert's routed tokens differ between the float and the "
+            "quantized model); drop it."
+        )
+    floats = FloatTargets() if floats else None
     if guided and any(s.weights is not None and s.weights.actorder == "group" for s in (scheme, *scheme.overrides)):
         raise QuantkitError(
             "guided Hessians split a linear's rows, which act-order group cannot; use --act-order static."
         )
 
     def guided_part(W, H, args, name, fixed_scales):  # one row group of a linear under its guided Hessian
-        return _quantize_with(options, W, _finite(H, name), args, scale_dtype, log, name, fixed_scales)
+        return _quantize_with(options, W, finite(H, name), args, scale_dtype, log, name, fixed_scales)
 
     def step(index: int, prefix: str, block: nn.Module, inputs) -> None:
         if guided and inputs.guides is None:
@@ -419,9 +432,13 @@ def gptq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale
         bspec = spec.for_block(block)
         attention = [n for n in bspec.linears if n.startswith(bspec.attention + ".")]
         done, replay = set(), None
+        if floats:
+            floats.start(index, block, inputs)
         for stage in bspec.stages:
             if replay is None and all(n in done for n in attention):
                 replay = Replay(get_module(block, bspec.attention), len(inputs.hidden))
+                if floats:  # the float block's attention, now that its outputs stop changing too
+                    floats.attention_done(bspec.attention, len(inputs.hidden))
             done.update(n for group in stage for n in group)
             groups = [names for names in (targets(scheme, prefix, g) for g in stage) if names]
             if guided:
@@ -429,7 +446,9 @@ def gptq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale
                     quantize_rows(block, names, prefix, inputs, replay, scheme, results, scale_dtype, guided_part)
                 continue
             for chunk in _chunks(block, groups):
-                if len(stage) == 1:
+                if floats:
+                    hessians = floats.hessians(block, prefix, chunk, inputs, replay, options.damp, finite)
+                elif len(stage) == 1:
                     names = chunk[0]
                     first, full = get_module(block, names[0]), f"{prefix}.{names[0]}"
                     hessians = {names[0]: reduce_inputs(block, first, inputs, full, accumulate_hessian, replay)}
@@ -437,7 +456,7 @@ def gptq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale
                     firsts = {names[0]: get_module(block, names[0]) for names in chunk}
                     hessians = reduce_each(block, firsts, inputs, accumulate_hessian, prefix, replay)
                 for names in chunk:
-                    H = _finite(hessians.pop(names[0]), f"{prefix}.{names[0]}")
+                    H = finite(hessians.pop(names[0]), f"{prefix}.{names[0]}")
                     # the rows of linears that share H are quantized independently, so one call on
                     # their stacked weights gives each one's result with one factorisation and loop
                     for args, same in by_args(scheme, prefix, names).items():
@@ -447,7 +466,11 @@ def gptq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale
         fp4.record_input_global_scales(
             bspec, scheme, prefix, block, targets(scheme, prefix, bspec.linears), inputs, results
         )
+        if floats:
+            floats.finish(index, inputs.kwargs)
 
+    if floats:  # the float stream travels with a resumable run's commits
+        step.state, step.restore = floats.state, floats.restore
     return step
 
 
@@ -465,7 +488,7 @@ def _chunks(block, groups: list[list[str]]):
         yield chunk
 
 
-def _finite(H, name):
+def finite(H, name):
     if not torch.isfinite(H).all():
         raise QuantkitError(
             f"the calibration activations of {name} contain NaN or inf; the float model "
@@ -503,81 +526,6 @@ def _quantize_part(block, part, prefix, H, args, options, results, scale_dtype, 
         g_idx = r.g_idx.clone() if r.g_idx is not None else None  # one tensor per linear on disk
         qp = QParams(scale.clone(), None if zero is None else zero.clone(), g_idx, global_scale=r.global_scale)
         results[f"{prefix}.{name}"] = qp
-
-
-@torch.no_grad()
-def quantize_alone(
-    block: nn.Module, spec: ArchSpec, prefix: str, units, inputs, options, scale_dtype, log: Callable | None = None
-) -> list[dict[str, dict[str, torch.Tensor]]]:
-    """Mixed precision's sensitivity by GPTQ: for each (stage, formats) of `units` (a pass of
-    the float block's `spec.stages` and name -> QuantArgs), format name -> {linear name:
-    fake-quantized weight}, each what `gptq_step` makes of that stage quantized alone in that
-    format, the rest of the block float, bit for bit: every stage reads the float block's
-    activations, so one pass over the calibration batches gathers every Hessian (guided ones
-    with `options.guided`), and each Hessian is factored once for all formats
-    (`quantize_weights`). The block is left as it was."""
-    from quantkit.calibration import guided
-
-    firsts, adds = {}, {}
-    for stage, _ in units:
-        for names in stage:
-            firsts[names[0]] = get_module(block, names[0])
-            fulls = [f"{prefix}.{n}" for n in names]
-            adds[names[0]] = (
-                guided.hessians([inputs.guides[f] for f in fulls]) if options.guided else accumulate_hessian
-            )
-    states = reduce_each(block, firsts, inputs, adds, prefix)
-    found = []
-    for stage, formats in units:
-        made = {f: {} for f in formats}
-        for names in stage:
-            state = states.pop(names[0])
-            if options.guided:
-                for name, hs in zip(names, state):
-                    hs = [_finite(H, f"{prefix}.{name}") for H in hs]
-                    _alone_part(block, [name], hs, formats, made, options, scale_dtype, log, prefix)
-            else:
-                hs = [_finite(state, f"{prefix}.{names[0]}")]
-                _alone_part(block, names, hs, formats, made, options, scale_dtype, log, prefix)
-        found.append(made)
-    return found
-
-
-def _alone_part(block, names, hs, formats, made, options, scale_dtype, log, prefix):
-    # the linears `names` stacked (they share their Hessians), their rows in len(hs) groups
-    # each under its own Hessian (one: plain GPTQ), for every format at once; a per-tensor
-    # format quantizes each linear alone, under the mean of the groups' Hessians
-    from quantkit.calibration.guided import group_bounds
-
-    def run(weight, parts, picked, label):
-        bounds = group_bounds(weight.shape[0], len(parts))
-        results = [
-            quantize_weights(
-                weight[bounds[k] : bounds[k + 1]],
-                H,
-                list(picked.values()),
-                options.block_size,
-                options.damp,
-                scale_dtype=scale_dtype,
-                log=log,
-                name=label,
-                range_search=options.range_search,
-                refine=options.refine,
-            )
-            for k, H in enumerate(parts)
-        ]
-        return {f: torch.cat([r[j].weight for r in results]) for j, f in enumerate(picked)}
-
-    linears = [get_module(block, n) for n in names]
-    grouped = {f: a for f, a in formats.items() if a.strategy != "tensor"}
-    if grouped:
-        label = f"{prefix}.{'+'.join(names)}"
-        for f, w in run(torch.cat([lin.weight.data for lin in linears]), hs, grouped, label).items():
-            made[f].update(zip(names, w.split([lin.out_features for lin in linears])))
-    tensor = {f: a for f, a in formats.items() if a.strategy == "tensor"}
-    for name, lin in zip(names, linears) if tensor else ():
-        for f, w in run(lin.weight.data, [sum(hs) / len(hs)], tensor, f"{prefix}.{name}").items():
-            made[f][name] = w
 
 
 # `quantkit plan --calibrate gptq`: fitted on smollm2 (64 × 512, 2026-12-01: 317 s with range

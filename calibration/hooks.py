@@ -204,6 +204,46 @@ def observe_inputs(block: nn.Module, linears: dict[str, nn.Linear], inputs: Bloc
             h.remove()
 
 
+@torch.no_grad()
+def observe_pairs(
+    block: nn.Module, float_block: nn.Module, names: list[str], inputs: BlockInputs, float_hidden, observe, replays=()
+) -> None:
+    """For every calibration batch, run `float_block` on the float model's hidden states
+    `float_hidden` and `block` on `inputs.hidden`, each only as far as the linears `names`
+    (whose inputs do not depend on each other), and call observe(name, x_float, x) with each
+    named linear's input in the one and in the other. The `replays` are active throughout."""
+
+    def reach(module, h, kw) -> dict[str, torch.Tensor]:
+        seen = {}
+
+        def hook(name):
+            def keep(m, args):
+                seen[name] = args[0]
+                if len(seen) == len(names):
+                    raise _Stop
+
+            return keep
+
+        hooks = [get_module(module, n).register_forward_pre_hook(hook(n)) for n in names]
+        try:
+            module(h, **kw)
+        except _Stop:
+            pass
+        finally:
+            for handle in hooks:
+                handle.remove()
+        return seen
+
+    with contextlib.ExitStack() as stack:
+        for replay in replays:
+            stack.enter_context(replay.active())
+        for h, hf, kw in zip(inputs.hidden, float_hidden, inputs.kwargs):
+            xf, x = reach(float_block, hf, kw), reach(block, h, kw)
+            for name in names:
+                if name in x:
+                    observe(name, xf[name], x[name])
+
+
 def capture_inputs(block: nn.Module, linears: dict[str, nn.Linear], inputs: BlockInputs, max_tokens: int):
     """Inputs [tokens, in] of each named linear over the calibration batches, run through
     the block as it is now; evenly spaced tokens, at most about `max_tokens` of them."""

@@ -71,6 +71,12 @@ class GPTQOptions:
         min=0,
     )
     guided: int = option(0, GUIDED_HELP, min=0)
+    float_targets: bool = option(
+        False,
+        "Fit each linear to the float model's outputs rather than its own (GPTAQ): its weights first move "
+        "to the least-squares fit of the float model's outputs from the quantized model's inputs, then GPTQ "
+        "rounds them (dense models; the float model's activations are carried beside the quantized ones).",
+    )
 
 
 AUTOROUND_GRIDS = ("full", "minmax")

@@ -46,6 +46,29 @@ class BlockInputs:
         return outs
 
 
+class FloatStream:
+    """The float model's hidden states between blocks (the targets' inputs): block `index`'s
+    inputs per batch, or None before the first block. A streaming run saves it at each commit
+    (`state`) and `--resume` restores it, so a resumed run is the uninterrupted one."""
+
+    def __init__(self):
+        self.index, self.hidden = None, None
+
+    def inputs(self, index: int, quantized: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.index != index:
+            return quantized
+        return [h.to(q.device) for h, q in zip(self.hidden, quantized)]
+
+    def advance(self, index: int, outputs: list[torch.Tensor]) -> None:
+        self.index, self.hidden = index + 1, outputs
+
+    def state(self) -> dict | None:
+        return None if self.hidden is None else {"index": self.index, "hidden": [h.cpu() for h in self.hidden]}
+
+    def restore(self, saved: dict) -> None:
+        self.index, self.hidden = saved["index"], saved["hidden"]
+
+
 # step(block_index, block_prefix, block, inputs): quantize the block in place.
 # `inputs` is None when the algorithm needs no calibration data.
 Step = Callable[[int, str, nn.Module, "BlockInputs | None"], None]

@@ -407,7 +407,8 @@ class _Run:
     def check_disk(self) -> None:
         """Refuse to start when the rest of the checkpoint (plus one shard rewritten at the end,
         and the saved inputs of two blocks, or of every block for guided Hessians' backward
-        pass) will not fit on the output's disk."""
+        pass; twice two with GPTQ's float targets, whose float stream is saved too) will not fit
+        on the output's disk."""
         writer, model, c = self.partial.writer, self.model, self.calibration
         size = checkpoint_bytes(model, self.schemes, self.dtype)
         if self.head is not None:  # packed, and no longer tied
@@ -415,6 +416,7 @@ class _Run:
         inputs = 0
         if self.calibrated:
             kept = len(get_module(model, self.spec.blocks)) if self.guided > 0 else 2
+            kept += 2 * bool(getattr(self.options, "float_targets", False))  # the float stream, saved beside
             inputs = kept * c.samples * c.seq_len * model.config.get_text_config().hidden_size * 4
         need = max(0, size - writer.total_bytes) + min(size, writer.max_bytes) + inputs + (16 << 20)
         check_disk(self.partial.folder, need)

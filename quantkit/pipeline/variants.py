@@ -45,7 +45,6 @@ def shared(model, spec, scheme, method, options, dtype, i, mine, wanted, inputs,
     """`alone` for round-to-nearest and GPTQ, bit for bit: GPTQ's Hessians from one
     pass over the float block, one factorisation per Hessian for all formats; each variant's
     weights swapped into the block (no copy), what it cannot change reused (`Replay`)."""
-    from quantkit.calibration import gptq
     from quantkit.calibration.hooks import Replay, targets
     from quantkit.calibration.runner import BlockInputs
     from quantkit.models.arch import get_module
@@ -56,7 +55,7 @@ def shared(model, spec, scheme, method, options, dtype, i, mine, wanted, inputs,
     stages = [[list(g) for g in stage] for stage in bspec.stages]
     quantized = [[t for g in stage if (t := targets(scheme, prefix, g))] for stage in stages]  # not ignored
     if method.name == "gptq":
-        made = gptq.quantize_alone(block, bspec, prefix, list(zip(quantized, wanted)), run, options, dtype)
+        made = _gptq_alone(block, prefix, list(zip(quantized, wanted)), run, options, dtype)
     else:
         made = [
             {f: _rounded(block, bspec, scheme, prefix, stage, a, dtype) for f, a in formats.items()}
@@ -82,6 +81,87 @@ def shared(model, spec, scheme, method, options, dtype, i, mine, wanted, inputs,
                 for n, w in saved.items():
                     get_module(block, n).weight.data.copy_(w)
             yield unit, name, outs
+
+
+def _gptq_alone(block, prefix: str, units, inputs, options, scale_dtype, log=None) -> list[dict]:
+    """Mixed precision's sensitivity by GPTQ: for each (stage, formats) of `units` (a pass of
+    the float block's `spec.stages` and name -> QuantArgs), format name -> {linear name:
+    fake-quantized weight}, each what `gptq.gptq_step` makes of that stage quantized alone in that
+    format, the rest of the block float, bit for bit: every stage reads the float block's
+    activations, so one pass over the calibration batches gathers every Hessian (guided ones
+    with `options.guided`), and each Hessian is factored once for all formats
+    (`gptq.quantize_weights`). The block is left as it was."""
+    import torch
+
+    from quantkit.calibration import gptq, guided
+    from quantkit.calibration.hooks import reduce_each
+    from quantkit.models.arch import get_module
+
+    firsts, adds = {}, {}
+    for stage, _ in units:
+        for names in stage:
+            firsts[names[0]] = get_module(block, names[0])
+            fulls = [f"{prefix}.{n}" for n in names]
+            adds[names[0]] = (
+                guided.hessians([inputs.guides[f] for f in fulls]) if options.guided else gptq.accumulate_hessian
+            )
+    with torch.no_grad():
+        states = reduce_each(block, firsts, inputs, adds, prefix)
+        found = []
+        for stage, formats in units:
+            made = {f: {} for f in formats}
+            for names in stage:
+                state = states.pop(names[0])
+                if options.guided:
+                    for name, hs in zip(names, state):
+                        hs = [gptq.finite(H, f"{prefix}.{name}") for H in hs]
+                        _gptq_part(block, [name], hs, formats, made, options, scale_dtype, log, prefix)
+                else:
+                    hs = [gptq.finite(state, f"{prefix}.{names[0]}")]
+                    _gptq_part(block, names, hs, formats, made, options, scale_dtype, log, prefix)
+            found.append(made)
+    return found
+
+
+def _gptq_part(block, names, hs, formats, made, options, scale_dtype, log, prefix):
+    # the linears `names` stacked (they share their Hessians), their rows in len(hs) groups
+    # each under its own Hessian (one: plain GPTQ), for every format at once; a per-tensor
+    # format quantizes each linear alone, under the mean of the groups' Hessians
+    import torch
+
+    from quantkit.calibration.gptq import quantize_weights
+    from quantkit.calibration.guided import group_bounds
+    from quantkit.models.arch import get_module
+
+    def run(weight, parts, picked, label):
+        bounds = group_bounds(weight.shape[0], len(parts))
+        results = [
+            quantize_weights(
+                weight[bounds[k] : bounds[k + 1]],
+                H,
+                list(picked.values()),
+                options.block_size,
+                options.damp,
+                scale_dtype=scale_dtype,
+                log=log,
+                name=label,
+                range_search=options.range_search,
+                refine=options.refine,
+            )
+            for k, H in enumerate(parts)
+        ]
+        return {f: torch.cat([r[j].weight for r in results]) for j, f in enumerate(picked)}
+
+    linears = [get_module(block, n) for n in names]
+    grouped = {f: a for f, a in formats.items() if a.strategy != "tensor"}
+    if grouped:
+        label = f"{prefix}.{'+'.join(names)}"
+        for f, w in run(torch.cat([lin.weight.data for lin in linears]), hs, grouped, label).items():
+            made[f].update(zip(names, w.split([lin.out_features for lin in linears])))
+    tensor = {f: a for f, a in formats.items() if a.strategy == "tensor"}
+    for name, lin in zip(names, linears) if tensor else ():
+        for f, w in run(lin.weight.data, [sum(hs) / len(hs)], tensor, f"{prefix}.{name}").items():
+            made[f][name] = w
 
 
 def _rounded(block, bspec, scheme, prefix, stage, args, dtype) -> dict:

@@ -172,6 +172,7 @@ quantize(sys.argv[3], s, sys.argv[4], sys.argv[5], Calibration(sys.argv[6], 8, 3
         ("add", 40, "gptq", None, math.inf),  # killed blocks after the last commit (the first one's)
         ("add", 30, "awq", None, math.inf),
         ("commit", 3, "autoround", None, 0),  # the float stream of its targets is carried
+        ("commit", 3, "gptq+float", None, 0),  # GPTQ's float targets: their stream too
     ],
 )
 def test_killed_run_resumes_byte_identical(tmp_path, tiny_corpus, where, n, method, family, every):
@@ -180,6 +181,8 @@ def test_killed_run_resumes_byte_identical(tmp_path, tiny_corpus, where, n, meth
     src = source(tmp_path / "src", family, num_hidden_layers=4)
     options = {"save_search": str(tmp_path / "search-{}.safetensors")} if method == "awq" else {}
     options = {"iters": 3, "batch": 2} if method == "autoround" else options
+    if method == "gptq+float":
+        method, options = "gptq", {"float_targets": True}
     s = scheme(kv=True)
 
     def opts(name):
