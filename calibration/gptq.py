@@ -499,10 +499,16 @@ def finite(H, name):
 
 def _quantize_with(options, W, H, args, scale_dtype, log, name, fixed_scales=None) -> GPTQResult:
     """`quantize_weight` with the step's options (GPTQOptions)."""
-    return quantize_weight(
+    return quantize_with(options, W, H, [args], scale_dtype, log, name, fixed_scales)[0]
+
+
+def quantize_with(options, W, H, formats: list, scale_dtype, log, name, fixed_scales=None) -> list[GPTQResult]:
+    """`quantize_weights` (every format of `formats` under one factorisation of H) with a
+    step's options (GPTQOptions)."""
+    return quantize_weights(
         W,
         H,
-        args,
+        formats,
         options.block_size,
         options.damp,
         scale_dtype=scale_dtype,

@@ -129,25 +129,14 @@ def _gptq_part(block, names, hs, formats, made, options, scale_dtype, log, prefi
     # format quantizes each linear alone, under the mean of the groups' Hessians
     import torch
 
-    from quantkit.calibration.gptq import quantize_weights
+    from quantkit.calibration.gptq import quantize_with
     from quantkit.calibration.guided import group_bounds
     from quantkit.models.arch import get_module
 
     def run(weight, parts, picked, label):
         bounds = group_bounds(weight.shape[0], len(parts))
         results = [
-            quantize_weights(
-                weight[bounds[k] : bounds[k + 1]],
-                H,
-                list(picked.values()),
-                options.block_size,
-                options.damp,
-                scale_dtype=scale_dtype,
-                log=log,
-                name=label,
-                range_search=options.range_search,
-                refine=options.refine,
-            )
+            quantize_with(options, weight[bounds[k] : bounds[k + 1]], H, list(picked.values()), scale_dtype, log, label)
             for k, H in enumerate(parts)
         ]
         return {f: torch.cat([r[j].weight for r in results]) for j, f in enumerate(picked)}
