@@ -174,7 +174,14 @@ def test_gptq_and_awq_record_calibration(tiny_llama, tiny_corpus, tmp_path):
         "min_expert_tokens": 512,
     }
     # every option, defaults included
-    assert prov["options"] == {"damp": 0.02, "block_size": 128, "range_search": True, "refine": 2, "guided": 0}
+    assert prov["options"] == {
+        "damp": 0.02,
+        "block_size": 128,
+        "range_search": True,
+        "refine": 2,
+        "guided": 0,
+        "float_targets": False,
+    }
 
 
 def test_gptq_reusing_the_attention_outputs_changes_nothing(tiny_llama, monkeypatch):
