@@ -42,16 +42,15 @@ def reduce_paired(
     """name -> (H, D) [in, in] fp32 for each linear of `names` (their inputs independent of
     each other): H = 2/n·Σ x·xᵀ of its inputs x in `block` on `inputs`, D = 2/n·Σ (x̃ − x)·xᵀ
     with x̃ its input in `float_block` on `float_hidden`, over the n calibration tokens."""
-    from quantkit.calibration.gptq import accumulate_hessian  # here: gptq imports this module
-
     state: dict[str, tuple] = {}
 
     def observe(name, x_float, x):
         x = x.reshape(-1, x.shape[-1]).float()
         diff = x_float.reshape(x.shape).float() - x
-        H, D, n = state.get(name, (None, None, 0))
-        H, total = accumulate_hessian(H, x, n)
-        D = torch.addmm(torch.zeros_like(H) if D is None else D, diff.T, x, beta=n / total, alpha=2 / total)
+        H, D, n = state.get(name) or (torch.zeros(x.shape[1], x.shape[1], device=x.device),) * 2 + (0,)
+        total = n + x.shape[0]
+        H = torch.addmm(H, x.T, x, beta=n / total, alpha=2 / total)
+        D = torch.addmm(D, diff.T, x, beta=n / total, alpha=2 / total)
         state[name] = (H, D, total)
 
     observe_pairs(block, float_block, names, inputs, float_hidden, observe, replays)
