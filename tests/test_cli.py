@@ -321,3 +321,31 @@ def test_python_m_quantkit_cli_runs_the_app():
 
     r = subprocess.run([sys.executable, "-m", "quantkit.cli", "--version"], capture_output=True, text=True, check=True)
     assert r.stdout.strip() == f"quantkit {__version__}"
+
+
+SLOW_COMMAND = """
+import sys, tempfile, time
+from quantkit.cli.common import command
+
+@command
+def slow():
+    with tempfile.TemporaryDirectory(prefix="quantkit-kld-") as folder:
+        print(folder, flush=True)
+        time.sleep(60)
+
+slow()
+"""
+
+
+def test_sigterm_unwinds_a_command_and_removes_its_temporary_files(tmp_path):
+    # `quantkit eval --baseline` keeps gigabytes of logits in a temporary folder: a SIGTERM
+    # must unwind the command as Ctrl-C does, not leave them behind.
+    import signal
+    from pathlib import Path
+
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_COMMAND], stdout=subprocess.PIPE, text=True)
+    folder = Path(proc.stdout.readline().strip())
+    assert folder.is_dir()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    assert not folder.exists()

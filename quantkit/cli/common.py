@@ -8,6 +8,8 @@ import functools
 import inspect
 import json
 import os
+import signal
+import threading
 from pathlib import Path
 
 import typer
@@ -60,15 +62,37 @@ def _paragraphs(doc: str | None) -> str | None:
     return "\n\n".join(" ".join(p.split()) for p in inspect.cleandoc(doc).split("\n\n"))
 
 
+@contextlib.contextmanager
+def unwind_on_sigterm():
+    """While inside: SIGTERM (`kill`, a job scheduler's stop) raises SystemExit(143) in the main
+    thread, so `finally` blocks and context managers run: temporary files (the KL recorder's
+    logits, gigabytes) are removed and no output is left half-written, as on Ctrl-C. Python's
+    default is to die on the spot. A handler someone else installed is left alone."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def command(fn):
     """A command (registered by `quantkit.cli.build_app`): a `QuantkitError` becomes one red
-    sentence and exit code 2; its help is the docstring."""
+    sentence and exit code 2; SIGTERM unwinds it as Ctrl-C does (`unwind_on_sigterm`); its
+    help is the docstring."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             quiet_transformers()
-            return fn(*args, **kwargs)
+            with unwind_on_sigterm():
+                return fn(*args, **kwargs)
         except QuantkitError as e:
             console.print(f"[bold red]error:[/] {escape(str(e))}")
             raise typer.Exit(2) from None
