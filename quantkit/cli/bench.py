@@ -202,6 +202,15 @@ def _plan_calibration(model, method, samples, seq_len, device, gpu, gflops, json
         ),
         ("with --target-bits", f"+{r['sensitivity']['seconds'] / 60:.0f} min (sensitivity)"),
     ]
+    if "float_targets" in r:
+        ft = r["float_targets"]
+        rows.append(
+            (
+                "with --float-targets",
+                f"+{ft['seconds'] / 60:.0f} min (the float block's passes), +{size(ft['host_bytes'])} host memory, "
+                f"+{size(ft['commit_bytes'])} per resume commit",
+            )
+        )
     out.print(rows_table(f"plan: {method} on {model}, {samples} × {seq_len} tokens, {device}", rows))
 
 

@@ -278,6 +278,24 @@ def test_calibration_plan_counts_the_resume_state_and_the_extra_passes(monkeypat
     assert r["sensitivity"]["seconds"] == half["sensitivity"]["seconds"] > 0  # its own windows, not the samples
 
 
+def test_calibration_plan_counts_float_targets_for_dense_gptq_only():
+    """--float-targets (GPTQ, dense models): the float block's passes and D beside each H,
+    about as many FLOPs again as plain GPTQ's block step (measured: 1.65× its CPU time on
+    smollm2-135m); a float copy of the block and the float stream in memory, the float
+    stream in every resume commit."""
+    from quantkit.perf.plan import calibration_plan
+
+    r = calibration_plan(SMOLLM2_135M, "gptq", samples=64, seq_len=512, gflops=100.0)
+    ft = r["float_targets"]
+    assert 1.3 < (r["seconds"] + ft["seconds"]) / r["seconds"] < 2.2
+    assert ft["commit_bytes"] == r["resume"]["commit_bytes"] == 64 * 512 * 576 * 4
+    assert ft["host_bytes"] > r["breakdown"]["block_weights"]  # a float copy and the stream
+    half = calibration_plan(SMOLLM2_135M, "gptq", samples=32, seq_len=512, gflops=100.0)["float_targets"]
+    assert 0 < half["seconds"] < ft["seconds"]
+    assert "float_targets" not in calibration_plan(SMOLLM2_135M, "awq", gflops=100.0)
+    assert "float_targets" not in calibration_plan(MIXTRAL_8X7B, "gptq", gflops=100.0)  # refused on experts
+
+
 def test_draft_plan_adds_the_drafts_weights_and_kv(tiny_llama, tmp_path):
     from conftest import make_tiny_model
 
