@@ -2,9 +2,12 @@
 blocks alone (activations float), the activations alone (fp8 per token and group of 128,
 weights float), and both (the checkpoint as `quantkit.load` runs it), side by side in one run.
 
-    python benchmarks/fp8_block_split.py --model gemma3-270m --windows 8
+    python benchmarks/fp8_block_split.py --model gemma3-270m --windows 8 [--checkpoint CKPT] [--by-projection]
 
-The checkpoint is made with `quantkit fp8 --scheme fp8-block` into --out unless it is there.
+The checkpoint is made with `quantkit fp8 --scheme fp8-block` (round to nearest) into --out
+unless it is there, or --checkpoint names one (e.g. `quantkit gptq --scheme fp8-block`'s).
+--by-projection adds a row per projection kind (q_proj, k_proj, ...): the checkpoint's
+weights for that kind's linears alone, every other linear and every activation float.
 It also lists what the checkpoint quantizes (every other module stays as the float model's:
 embeddings, norms, lm_head) and the dtype the evaluation runs in."""
 
@@ -60,11 +63,14 @@ def main() -> None:
     p.add_argument("--model", default="gemma3-270m")
     p.add_argument("--windows", type=int, default=8)
     p.add_argument("--out", type=Path, default=Path("out/fp8-block-split"))
+    p.add_argument("--checkpoint", type=Path, help="an fp8-block checkpoint to split (default: RTN's, made in --out)")
+    p.add_argument("--by-projection", action="store_true", help="also each projection kind's weights alone")
     a = p.parse_args()
-    ckpt = a.out / "fp8-block"
-    if not ckpt.exists():
+    ckpt = a.checkpoint or a.out / "fp8-block"
+    if a.checkpoint is None and not ckpt.exists():
         quantize(a.model, preset("fp8-block"), ckpt, "fp8", Calibration("news", 8, 512, 0))
-    results_path = a.out / "results.json"
+    a.out.mkdir(parents=True, exist_ok=True)
+    results_path = a.out / f"results-{ckpt.name}-{a.windows}.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
     qmodel, tokenizer = load_for_eval(str(ckpt))
     quantized = [n for n, m in qmodel.named_modules() if isinstance(m, FloatQDQLinear)]
@@ -86,9 +92,20 @@ def main() -> None:
     run("fp8-block (weights and activations)", qmodel)
     swap(qmodel, quantized, WeightsOnly)
     run("weights only (128 x 128 blocks)", qmodel)
+    weights = {n: qmodel.get_submodule(n).weight for n in quantized}
     del qmodel  # one model in memory at a time (gemma3's logits alone take 2 GiB a window)
     fmodel = load_for_eval(a.model)[0]
     run("float", fmodel)
+    kinds = sorted({n.rpartition(".")[2] for n in quantized}) if a.by_projection else []
+    for kind in kinds:  # the checkpoint's weights for one kind of projection, the rest float
+        mine = [n for n in quantized if n.endswith("." + kind)]
+        kept = {n: fmodel.get_submodule(n).weight for n in mine}
+        for n in mine:
+            fmodel.get_submodule(n).weight = weights[n]
+        run(f"weights only, {kind} alone", fmodel)
+        for n in mine:
+            fmodel.get_submodule(n).weight = kept[n]
+    del weights
     swap(fmodel, quantized, ActsOnly)
     run("activations only (fp8, per token and 128 columns)", fmodel)
     base = results["float"]["ppl"]
