@@ -343,9 +343,12 @@ def test_sigterm_unwinds_a_command_and_removes_its_temporary_files(tmp_path):
     import signal
     from pathlib import Path
 
-    proc = subprocess.Popen([sys.executable, "-c", SLOW_COMMAND], stdout=subprocess.PIPE, text=True)
+    import os
+
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # nothing left in /tmp should the test fail
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_COMMAND], stdout=subprocess.PIPE, text=True, env=env)
     folder = Path(proc.stdout.readline().strip())
-    assert folder.is_dir()
+    assert folder.is_dir() and folder.parent == tmp_path
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 128 + signal.SIGTERM
     assert not folder.exists()
