@@ -340,10 +340,9 @@ slow()
 def test_sigterm_unwinds_a_command_and_removes_its_temporary_files(tmp_path):
     # `quantkit eval --baseline` keeps gigabytes of logits in a temporary folder: a SIGTERM
     # must unwind the command as Ctrl-C does, not leave them behind.
+    import os
     import signal
     from pathlib import Path
-
-    import os
 
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # nothing left in /tmp should the test fail
     proc = subprocess.Popen([sys.executable, "-c", SLOW_COMMAND], stdout=subprocess.PIPE, text=True, env=env)
