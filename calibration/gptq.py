@@ -1,8 +1,8 @@
 """GPTQ (Frantar et al., ICLR 2023): quantize a weight column by column, feeding each
 column's error back into the columns not yet quantized through the inverse Hessian.
 
-Pure functions in the shape of IST-DASLab/gptq `gptq.py`: `accumulate_hessian` is its
-`add_batch`, `quantize_weight` its `fasterquant`. The grid is the one of
+Pure functions in the shape of IST-DASLab/gptq `gptq.py`: `accumulate_hessian` (from
+`calibration.hessian`) is its `add_batch`, `quantize_weight` its `fasterquant`. The grid is the one of
 `quantkit.primitives` (min-max qparams, round-half-to-even), so with an identity
 Hessian GPTQ returns exactly what round-to-nearest returns.
 """
@@ -19,6 +19,7 @@ from torch import nn
 from quantkit.calibration import fp4
 from quantkit.calibration.awq import ClipInputs, clip_qparams, search_clip
 from quantkit.calibration.guided import quantize_rows
+from quantkit.calibration.hessian import accumulate_hessian
 from quantkit.calibration.hooks import Replay, by_args, reduce_each, reduce_inputs, targets
 from quantkit.calibration.method import QParams
 from quantkit.calibration.registry import HESSIAN_BYTES
@@ -47,24 +48,6 @@ class GPTQResult:
     g_idx: torch.Tensor | None
     damp_used: float
     global_scale: torch.Tensor | None = None  # NVFP4: the one of the whole (stacked) weight
-
-
-def accumulate_hessian(H: torch.Tensor | None, x: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
-    """Fold a chunk of layer inputs x [..., in] into the running average H = 2·XᵀX / n.
-
-    H (fp32 [in, in]) is None to start a new one; n is the number of tokens already in it.
-    Returns the new H (the input is not modified) and the new token count.
-    """
-    x = x.reshape(-1, x.shape[-1]).float()  # x [tokens, in]
-    t, d = x.shape
-    if H is None:
-        H, n = torch.zeros(d, d, device=x.device), 0
-    if H.shape != (d, d):
-        raise QuantkitError(f"the Hessian is {tuple(H.shape)} but the inputs have width {d}; start a new one (H=None).")
-    if t == 0:
-        return H, n
-    total = n + t
-    return torch.addmm(H, x.T, x, beta=n / total, alpha=2 / total), total  # H [in, in]
 
 
 def quantize_weight(

@@ -13,7 +13,7 @@ for every Q, so GPTQ run on W* under the same H minimises the error against the 
 model's output over Q; the first term is what no weights can remove. Where the inputs agree
 (block 0's first linears) D = 0 and W* = W.
 
-`reduce_paired` gathers H and D (each scaled 2/n, as `gptq.accumulate_hessian`) in one pass
+`reduce_paired` gathers H and D (each `hessian.accumulate_hessian`'s running average) in one pass
 over the calibration batches: each batch runs through a float copy of the block on the float
 model's hidden states and through the block as it is now on the quantized model's
 (`hooks.observe_pairs`). `float_weights` is W*, with H dampened as GPTQ dampens it, so that
@@ -30,6 +30,7 @@ import copy
 import torch
 from torch import nn
 
+from quantkit.calibration.hessian import accumulate_hessian
 from quantkit.calibration.hooks import Replay, observe_pairs
 from quantkit.calibration.runner import BlockInputs, FloatStream
 from quantkit.errors import QuantkitError
@@ -46,11 +47,9 @@ def reduce_paired(
 
     def observe(name, x_float, x):
         x = x.reshape(-1, x.shape[-1]).float()
-        diff = x_float.reshape(x.shape).float() - x
-        H, D, n = state.get(name) or (torch.zeros(x.shape[1], x.shape[1], device=x.device),) * 2 + (0,)
-        total = n + x.shape[0]
-        H = torch.addmm(H, x.T, x, beta=n / total, alpha=2 / total)
-        D = torch.addmm(D, diff.T, x, beta=n / total, alpha=2 / total)
+        H, D, n = state.get(name) or (None, None, 0)
+        D, _ = accumulate_hessian(D, x, n, left=x_float.reshape(x.shape).float() - x)
+        H, total = accumulate_hessian(H, x, n)
         state[name] = (H, D, total)
 
     observe_pairs(block, float_block, names, inputs, float_hidden, observe, replays)
