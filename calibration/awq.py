@@ -366,10 +366,11 @@ def awq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_
     measured better) and quantize with them; with `gptq`, GPTQ's step quantizes the scaled
     block instead (its range search in place of the clip search). With `load_search`
     nothing is searched and no calibration data is needed (but for GPTQ's Hessians); with
-    `save_search` the search is written when the last block is done (`step.finish()`)."""
+    `save_search` the search is written when the last block is done (`step.finish()`) and
+    `step.state()` gives it so far (scales per mapping, clip ranges per linear)."""
     o = options
     rounds = o.clip_rounds if o.clip else None  # the clip search's rounds; None: no clip search
-    loaded = _read_search(Path(o.load_search)) if o.load_search else None
+    loaded = read_search(Path(o.load_search)) if o.load_search else None
     record = {} if o.save_search else None
     rounding = None
     if o.guided and not o.gptq:
@@ -423,7 +424,7 @@ def awq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_
         )
 
     if record is not None:  # carried from block to block: a resumed run restores it
-        step.finish = lambda: _write_search(Path(o.save_search), record)
+        step.finish = lambda: write_search(Path(o.save_search), record)
         step.state, step.restore = lambda: dict(record), record.update
     return step
 
@@ -493,7 +494,8 @@ def _quantize_clipped(
     results[full] = QParams(scale, zero, global_scale=gs)
 
 
-def _read_search(path: Path) -> dict[str, torch.Tensor]:
+def read_search(path: Path) -> dict[str, torch.Tensor]:
+    """A search `write_search` (`--save-search`) wrote: tensor name -> scales or clip ranges."""
     from safetensors.torch import load_file
 
     try:
@@ -504,7 +506,8 @@ def _read_search(path: Path) -> dict[str, torch.Tensor]:
         ) from None
 
 
-def _write_search(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+def write_search(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """`tensors` as a safetensors file at `path`, whole or not at all."""
     from safetensors.torch import save_file
 
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,8 @@ the cost is ½·mean over tokens and draws of (g·δ)².
 assumption) with the average bits per weight of all units' linears (packed values, scales,
 zero points and shape, as `quantkit inspect` counts them; float at the stored dtype's
 width) at most the target: a multiple-choice knapsack, solved by dynamic programming.
-`mixed_scheme` makes the choice a scheme with one override per format.
+`mixed_scheme` makes the choice a scheme with one override per format; AWQ's run then applies
+the searches the sensitivity made for the chosen formats (`REUSES_SEARCH`).
 """
 
 from __future__ import annotations
@@ -71,6 +72,10 @@ SENSITIVITY_CHEAPER: dict[str, object] = {"range_search": False, "refine": 0}
 # smollm2 AWQ's int8 costs chose nothing differently from round-to-nearest's (w4a16-asym g64,
 # 4.56275 bits: the same 120 choices, benchmarks/sensitivity_choice.py, 2026-12-06)
 ROUNDED: dict[str, tuple[str, ...]] = {"awq": ("int8",)}
+# methods whose `--target-bits` run applies the searches the sensitivity made (each unit's, in
+# its chosen format) instead of searching again: AWQ's scales and clip ranges, found on the float
+# model's inputs as in llm-awq (`variants.alone`'s `searches`; the final run `--load-search`s them)
+REUSES_SEARCH = ("awq",)
 FORMATS_NEED_BITS = (  # the refusal of target_formats without target_bits (recipe and pipeline)
     "target_formats (--target-formats) goes with target_bits (--target-bits): "
     "it limits the formats mixed precision chooses from."
@@ -197,7 +202,9 @@ def sensitivity(
     ("fisher"). Returns {"model", "scheme", "method", "estimator", "calibration",
     "float_bytes", "units": [{"label", "block", "linears", "params", "kld": {candidate: nats},
     "bits": {candidate: bits per weight}}]}; a candidate a unit's widths do not fit is left
-    out. Cached in `cache` (default: quantkit's cache)."""
+    out. Cached in `cache` (default: quantkit's cache). For a method of `REUSES_SEARCH`,
+    "search" names a file beside the costs with every unit's search in every format it was
+    measured in (`variants.chosen_search`)."""
     from quantkit.calibration.registry import method as method_entry
     from quantkit.models.loading import resolve_model
 
@@ -210,14 +217,16 @@ def sensitivity(
     path = resolve_model(model_name)
     key = _cache_key(path, scheme, calibration, method, options, estimator)
     file = (cache or _cache_dir()) / f"{key}.json"
-    if file.is_file():
+    search = file.with_suffix(".search.safetensors") if method in REUSES_SEARCH else None
+    found = {"search": str(search)} if search else {}
+    if file.is_file() and (search is None or search.is_file()):
         if log:
             log(f"sensitivity of {model_name} from the cache ({file})")
-        return json.loads(file.read_text())
-    result = _measure(path, scheme, calibration, track, m, options, estimator)
+        return json.loads(file.read_text()) | found
+    result = _measure(path, scheme, calibration, track, m, options, estimator, search)
     result["model"] = str(model_name)
     write_atomic(file, json.dumps(result))
-    return result
+    return result | found
 
 
 def _cache_dir() -> Path:
@@ -255,7 +264,7 @@ def _cache_key(path: Path, scheme: QuantScheme, calibration, method: str, option
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _measure(path: Path, scheme: QuantScheme, calibration, track: Track, method, options, estimator: str) -> dict:
+def _measure(path: Path, scheme, calibration, track: Track, method, options, estimator: str, search=None) -> dict:
     import torch
 
     from quantkit.calibration.datasets import calibration_samples, load_documents
@@ -288,12 +297,16 @@ def _measure(path: Path, scheme: QuantScheme, calibration, track: Track, method,
     variants = made.shared if method.name in made.SHARED else made.alone
     rounded = ROUNDED.get(method.name, ())  # those candidates by round-to-nearest
     costs, n = {}, len(get_module(model, spec.blocks))
+    searches = {} if search is not None else None  # (unit label, format) -> its search (written below)
+    extra = {"searches": searches} if search is not None else {}
+    searching = options if search is None else dataclasses.replace(options, save_search=str(search))
     for i in track(range(n), "sensitivity (blocks)", n):
         mine = [u for u in found if u.block == i]
         wanted = [{n: a for n, a in cands.items() if a is not None and u.fits(a)} for u in mine]
         by_method = [{n: a for n, a in w.items() if n not in rounded} for w in wanted]
         by_rtn = [{n: a for n, a in w.items() if n in rounded} for w in wanted]
-        step = variants(model, spec, scheme, method, options, dtype, i, mine, by_method, inputs, kwargs, guides)
+        args = (model, spec, scheme, method, searching, dtype, i, mine, by_method, inputs, kwargs, guides)
+        step = variants(*args, **extra)
         if any(by_rtn):
             rtn = made.shared(model, spec, scheme, METHODS["rtn"], None, dtype, i, mine, by_rtn, inputs, kwargs, None)
             step = itertools.chain(step, rtn)
@@ -301,6 +314,8 @@ def _measure(path: Path, scheme: QuantScheme, calibration, track: Track, method,
             for unit, name, outs in step:
                 costs.setdefault(unit, {FLOAT: 0.0})[name] = cost(i, outs)
     rows = [_row(u, costs[u], {n: u.bits(a, float_bytes) for n, a in cands.items() if n in costs[u]}) for u in found]
+    if search is not None:
+        made.write_searches(search, searches)
     return {
         "scheme": scheme.name,
         "method": method.name,
@@ -517,9 +532,11 @@ SENSITIVITY_WINDOWS = (8, 256)  # calibration rows × tokens that --target-bits 
 def for_target_bits(
     model_name, method, options, scheme: QuantScheme, calibration, target_bits, formats, track, log, estimator="fisher"
 ):
-    """(the mixed scheme, what the provenance records of it) for `--target-bits`: the costs are
-    measured with the method that quantizes the model (its registry entry, with `options`),
-    by `estimator` (see `sensitivity`)."""
+    """(the mixed scheme, what the provenance records of it, the options to quantize with) for
+    `--target-bits`: the costs are measured with the method that quantizes the model (its
+    registry entry, with `options`), by `estimator` (see `sensitivity`); for a method of
+    `REUSES_SEARCH` the options then load the searches the sensitivity made (`variants.chosen_search`),
+    unless they load one of their own."""
     if method.format != "pack-quantized":
         raise QuantkitError(
             f"--target-bits chooses int4/int8/FP4 formats for {_int_methods('and')}, not {method.name}."
@@ -553,7 +570,16 @@ def for_target_bits(
         "choice": choice,
         "kld_sum": sum(r["kld"][choice[r["label"]]] for r in sens["units"]),
     }
-    return mixed_scheme(scheme, sens["units"], choice), record
+    if sens.get("search") and options.load_search is None:
+        from quantkit.pipeline.variants import chosen_search
+
+        reused = chosen_search(Path(sens["search"]), {u: f for u, f in choice.items() if f != FLOAT})
+        if reused is not None:
+            options = dataclasses.replace(options, load_search=str(reused))
+            record["search"] = "the sensitivity's: each unit's in its chosen format"
+            if log:
+                log(f"{method.name}'s searches from the sensitivity, each unit's in its chosen format ({reused})")
+    return mixed_scheme(scheme, sens["units"], choice), record, options
 
 
 def plot(result: dict, path) -> Path:

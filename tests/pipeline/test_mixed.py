@@ -9,6 +9,7 @@ import importlib
 import itertools
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -229,6 +230,56 @@ def test_awqs_int8_costs_are_round_to_nearests(tmp_path, tiny_corpus, monkeypatc
     for s, r, f in zip(shipped["units"], rounded["units"], full["units"]):
         assert s["kld"]["int8"] == r["kld"]["int8"] and all(s["kld"][c] == f["kld"][c] for c in int4)
     assert any(s["kld"]["int8"] != f["kld"]["int8"] for s, f in zip(shipped["units"], full["units"]))
+
+
+def _weights(folder, args: dict) -> dict:
+    """name -> the fp32 weight of each linear of `args` (name -> QuantArgs, None: float) in the
+    checkpoint `folder`, dequantized from its stored tensors."""
+    from quantkit.formats.checkpoint import read_tensors
+    from quantkit.runtime.qlinear_float import dequantize_linear
+    from quantkit.scheme import QuantScheme
+
+    tensors, out = read_tensors(Path(folder)), {}
+    for n, a in args.items():
+        mine = {k.removeprefix(f"{n}."): t for k, t in tensors.items() if k.startswith(f"{n}.")}
+        out[n] = mine["weight"].float() if a is None else dequantize_linear(mine, QuantScheme("w", a), torch.float32)
+    return out
+
+
+def test_awq_target_bits_quantizes_each_unit_as_its_cost_was_measured(tmp_path, tiny_corpus, monkeypatch):
+    """AWQ's `--target-bits` run applies the searches its sensitivity made: each int4 unit's
+    weights are those of that unit quantized alone by AWQ on the sensitivity's windows (what its
+    cost measured), each int8 unit's round-to-nearest's (as its cost), and the rows another
+    unit's scales fold into (v_proj's by o_proj's, up_proj's by down_proj's) divided by them
+    (with their ranges: a weight on a rounding tie may land one step apart)."""
+    from quantkit import assets
+    from quantkit.calibration.awq import read_search
+
+    monkeypatch.setattr(assets, "cache_dir", lambda: tmp_path / "cache")
+    path = make_tiny_model(tmp_path / "m", num_key_value_heads=4)  # v -> o balanced too
+    scheme, calib = preset("w4a16"), Calibration(str(tiny_corpus), 4, 32)  # symmetric: transformers reads it
+    made = quantize(str(path), scheme, tmp_path / "q", "awq", calib, target_bits=5.0)["mixed_precision"]
+    windows = Calibration(str(tiny_corpus), *mixed.SENSITIVITY_WINDOWS)
+    sens = mixed.sensitivity(str(path), scheme, windows, method="awq")  # the run's, from the cache
+    quantized = {u: f for u, f in made["choice"].items() if f != mixed.FLOAT}
+    folds = read_search(variants.chosen_search(Path(sens["search"]), quantized))
+    assert made["search"] and {"int8", "int4-g64"} <= set(quantized.values())  # else the test proves less
+    units = {r["label"]: r["linears"] for r in sens["units"]}
+    formats = {n: mixed.candidates(scheme)[f] for u, f in quantized.items() for n in units[u]}
+    got, floats = _weights(tmp_path / "q", formats), _weights(path, dict.fromkeys(formats))
+    for label, fmt in quantized.items():
+        args = mixed.candidates(scheme)[fmt]
+        if fmt == "int8":
+            want = {n: rtn.quantize_weight(floats[n], args)[0] for n in units[label]}
+        else:
+            others = tuple(n for u, names in units.items() if u != label for n in names)
+            quantize(str(path), scheme.replace(weights=args, ignore=others), tmp_path / label, "awq", windows)
+            want = _weights(tmp_path / label, dict.fromkeys(units[label], args))
+        for n, w in want.items():
+            s = folds.get(f"{n}.awq_scales", torch.ones(1))  # its rows take a later unit's scales
+            off = (got[n] - w / s[:, None]).abs() > 1e-5  # measured: 5 of 16,384 up_proj weights one step off
+            assert off.float().mean() < 1e-3, f"{n} ({fmt}): {int(off.sum())} of {off.numel()} weights differ"
+    assert any(f"{n}.awq_scales" in folds for names in units.values() for n in names)
 
 
 def test_fisher_estimate_equals_its_formula(tmp_path, tiny_corpus):
