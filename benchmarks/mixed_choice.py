@@ -15,7 +15,7 @@ other in one process; the sensitivities are measured afresh (`--cache`, default 
 uniform run alone. `--costs-from METHOD` makes the second run's sensitivity quantize each unit by METHOD with its
 default options instead of `--cheaper`'s settings (e.g. AWQ's choice from round-to-nearest's costs).
 `--searched-again` makes the second run AWQ's as before 2026-12-07: its run searches every unit
-again on the calibration text instead of applying the sensitivity's searches (`mixed.REUSES_SEARCH`).
+again on the calibration text instead of applying the sensitivity's searches (`variants.REUSES_SEARCH`).
 Each run measures its own sensitivity (a folder of its own under the cache).
 
 The scheme is w4a16-asym group 64 (act-order static for GPTQ, as its command), calibration
@@ -34,7 +34,7 @@ from mixed_speed import setting  # benchmarks/mixed_speed.py: "key=value" -> (ke
 from quantkit.calibration.method import Calibration
 from quantkit.calibration.registry import METHODS
 from quantkit.eval.run import evaluate
-from quantkit.pipeline import mixed
+from quantkit.pipeline import mixed, variants
 from quantkit.pipeline.quantize import quantize
 from quantkit.scheme import preset, with_actorder
 
@@ -56,9 +56,9 @@ def run(a, label: str, out: Path, cheaper: dict | None, cache: Path, costs_from:
         finally:
             spent[0] += time.process_time() - start
 
-    mixed.sensitivity, kept, reused = timed, mixed.SENSITIVITY_CHEAPER, mixed.REUSES_SEARCH
+    mixed.sensitivity, kept, reused = timed, mixed.SENSITIVITY_CHEAPER, variants.REUSES_SEARCH
     mixed.SENSITIVITY_CHEAPER = cheaper or {}
-    mixed.REUSES_SEARCH = () if label == "searched-again" else reused
+    variants.REUSES_SEARCH = () if label == "searched-again" else reused
     try:
         start = time.process_time()
         bits = None if cheaper is None else a.bits
@@ -73,7 +73,7 @@ def run(a, label: str, out: Path, cheaper: dict | None, cache: Path, costs_from:
         )
         total = time.process_time() - start
     finally:
-        mixed.sensitivity, mixed.SENSITIVITY_CHEAPER, mixed.REUSES_SEARCH = measure, kept, reused
+        mixed.sensitivity, mixed.SENSITIVITY_CHEAPER, variants.REUSES_SEARCH = measure, kept, reused
     ppl = evaluate(str(out / label), "wiki", limit=a.windows)["ppl"]
     choice = made.get("mixed_precision", {}).get("choice")
     return {"label": label, "sensitivity": spent[0], "total": total, "choice": choice, "ppl": ppl}

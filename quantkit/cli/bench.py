@@ -219,7 +219,7 @@ def _target_bits_row(r: dict) -> str:
     if sens["reuses_search"]:  # AWQ: the run applies the sensitivity's searches
         return (
             f"{sens['seconds'] / 60:.0f} min in all (the sensitivity: the run then applies its searches, "
-            "reading no calibration text unless --gptq)"
+            "reading no calibration text; with --gptq the run searches again)"
         )
     return f"+{sens['seconds'] / 60:.0f} min (sensitivity)"
 

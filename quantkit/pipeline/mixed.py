@@ -31,7 +31,7 @@ assumption) with the average bits per weight of all units' linears (packed value
 zero points and shape, as `quantkit inspect` counts them; float at the stored dtype's
 width) at most the target: a multiple-choice knapsack, solved by dynamic programming.
 `mixed_scheme` makes the choice a scheme with one override per format; AWQ's run then applies
-the searches the sensitivity made for the chosen formats (`REUSES_SEARCH`).
+the searches the sensitivity made for the chosen formats (`variants.REUSES_SEARCH`).
 """
 
 from __future__ import annotations
@@ -72,10 +72,6 @@ SENSITIVITY_CHEAPER: dict[str, object] = {"range_search": False, "refine": 0}
 # smollm2 AWQ's int8 costs chose nothing differently from round-to-nearest's (w4a16-asym g64,
 # 4.56275 bits: the same 120 choices, benchmarks/sensitivity_choice.py, 2026-12-06)
 ROUNDED: dict[str, tuple[str, ...]] = {"awq": ("int8",)}
-# methods whose `--target-bits` run applies the searches the sensitivity made (each unit's, in
-# its chosen format) instead of searching again: AWQ's scales and clip ranges, found on the float
-# model's inputs as in llm-awq (`variants.alone`'s `searches`; the final run `--load-search`s them)
-REUSES_SEARCH = ("awq",)
 FORMATS_NEED_BITS = (  # the refusal of target_formats without target_bits (recipe and pipeline)
     "target_formats (--target-formats) goes with target_bits (--target-bits): "
     "it limits the formats mixed precision chooses from."
@@ -202,7 +198,7 @@ def sensitivity(
     ("fisher"). Returns {"model", "scheme", "method", "estimator", "calibration",
     "float_bytes", "units": [{"label", "block", "linears", "params", "kld": {candidate: nats},
     "bits": {candidate: bits per weight}}]}; a candidate a unit's widths do not fit is left
-    out. Cached in `cache` (default: quantkit's cache). For a method of `REUSES_SEARCH`,
+    out. Cached in `cache` (default: quantkit's cache). For a method of `variants.REUSES_SEARCH`,
     "search" names a file beside the costs with every unit's search in every format it was
     measured in (`variants.chosen_search`)."""
     from quantkit.calibration.registry import method as method_entry
@@ -217,7 +213,9 @@ def sensitivity(
     path = resolve_model(model_name)
     key = _cache_key(path, scheme, calibration, method, options, estimator)
     file = (cache or _cache_dir()) / f"{key}.json"
-    search = file.with_suffix(".search.safetensors") if method in REUSES_SEARCH else None
+    from quantkit.pipeline.variants import reuses_search
+
+    search = file.with_suffix(".search.safetensors") if reuses_search(method, options) else None
     found = {"search": str(search)} if search else {}
     if file.is_file() and (search is None or search.is_file()):
         if log:
@@ -535,7 +533,7 @@ def for_target_bits(
     """(the mixed scheme, what the provenance records of it, the options to quantize with) for
     `--target-bits`: the costs are measured with the method that quantizes the model (its
     registry entry, with `options`), by `estimator` (see `sensitivity`); for a method of
-    `REUSES_SEARCH` the options then load the searches the sensitivity made (`variants.chosen_search`),
+    `variants.REUSES_SEARCH` the options then load the searches the sensitivity made (`variants.chosen_search`),
     unless they load one of their own."""
     if method.format != "pack-quantized":
         raise QuantkitError(
@@ -570,9 +568,9 @@ def for_target_bits(
         "choice": choice,
         "kld_sum": sum(r["kld"][choice[r["label"]]] for r in sens["units"]),
     }
-    if sens.get("search") and options.load_search is None:
-        from quantkit.pipeline.variants import chosen_search
+    from quantkit.pipeline.variants import chosen_search, reuses_search
 
+    if reuses_search(method.name, options) and options.load_search is None:
         reused = chosen_search(Path(sens["search"]), {u: f for u, f in choice.items() if f != FLOAT})
         if reused is not None:
             options = dataclasses.replace(options, load_search=str(reused))

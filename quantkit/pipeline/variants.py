@@ -11,10 +11,19 @@ from pathlib import Path
 
 from quantkit.scheme import QuantScheme
 
-SEP = "::"  # between a unit's label, a format and a tensor's name in a sensitivity's search file
-
 SHARED = ("rtn", "gptq")  # methods whose units' formats `shared` makes from one pass over a block
 CAPTURED = ("awq",)  # methods whose copies read their inputs captured once per block (`BlockInputs.captured`)
+# methods whose `--target-bits` run applies the searches the sensitivity made (each unit's, in its
+# chosen format) instead of searching again: AWQ's scales and clip ranges, found on the float model's
+# inputs as in llm-awq (`alone`'s `searches`; the run `--load-search`s them, `chosen_search`). Not
+# with AWQ's --gptq (its run searches again: the reuse's accuracy there is not measured)
+REUSES_SEARCH = ("awq",)
+SEP = "::"  # between a unit's label, a format and a tensor's name in a sensitivity's search file
+
+
+def reuses_search(method: str, options) -> bool:
+    """Whether `--target-bits` with `method` and `options` applies the sensitivity's searches."""
+    return method in REUSES_SEARCH and not getattr(options, "gptq", False)
 
 
 def alone(

@@ -251,9 +251,11 @@ def test_awq_target_bits_quantizes_each_unit_as_its_cost_was_measured(tmp_path, 
     weights are those of that unit quantized alone by AWQ on the sensitivity's windows (what its
     cost measured), each int8 unit's round-to-nearest's (as its cost), and the rows another
     unit's scales fold into (v_proj's by o_proj's, up_proj's by down_proj's) divided by them
-    (with their ranges: a weight on a rounding tie may land one step apart)."""
+    (with their ranges: a weight on a rounding tie may land one step apart). AWQ's --gptq
+    searches again (the reuse is not measured there)."""
     from quantkit import assets
     from quantkit.calibration.awq import read_search
+    from quantkit.calibration.registry import METHODS
 
     monkeypatch.setattr(assets, "cache_dir", lambda: tmp_path / "cache")
     path = make_tiny_model(tmp_path / "m", num_key_value_heads=4)  # v -> o balanced too
@@ -280,6 +282,8 @@ def test_awq_target_bits_quantizes_each_unit_as_its_cost_was_measured(tmp_path, 
             off = (got[n] - w / s[:, None]).abs() > 1e-5  # measured: 5 of 16,384 up_proj weights one step off
             assert off.float().mean() < 1e-3, f"{n} ({fmt}): {int(off.sum())} of {off.numel()} weights differ"
     assert any(f"{n}.awq_scales" in folds for names in units.values() for n in names)
+    assert not variants.reuses_search("awq", METHODS["awq"].options(gptq=True))
+    assert not variants.reuses_search("gptq", METHODS["gptq"].options())
 
 
 def test_fisher_estimate_equals_its_formula(tmp_path, tiny_corpus):
