@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from conftest import make_family_model, make_tiny_model
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
@@ -246,7 +246,8 @@ def _weights(folder, args: dict) -> dict:
     return out
 
 
-def test_awq_target_bits_quantizes_each_unit_as_its_cost_was_measured(tmp_path, tiny_corpus, monkeypatch):
+@pytest.mark.parametrize("family", ["llama3", "phi3"])  # phi3: fused q/k/v and gate/up, whose last rows take the folds
+def test_awq_target_bits_quantizes_each_unit_as_its_cost_was_measured(tmp_path, tiny_corpus, monkeypatch, family):
     """AWQ's `--target-bits` run applies the searches its sensitivity made: each int4 unit's
     weights are those of that unit quantized alone by AWQ on the sensitivity's windows (what its
     cost measured), each int8 unit's round-to-nearest's (as its cost), and the rows another
@@ -258,7 +259,7 @@ def test_awq_target_bits_quantizes_each_unit_as_its_cost_was_measured(tmp_path, 
     from quantkit.calibration.registry import METHODS
 
     monkeypatch.setattr(assets, "cache_dir", lambda: tmp_path / "cache")
-    path = make_tiny_model(tmp_path / "m", num_key_value_heads=4)  # v -> o balanced too
+    path = make_family_model(tmp_path / "m", family, num_key_value_heads=4)  # v -> o balanced too
     scheme, calib = preset("w4a16"), Calibration(str(tiny_corpus), 4, 32)  # symmetric: transformers reads it
     made = quantize(str(path), scheme, tmp_path / "q", "awq", calib, target_bits=5.0)["mixed_precision"]
     windows = Calibration(str(tiny_corpus), *mixed.SENSITIVITY_WINDOWS)
@@ -278,8 +279,9 @@ def test_awq_target_bits_quantizes_each_unit_as_its_cost_was_measured(tmp_path, 
             quantize(str(path), scheme.replace(weights=args, ignore=others), tmp_path / label, "awq", windows)
             want = _weights(tmp_path / label, dict.fromkeys(units[label], args))
         for n, w in want.items():
-            s = folds.get(f"{n}.awq_scales", torch.ones(1))  # its rows take a later unit's scales
-            off = (got[n] - w / s[:, None]).abs() > 1e-5  # measured: 5 of 16,384 up_proj weights one step off
+            s = folds.get(f"{n}.awq_scales", torch.ones(0))  # its last rows take a later unit's scales
+            w = torch.cat([w[: len(w) - len(s)], w[len(w) - len(s) :] / s[:, None]])
+            off = (got[n] - w).abs() > 1e-5  # measured: 5 of 16,384 up_proj weights one step off
             assert off.float().mean() < 1e-3, f"{n} ({fmt}): {int(off.sum())} of {off.numel()} weights differ"
     assert any(f"{n}.awq_scales" in folds for names in units.values() for n in names)
     assert not variants.reuses_search("awq", METHODS["awq"].options(gptq=True))
@@ -442,8 +444,6 @@ def test_shape_rows_equal_the_units_of_the_built_model(tmp_path, family):
     """`shape_rows` (config.json alone) gives the same units, parameters and bits per format as
     the units of the built model, which `sensitivity` measures: so the budget check before
     measuring is the one the knapsack makes after."""
-    from conftest import make_family_model
-
     from quantkit.models.arch import arch_for
     from quantkit.models.loading import check_causal_lm, empty_model
 
