@@ -281,8 +281,8 @@ def test_awq_target_bits_quantizes_each_unit_as_its_cost_was_measured(tmp_path, 
         for n, w in want.items():
             s = folds.get(f"{n}.awq_scales", torch.ones(0))  # its last rows take a later unit's scales
             w = torch.cat([w[: len(w) - len(s)], w[len(w) - len(s) :] / s[:, None]])
-            off = (got[n] - w).abs() > 1e-5  # measured: 5 of 16,384 up_proj weights one step off
-            assert off.float().mean() < 1e-3, f"{n} ({fmt}): {int(off.sum())} of {off.numel()} weights differ"
+            off = (got[n] - w).abs() > 1e-5  # measured: at most 8 of 8,192 (up_proj); undivided 6,999
+            assert off.float().mean() < 1e-2, f"{n} ({fmt}): {int(off.sum())} of {off.numel()} weights differ"
     assert any(f"{n}.awq_scales" in folds for names in units.values() for n in names)
     assert not variants.reuses_search("awq", METHODS["awq"].options(gptq=True))
     assert not variants.reuses_search("gptq", METHODS["gptq"].options())
