@@ -8,15 +8,11 @@ other in one process; the sensitivities are measured afresh (`--cache`, default 
 
     OMP_NUM_THREADS=1 nice -n 15 python benchmarks/mixed_choice.py [--model smollm2-135m]
         [--method gptq] [--bits 4.56275] [--windows 16] [--samples 128] [--seq-len 512] [--uniform]
-        [--cheaper range_search=false refine=0] [--costs-from rtn] [--searched-again] [--no-own]
-        [--out /tmp/mixed-choice]
+        [--cheaper range_search=false refine=0] [--costs-from rtn] [--no-own] [--out /tmp/mixed-choice]
 
 `--no-own` skips the first run (the method's own options), so the second is compared with the
 uniform run alone. `--costs-from METHOD` makes the second run's sensitivity quantize each unit by METHOD with its
 default options instead of `--cheaper`'s settings (e.g. AWQ's choice from round-to-nearest's costs).
-`--searched-again` makes the second run AWQ's as before 2026-12-07: its run searches every unit
-again on the calibration text instead of applying the sensitivity's searches (`variants.REUSES_SEARCH`).
-Each run measures its own sensitivity (a folder of its own under the cache).
 
 The scheme is w4a16-asym group 64 (act-order static for GPTQ, as its command), calibration
 `news`, seed 0, the method's default options.
@@ -34,16 +30,15 @@ from mixed_speed import setting  # benchmarks/mixed_speed.py: "key=value" -> (ke
 from quantkit.calibration.method import Calibration
 from quantkit.calibration.registry import METHODS
 from quantkit.eval.run import evaluate
-from quantkit.pipeline import mixed, variants
+from quantkit.pipeline import mixed
 from quantkit.pipeline.quantize import quantize
 from quantkit.scheme import preset, with_actorder
 
 
 def run(a, label: str, out: Path, cheaper: dict | None, cache: Path, costs_from: str | None = None) -> dict:
     """One run: the checkpoint in out/label, its CPU seconds (sensitivity, all), choice and
-    perplexity; with `costs_from`, the sensitivity quantizes by that method (its own options);
-    the run labelled "searched-again" searches anew rather than reuse the sensitivity's searches."""
-    method, cache = METHODS[a.method], cache / label  # each run measures its own sensitivity
+    perplexity; with `costs_from`, the sensitivity quantizes by that method (its own options)."""
+    method = METHODS[a.method]
     scheme = with_actorder(preset("w4a16-asym").with_group_size(64), "static" if method.actorder else None)
     measure, spent = mixed.sensitivity, [0.0]
 
@@ -56,9 +51,8 @@ def run(a, label: str, out: Path, cheaper: dict | None, cache: Path, costs_from:
         finally:
             spent[0] += time.process_time() - start
 
-    mixed.sensitivity, kept, reused = timed, mixed.SENSITIVITY_CHEAPER, variants.REUSES_SEARCH
+    mixed.sensitivity, kept = timed, mixed.SENSITIVITY_CHEAPER
     mixed.SENSITIVITY_CHEAPER = cheaper or {}
-    variants.REUSES_SEARCH = () if label == "searched-again" else reused
     try:
         start = time.process_time()
         bits = None if cheaper is None else a.bits
@@ -73,7 +67,7 @@ def run(a, label: str, out: Path, cheaper: dict | None, cache: Path, costs_from:
         )
         total = time.process_time() - start
     finally:
-        mixed.sensitivity, mixed.SENSITIVITY_CHEAPER, variants.REUSES_SEARCH = measure, kept, reused
+        mixed.sensitivity, mixed.SENSITIVITY_CHEAPER = measure, kept
     ppl = evaluate(str(out / label), "wiki", limit=a.windows)["ppl"]
     choice = made.get("mixed_precision", {}).get("choice")
     return {"label": label, "sensitivity": spent[0], "total": total, "choice": choice, "ppl": ppl}
@@ -90,16 +84,12 @@ def main() -> None:
     parser.add_argument("--cheaper", nargs="*", default=["range_search=false", "refine=0"])
     parser.add_argument("--costs-from", default=None, choices=("rtn", "gptq", "awq"), help="the second run's costs")
     parser.add_argument("--uniform", action="store_true", help="also the uniform run (no --target-bits)")
-    parser.add_argument(
-        "--searched-again", action="store_true", help="second run: AWQ searching again, not reusing the sensitivity's"
-    )
     parser.add_argument("--no-own", action="store_true", help="skip the run with the method's own options")
     parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "mixed-choice")
     parser.add_argument("--cache", type=Path, default=None, help="sensitivity cache (default: a new folder)")
     a = parser.parse_args()
     cache = a.cache or Path(tempfile.mkdtemp(prefix="sensitivity-"))
     second = ("costs-" + a.costs_from, {}) if a.costs_from else ("cheaper", dict(map(setting, a.cheaper)))
-    second = ("searched-again", {}) if a.searched_again else second
     plans = [("shipped", {})] * (not a.no_own) + [second] + [("uniform", None)] * a.uniform
     print(f"| {a.method} | sensitivity (CPU s) | the rest (CPU s) | all (CPU s) | wiki ppl ({a.windows}) | choice |")
     print("|---|---|---|---|---|---|")

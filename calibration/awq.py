@@ -366,11 +366,10 @@ def awq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_
     measured better) and quantize with them; with `gptq`, GPTQ's step quantizes the scaled
     block instead (its range search in place of the clip search). With `load_search`
     nothing is searched and no calibration data is needed (but for GPTQ's Hessians); with
-    `save_search` the search is written when the last block is done (`step.finish()`) and
-    `step.state()` gives it so far (scales per mapping, clip ranges per linear)."""
+    `save_search` the search is written when the last block is done (`step.finish()`)."""
     o = options
     rounds = o.clip_rounds if o.clip else None  # the clip search's rounds; None: no clip search
-    loaded = read_search(Path(o.load_search)) if o.load_search else None
+    loaded = _read_search(Path(o.load_search)) if o.load_search else None
     record = {} if o.save_search else None
     rounding = None
     if o.guided and not o.gptq:
@@ -424,7 +423,7 @@ def awq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_
         )
 
     if record is not None:  # carried from block to block: a resumed run restores it
-        step.finish = lambda: write_search(Path(o.save_search), record)
+        step.finish = lambda: _write_search(Path(o.save_search), record)
         step.state, step.restore = lambda: dict(record), record.update
     return step
 
@@ -494,8 +493,7 @@ def _quantize_clipped(
     results[full] = QParams(scale, zero, global_scale=gs)
 
 
-def read_search(path: Path) -> dict[str, torch.Tensor]:
-    """A search `write_search` (`--save-search`) wrote: tensor name -> scales or clip ranges."""
+def _read_search(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     try:
@@ -506,8 +504,7 @@ def read_search(path: Path) -> dict[str, torch.Tensor]:
         ) from None
 
 
-def write_search(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """`tensors` as a safetensors file at `path`, whole or not at all."""
+def _write_search(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
 
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -200,7 +200,7 @@ def _plan_calibration(model, method, samples, seq_len, device, gpu, gflops, json
             f"+{r['gradient_pass']['seconds'] / 60:.0f} min (gradient pass, guided Hessians), "
             f"{size(r['gradient_pass']['spill_bytes'])} spilled to disk",
         ),
-        ("with --target-bits", _target_bits_row(r)),
+        ("with --target-bits", f"+{r['sensitivity']['seconds'] / 60:.0f} min (sensitivity)"),
     ]
     if "float_targets" in r:
         ft = r["float_targets"]
@@ -212,16 +212,6 @@ def _plan_calibration(model, method, samples, seq_len, device, gpu, gflops, json
             )
         )
     out.print(rows_table(f"plan: {method} on {model}, {samples} × {seq_len} tokens, {device}", rows))
-
-
-def _target_bits_row(r: dict) -> str:
-    sens = r["sensitivity"]
-    if sens["reuses_search"]:  # AWQ: the run applies the sensitivity's searches
-        return (
-            f"{sens['seconds'] / 60:.0f} min in all (the sensitivity: the run then applies its searches, "
-            "reading no calibration text; with --gptq the run searches again)"
-        )
-    return f"+{sens['seconds'] / 60:.0f} min (sensitivity)"
 
 
 def _plan_draft(model, draft, draft_scheme, kv_cache, json_path, rows) -> None:

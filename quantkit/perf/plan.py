@@ -350,9 +350,6 @@ def calibration_plan(
     output = sum(linear_bytes("pack-quantized", o, i, args, file_bytes) * n for o, i, n, _ in block_linears(config))
     seconds = layers * per_block / (gflops * 1e9 * cost["efficiency"])
     extra = _extra_passes(config, b, cost_model, tokens, seq_len, group_size, block_forward, gflops)
-    from quantkit.pipeline.variants import REUSES_SEARCH
-
-    extra["sensitivity"]["reuses_search"] = method in REUSES_SEARCH  # its run searches nothing (AWQ without --gptq)
     if method == "gptq" and not b["sparse_input"]:  # dense models only, as the option
         extra["float_targets"] = _float_targets(b, tokens, h, layers, block_forward, gflops * 1e9 * cost["efficiency"])
     return {

@@ -30,8 +30,7 @@ the cost is ½·mean over tokens and draws of (g·δ)².
 assumption) with the average bits per weight of all units' linears (packed values, scales,
 zero points and shape, as `quantkit inspect` counts them; float at the stored dtype's
 width) at most the target: a multiple-choice knapsack, solved by dynamic programming.
-`mixed_scheme` makes the choice a scheme with one override per format; AWQ's run then applies
-the searches the sensitivity made for the chosen formats (`variants.REUSES_SEARCH`).
+`mixed_scheme` makes the choice a scheme with one override per format.
 """
 
 from __future__ import annotations
@@ -198,9 +197,7 @@ def sensitivity(
     ("fisher"). Returns {"model", "scheme", "method", "estimator", "calibration",
     "float_bytes", "units": [{"label", "block", "linears", "params", "kld": {candidate: nats},
     "bits": {candidate: bits per weight}}]}; a candidate a unit's widths do not fit is left
-    out. Cached in `cache` (default: quantkit's cache). For a method of `variants.REUSES_SEARCH`,
-    "search" names a file beside the costs with every unit's search in every format it was
-    measured in (`variants.chosen_search`)."""
+    out. Cached in `cache` (default: quantkit's cache)."""
     from quantkit.calibration.registry import method as method_entry
     from quantkit.models.loading import resolve_model
 
@@ -213,18 +210,14 @@ def sensitivity(
     path = resolve_model(model_name)
     key = _cache_key(path, scheme, calibration, method, options, estimator)
     file = (cache or _cache_dir()) / f"{key}.json"
-    from quantkit.pipeline.variants import reuses_search
-
-    search = file.with_suffix(".search.safetensors") if reuses_search(method, options) else None
-    found = {"search": str(search)} if search else {}
-    if file.is_file() and (search is None or search.is_file()):
+    if file.is_file():
         if log:
             log(f"sensitivity of {model_name} from the cache ({file})")
-        return json.loads(file.read_text()) | found
-    result = _measure(path, scheme, calibration, track, m, options, estimator, search)
+        return json.loads(file.read_text())
+    result = _measure(path, scheme, calibration, track, m, options, estimator)
     result["model"] = str(model_name)
     write_atomic(file, json.dumps(result))
-    return result | found
+    return result
 
 
 def _cache_dir() -> Path:
@@ -262,7 +255,7 @@ def _cache_key(path: Path, scheme: QuantScheme, calibration, method: str, option
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _measure(path: Path, scheme, calibration, track: Track, method, options, estimator: str, search=None) -> dict:
+def _measure(path: Path, scheme: QuantScheme, calibration, track: Track, method, options, estimator: str) -> dict:
     import torch
 
     from quantkit.calibration.datasets import calibration_samples, load_documents
@@ -295,16 +288,12 @@ def _measure(path: Path, scheme, calibration, track: Track, method, options, est
     variants = made.shared if method.name in made.SHARED else made.alone
     rounded = ROUNDED.get(method.name, ())  # those candidates by round-to-nearest
     costs, n = {}, len(get_module(model, spec.blocks))
-    searches = {} if search is not None else None  # (unit label, format) -> its search (written below)
-    extra = {"searches": searches} if search is not None else {}
-    searching = options if search is None else dataclasses.replace(options, save_search=str(search))
     for i in track(range(n), "sensitivity (blocks)", n):
         mine = [u for u in found if u.block == i]
         wanted = [{n: a for n, a in cands.items() if a is not None and u.fits(a)} for u in mine]
         by_method = [{n: a for n, a in w.items() if n not in rounded} for w in wanted]
         by_rtn = [{n: a for n, a in w.items() if n in rounded} for w in wanted]
-        args = (model, spec, scheme, method, searching, dtype, i, mine, by_method, inputs, kwargs, guides)
-        step = variants(*args, **extra)
+        step = variants(model, spec, scheme, method, options, dtype, i, mine, by_method, inputs, kwargs, guides)
         if any(by_rtn):
             rtn = made.shared(model, spec, scheme, METHODS["rtn"], None, dtype, i, mine, by_rtn, inputs, kwargs, None)
             step = itertools.chain(step, rtn)
@@ -312,8 +301,6 @@ def _measure(path: Path, scheme, calibration, track: Track, method, options, est
             for unit, name, outs in step:
                 costs.setdefault(unit, {FLOAT: 0.0})[name] = cost(i, outs)
     rows = [_row(u, costs[u], {n: u.bits(a, float_bytes) for n, a in cands.items() if n in costs[u]}) for u in found]
-    if search is not None:
-        made.write_searches(search, searches)
     return {
         "scheme": scheme.name,
         "method": method.name,
@@ -530,11 +517,9 @@ SENSITIVITY_WINDOWS = (8, 256)  # calibration rows × tokens that --target-bits 
 def for_target_bits(
     model_name, method, options, scheme: QuantScheme, calibration, target_bits, formats, track, log, estimator="fisher"
 ):
-    """(the mixed scheme, what the provenance records of it, the options to quantize with) for
-    `--target-bits`: the costs are measured with the method that quantizes the model (its
-    registry entry, with `options`), by `estimator` (see `sensitivity`); for a method of
-    `variants.REUSES_SEARCH` the options then load the searches the sensitivity made (`variants.chosen_search`),
-    unless they load one of their own."""
+    """(the mixed scheme, what the provenance records of it) for `--target-bits`: the costs are
+    measured with the method that quantizes the model (its registry entry, with `options`),
+    by `estimator` (see `sensitivity`)."""
     if method.format != "pack-quantized":
         raise QuantkitError(
             f"--target-bits chooses int4/int8/FP4 formats for {_int_methods('and')}, not {method.name}."
@@ -568,16 +553,7 @@ def for_target_bits(
         "choice": choice,
         "kld_sum": sum(r["kld"][choice[r["label"]]] for r in sens["units"]),
     }
-    from quantkit.pipeline.variants import chosen_search, reuses_search
-
-    if reuses_search(method.name, options) and options.load_search is None:
-        reused = chosen_search(Path(sens["search"]), {u: f for u, f in choice.items() if f != FLOAT})
-        if reused is not None:
-            options = dataclasses.replace(options, load_search=str(reused))
-            record["search"] = "the sensitivity's: each unit's in its chosen format"
-            if log:
-                log(f"{method.name}'s searches from the sensitivity, each unit's in its chosen format ({reused})")
-    return mixed_scheme(scheme, sens["units"], choice), record, options
+    return mixed_scheme(scheme, sens["units"], choice), record
 
 
 def plot(result: dict, path) -> Path:

@@ -341,7 +341,7 @@ class _Run:
         self.formats, self.mixed = None, None
         if target_bits is not None:
             self.formats = allowed_formats(target_formats)
-            scheme, self.mixed, self.options = for_target_bits(
+            scheme, self.mixed = for_target_bits(
                 self.model_name,
                 m,
                 self.options,

@@ -7,33 +7,16 @@ bit for bit from one pass over the block (round-to-nearest and GPTQ)."""
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 
 from quantkit.scheme import QuantScheme
 
 SHARED = ("rtn", "gptq")  # methods whose units' formats `shared` makes from one pass over a block
 CAPTURED = ("awq",)  # methods whose copies read their inputs captured once per block (`BlockInputs.captured`)
-# methods whose `--target-bits` run applies the searches the sensitivity made (each unit's, in its
-# chosen format) instead of searching again: AWQ's scales and clip ranges, found on the float model's
-# inputs as in llm-awq (`alone`'s `searches`; the run `--load-search`s them, `chosen_search`). Not
-# with AWQ's --gptq (its run searches again: the reuse's accuracy there is not measured)
-REUSES_SEARCH = ("awq",)
-SEP = "::"  # between a unit's label, a format and a tensor's name in a sensitivity's search file
 
 
-def reuses_search(method: str, options) -> bool:
-    """Whether `--target-bits` with `method` and `options` applies the sensitivity's searches."""
-    return method in REUSES_SEARCH and not getattr(options, "gptq", False)
-
-
-def alone(
-    model, spec, scheme: QuantScheme, method, options, dtype, i, mine, wanted, inputs, kwargs, guides, searches=None
-):
+def alone(model, spec, scheme: QuantScheme, method, options, dtype, i, mine, wanted, inputs, kwargs, guides):
     """(unit, format, block i's outputs per batch with only that unit quantized to it) for each
-    unit and format of `wanted`: the method's step on a copy of the block (AWQ's way; `shared`'s
-    reference). `searches` (AWQ, with options that name a `save_search` file, which the caller
-    writes): a dict that gets each (unit label, format)'s search (`awq_step`'s `step.state()`),
-    what `--load-search` applies."""
+    unit and format of `wanted`: the method's step on a copy of the block (AWQ's way; `shared`'s reference)."""
     import copy
 
     from quantkit.calibration.runner import BlockInputs
@@ -55,8 +38,6 @@ def alone(
             only = scheme.replace(weights=args, overrides=(), ignore=scheme.ignore + others)
             step = method.make_step(spec, only, options, {}, dtype, None)
             step(i, prefix, block, BlockInputs(inputs[i], kwargs[i], guides, captured))
-            if searches is not None:
-                searches[unit.label, name] = step.state()
             yield unit, name, BlockInputs(inputs[i], kwargs[i]).run(block)
 
 
@@ -181,51 +162,3 @@ def _rounded(block, bspec, scheme, prefix, stage, args, dtype) -> dict:
     names = [n for g in stage for n in g]
     shared = fp4.weight_global_scales(bspec, scheme.replace(weights=args, overrides=()), prefix, block, names)
     return {n: rtn.quantize_weight(get_module(block, n).weight.data, args, dtype, shared.get(n))[0] for n in names}
-
-
-def write_searches(path: Path, searches: dict) -> None:
-    """`alone`'s `searches` ((unit label, format) -> {tensor name: tensor}) as one file."""
-    from quantkit.calibration.awq import write_search
-
-    write_search(path, {f"{u}{SEP}{f}{SEP}{k}": t for (u, f), kept in searches.items() for k, t in kept.items()})
-
-
-def chosen_search(search: Path, choice: dict[str, str]) -> Path | None:
-    """The searches in `search` (`write_searches`') of each unit in its format of `choice`
-    (unit label -> format; quantized units only), as one `--load-search` file beside it (reused when there);
-    a unit given a format measured without one (AWQ's int8, by round-to-nearest, `ROUNDED`)
-    gets scales of one and no clip ranges: round to nearest, as its cost was measured. A unit
-    measured alone had no later mapping fold into its rows; where one does in the run (up_proj
-    takes down_proj's scales, v_proj o_proj's), its ranges are divided by those scales, as the
-    rows are. None when a quantized unit has no search at all (no format of the method fitted it)."""
-    import hashlib
-    import json
-
-    import torch
-
-    from quantkit.calibration.awq import read_search, write_search
-
-    kept: dict[str, dict[str, dict]] = {}  # label -> format -> {name: tensor}
-    for key, t in read_search(search).items():
-        label, fmt, name = key.split(SEP)
-        kept.setdefault(label, {}).setdefault(fmt, {})[name] = t
-    merged = {}
-    for label, fmt in choice.items():
-        formats = kept.get(label)
-        if not formats:
-            return None
-        if fmt in formats:
-            merged |= formats[fmt]
-        else:
-            merged |= {k: torch.ones_like(t) for k, t in next(iter(formats.values())).items() if k.endswith("_scales")}
-    for key, scales in list(merged.items()):  # a mapping that folds into a quantized linear's last rows
-        clip = key.removesuffix("_scales") + "_clip"  # (up -> down, v -> o): its ranges follow those rows,
-        if key.endswith(".awq_scales") and clip in merged:  # measured before that unit was scaled
-            ranges = merged[clip].clone()
-            ranges[-scales.numel() :] /= scales.reshape(-1, 1, 1)
-            merged[clip] = ranges
-    digest = hashlib.sha256(json.dumps(choice, sort_keys=True).encode()).hexdigest()[:16]
-    out = search.with_name(search.name.replace(".search.", f"-{digest}.search."))
-    if not out.is_file():
-        write_search(out, merged)
-    return out

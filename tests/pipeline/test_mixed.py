@@ -9,11 +9,10 @@ import importlib
 import itertools
 import json
 import random
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_family_model, make_tiny_model
+from conftest import make_tiny_model
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
@@ -232,62 +231,6 @@ def test_awqs_int8_costs_are_round_to_nearests(tmp_path, tiny_corpus, monkeypatc
     assert any(s["kld"]["int8"] != f["kld"]["int8"] for s, f in zip(shipped["units"], full["units"]))
 
 
-def _weights(folder, args: dict) -> dict:
-    """name -> the fp32 weight of each linear of `args` (name -> QuantArgs, None: float) in the
-    checkpoint `folder`, dequantized from its stored tensors."""
-    from quantkit.formats.checkpoint import read_tensors
-    from quantkit.runtime.qlinear_float import dequantize_linear
-    from quantkit.scheme import QuantScheme
-
-    tensors, out = read_tensors(Path(folder)), {}
-    for n, a in args.items():
-        mine = {k.removeprefix(f"{n}."): t for k, t in tensors.items() if k.startswith(f"{n}.")}
-        out[n] = mine["weight"].float() if a is None else dequantize_linear(mine, QuantScheme("w", a), torch.float32)
-    return out
-
-
-@pytest.mark.parametrize("family", ["llama3", "phi3"])  # phi3: fused q/k/v and gate/up, whose last rows take the folds
-def test_awq_target_bits_quantizes_each_unit_as_its_cost_was_measured(tmp_path, tiny_corpus, monkeypatch, family):
-    """AWQ's `--target-bits` run applies the searches its sensitivity made: each int4 unit's
-    weights are those of that unit quantized alone by AWQ on the sensitivity's windows (what its
-    cost measured), each int8 unit's round-to-nearest's (as its cost), and the rows another
-    unit's scales fold into (v_proj's by o_proj's, up_proj's by down_proj's) divided by them
-    (with their ranges: a weight on a rounding tie may land one step apart). AWQ's --gptq
-    searches again (the reuse is not measured there)."""
-    from quantkit import assets
-    from quantkit.calibration.awq import read_search
-    from quantkit.calibration.registry import METHODS
-
-    monkeypatch.setattr(assets, "cache_dir", lambda: tmp_path / "cache")
-    path = make_family_model(tmp_path / "m", family, num_key_value_heads=4)  # v -> o balanced too
-    scheme, calib = preset("w4a16"), Calibration(str(tiny_corpus), 4, 32)  # symmetric: transformers reads it
-    made = quantize(str(path), scheme, tmp_path / "q", "awq", calib, target_bits=5.0)["mixed_precision"]
-    windows = Calibration(str(tiny_corpus), *mixed.SENSITIVITY_WINDOWS)
-    sens = mixed.sensitivity(str(path), scheme, windows, method="awq")  # the run's, from the cache
-    quantized = {u: f for u, f in made["choice"].items() if f != mixed.FLOAT}
-    folds = read_search(variants.chosen_search(Path(sens["search"]), quantized))
-    assert made["search"] and {"int8", "int4-g64"} <= set(quantized.values())  # else the test proves less
-    units = {r["label"]: r["linears"] for r in sens["units"]}
-    formats = {n: mixed.candidates(scheme)[f] for u, f in quantized.items() for n in units[u]}
-    got, floats = _weights(tmp_path / "q", formats), _weights(path, dict.fromkeys(formats))
-    for label, fmt in quantized.items():
-        args = mixed.candidates(scheme)[fmt]
-        if fmt == "int8":
-            want = {n: rtn.quantize_weight(floats[n], args)[0] for n in units[label]}
-        else:
-            others = tuple(n for u, names in units.items() if u != label for n in names)
-            quantize(str(path), scheme.replace(weights=args, ignore=others), tmp_path / label, "awq", windows)
-            want = _weights(tmp_path / label, dict.fromkeys(units[label], args))
-        for n, w in want.items():
-            s = folds.get(f"{n}.awq_scales", torch.ones(0))  # its last rows take a later unit's scales
-            w = torch.cat([w[: len(w) - len(s)], w[len(w) - len(s) :] / s[:, None]])
-            off = (got[n] - w).abs() > 1e-5  # measured: at most 8 of 8,192 (up_proj); undivided 6,999
-            assert off.float().mean() < 1e-2, f"{n} ({fmt}): {int(off.sum())} of {off.numel()} weights differ"
-    assert any(f"{n}.awq_scales" in folds for names in units.values() for n in names)
-    assert not variants.reuses_search("awq", METHODS["awq"].options(gptq=True))
-    assert not variants.reuses_search("gptq", METHODS["gptq"].options())
-
-
 def test_fisher_estimate_equals_its_formula(tmp_path, tiny_corpus):
     """½·mean over tokens and draws of (g·δ)², with g = ∇ log p(y|h) at block 0's output for
     labels y drawn from the float model (the same generator, row by row) and δ the change of
@@ -444,6 +387,8 @@ def test_shape_rows_equal_the_units_of_the_built_model(tmp_path, family):
     """`shape_rows` (config.json alone) gives the same units, parameters and bits per format as
     the units of the built model, which `sensitivity` measures: so the budget check before
     measuring is the one the knapsack makes after."""
+    from conftest import make_family_model
+
     from quantkit.models.arch import arch_for
     from quantkit.models.loading import check_causal_lm, empty_model
 
