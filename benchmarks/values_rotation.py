@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from quantkit.calibration.hadamard import hadamard
+from quantkit.calibration.rotate import per_head
 from quantkit.models.loading import resolve_model
 
 
@@ -40,10 +41,10 @@ def main() -> None:
     h, how = hadamard(d, torch.Generator().manual_seed(0))
     tensors = load_file(src / "model.safetensors")
     for k, w in tensors.items():
-        if k.endswith("v_proj.weight"):  # each KV head's rows: Hᵀ·W_v
-            tensors[k] = (h.T @ w.double().reshape(-1, d, w.shape[1])).reshape(w.shape).to(w.dtype)
+        if k.endswith("v_proj.weight"):  # each KV head's rows: Hᵀ·W_v, as `--rotate` writes them
+            tensors[k] = per_head(w.double().T, h).T.contiguous().to(w.dtype)
         elif k.endswith("o_proj.weight"):  # each head's columns: W_o·H
-            tensors[k] = (w.double().reshape(w.shape[0], -1, d) @ h).reshape(w.shape).to(w.dtype)
+            tensors[k] = per_head(w.double(), h).to(w.dtype)
     save_file(tensors, a.out / "model.safetensors", metadata={"format": "pt"})
     ids = torch.randint(0, 1000, (1, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

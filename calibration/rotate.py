@@ -165,19 +165,19 @@ class RotatedWeights:
         elif kind in ("in", "head"):
             w = (w * self.norms[op[1]].double()) @ q
             if kind == "in" and op[2] is not None:
-                w = torch.cat([w[: op[2]], _per_head(w[op[2] :].T, self.h).T])
+                w = torch.cat([w[: op[2]], per_head(w[op[2] :].T, self.h).T])
         elif kind == "out":
             w = q.T @ w
             if op[1]:
-                w = _per_head(w, self.h)
+                w = per_head(w, self.h)
         elif kind == "out_bias":
             w = w @ q
         elif kind == "v_bias":
-            w = torch.cat([w[: op[1]], _per_head(w[None, op[1] :], self.h)[0]])
+            w = torch.cat([w[: op[1]], per_head(w[None, op[1] :], self.h)[0]])
         return w.to(t.dtype)
 
 
-def _per_head(w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+def per_head(w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """w [n, heads·d] with each head's d columns multiplied by h [d, d]."""
     d = h.shape[0]
     return (w.reshape(w.shape[0], -1, d) @ h).reshape(w.shape)
