@@ -377,7 +377,7 @@ def awq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_
     if o.gptq:  # GPTQ's own step on the scaled block (true-sequential, act-order static), through the registry
         gptq = METHODS["gptq"]
         ordered = with_actorder(scheme, "static")
-        gopts = GPTQOptions(range_search=o.clip, guided=o.guided)
+        gopts = GPTQOptions(range_search=o.clip, guided=o.guided, guided_rows=o.guided_rows)
         rounding = gptq.make_step(spec, ordered, gopts, results, scale_dtype, log)
 
     def step(index: int, prefix: str, block: nn.Module, inputs) -> None:

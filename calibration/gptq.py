@@ -64,7 +64,10 @@ def quantize_weight(
     refine: int = 0,
     fixed_scales: torch.Tensor | None = None,
 ) -> GPTQResult:
-    """GPTQ-quantize W [out, in] given the Hessian H [in, in] of its layer's inputs.
+    """GPTQ-quantize W [out, in] given the Hessian H [in, in] of its layer's inputs (or H [G,
+    in, in]: W's rows in G equal contiguous groups, each group's rounding errors fed back
+    through its own Hessian in one column loop, the columns visited in the order of the
+    Hessians' mean diagonal: loss-guided Hessians' row groups, `calibration.guided`).
 
     `args` gives the grid (strategy group, channel or tensor). `actorder` (default
     `args.actorder`): None keeps the natural column order; "static"/"weight" visits columns
@@ -124,27 +127,31 @@ def quantize_weights(
         formats = [_rows_as_blocks(args, W, fixed_scales, name) for args in formats]
     W0, n = W, W.shape[1]
     H = H.detach().to(W.device, torch.float32)
-    diag = H.diagonal()
+    H = H if H.dim() == 3 else H[None]  # H [G, in, in]: W's rows in G equal groups, each under its own
+    diag = H.diagonal(dim1=1, dim2=2).mean(0) if len(H) > 1 else H[0].diagonal()
     dead = diag == 0  # inputs that were always zero: weight 0, H 1
     if actorder is None:
         perm = torch.arange(n, device=W.device)
-    else:
+    else:  # row groups share one column order, by their Hessians' mean diagonal
         perm = torch.argsort(torch.where(dead, 1.0, diag), descending=True, stable=True)
-    # working copies in visiting order, fp32: W [out, in], H [in, in] (the caller's H is not modified)
-    W, H = W.detach().float()[:, perm], H.index_select(0, perm).index_select(1, perm)
+    # working copies in visiting order, fp32: W [out, in], H [G, in, in] (the caller's H is not modified)
+    W, H = W.detach().float()[:, perm], H.index_select(1, perm).index_select(2, perm)
     dead = dead[perm]
-    H[dead, dead] = 1
+    H[:, dead, dead] = 1
     W[:, dead] = 0
     gids = [_group_ids(perm, args, actorder) for args in formats]
-    grams = [  # each group's block of H, before damping
-        [H[cols][:, cols] for cols in (torch.nonzero(gid == g)[:, 0] for g in range(int(gid.max()) + 1))]
+    grams = [  # each group's block of H [G, gs, gs], before damping
+        [H[:, cols][:, :, cols] for cols in (torch.nonzero(gid == g)[:, 0] for g in range(int(gid.max()) + 1))]
         if range_search and args.strategy in ("group", "tensor_group") and (args.type == "int" or args.is_fp4)
         else None
         for args, gid in zip(formats, gids)
     ]
-    Hinv, damp_used = _inverse_cholesky(H, damp, log or (lambda message: None), name)  # Hinv [in, in], upper
+    say = log or (lambda message: None)
+    factors = [_inverse_cholesky(h, damp, say, name if len(H) == 1 else f"{name} rows {k}") for k, h in enumerate(H)]
+    Hinv, damp_used = torch.stack([f[0] for f in factors]), max(f[1] for f in factors)  # Hinv [G, in, in], upper
+    del factors
     if not refine:
-        del H  # at most four [in, in] matrices were alive at once: the caller's H, ours and two factors
+        del H  # at most four [in, in] matrices (per row group) were alive at once: the caller's H, ours and two factors
     inv, results = torch.argsort(perm), []
     for k, (args, gid, gram) in enumerate(zip(formats, gids, grams)):
         gs = fp4_global_scale(W, args)
@@ -185,9 +192,10 @@ def _check(W, H, args, block_size, damp, actorder, name):
     if W.dim() != 2:
         raise QuantkitError(f"GPTQ quantizes 2-D weights [out, in]; {name} has shape {tuple(W.shape)}.")
     n = W.shape[1]
-    if tuple(H.shape) != (n, n):
+    if tuple(H.shape[-2:]) != (n, n) or H.dim() not in (2, 3) or W.shape[0] % (1 if H.dim() == 2 else len(H)):
         raise QuantkitError(
-            f"the Hessian of {name} is {tuple(H.shape)}; its weight has {n} input columns, so it must be ({n}, {n})."
+            f"the Hessian of {name} is {tuple(H.shape)}; its weight has {n} input columns, so it must be ({n}, {n}) "
+            f"(or (G, {n}, {n}) for {W.shape[0]} rows in G equal groups)."
         )
     if args.strategy not in ("group", "channel", "tensor", "tensor_group", "block"):
         raise QuantkitError(f"GPTQ quantizes weights per group, channel or tensor, not per {args.strategy} ({name}).")
@@ -232,15 +240,26 @@ def _group_qparams(w, gram, args, scale_dtype, global_scale=None):
     (its block of H) the range that minimises d·gram·dᵀ (NVFP4: under the weight's global scale)."""
     if gram is None:
         return compute_qparams(w, args, scale_dtype, global_scale)
-    inputs = ClipInputs(gram[None], None, w.shape[1])
-    ranges = search_clip(  # one group: all rows at once
-        w, inputs, args, batch_co=w.shape[0], scale_dtype=scale_dtype, global_scale=global_scale
+    G, gs = len(gram), w.shape[1]  # gram [G, gs, gs]: one per row group
+    # row group g's rows side by side as the g-th group of columns: one search for all of them
+    side = w if G == 1 else w.reshape(G, -1, gs).transpose(0, 1).reshape(-1, G * gs)
+    ranges = search_clip(  # all rows at once
+        side,
+        ClipInputs(gram, None, gs),
+        args,
+        batch_co=side.shape[0],
+        scale_dtype=scale_dtype,
+        global_scale=global_scale,
     )
+    if G > 1:
+        ranges = ranges.transpose(0, 1).reshape(-1, 1, 2)  # [out, 1, 2]
     return clip_qparams(w, ranges, args, scale_dtype, global_scale)
 
 
 def _column_loop(W, Hinv, gid, args, block_size, scale_dtype, grams=None, global_scale=None, fixed=None):
+    # Hinv [G, n, n]: W's rows in G equal contiguous groups, each fed back through its own
     out, n = W.shape
+    G = len(Hinv)
     qp = [None] * (int(gid.max()) + 1)  # (scale, zero_point) per group id
     if fixed is not None:  # fp8 blocks: every row's scale per column block, given
         qp = [(fixed[:, g : g + 1], None) for g in range(len(qp))]
@@ -255,8 +274,11 @@ def _column_loop(W, Hinv, gid, args, block_size, scale_dtype, grams=None, global
         i2 = min(i1 + block_size, n)
         W1 = Wt[i1:i2].clone()  # W1 [b, out]
         Err1 = torch.zeros_like(W1)  # Err1 [b, out]
-        Hinv1 = Hinv[i1:i2, i1:i2]  # Hinv1 [b, b]
-        diag = Hinv1.diagonal().tolist()
+        Hinv1 = Hinv[:, i1:i2, i1:i2]  # Hinv1 [G, b, b]
+        # each column's divisor: a float (one group), or per row [b, out]
+        diag = (
+            Hinv1[0].diagonal().tolist() if G == 1 else Hinv1.diagonal(dim1=1, dim2=2).T.repeat_interleave(out // G, 1)
+        )
         for k in range(i2 - i1):
             g = gids[i1 + k]
             if qp[g] is None:  # a group starts: qparams from its weights as updated so far
@@ -269,14 +291,34 @@ def _column_loop(W, Hinv, gid, args, block_size, scale_dtype, grams=None, global
             q = _fake_quantize_column(w, *fast[g], args.qmin, args.qmax)
             Qt[i1 + k] = q
             err = (w - q) / diag[k]
-            W1[k:] -= Hinv1[k, k:, None] * err[None, :]
+            if G == 1:
+                W1[k:] -= Hinv1[0, k, k:, None] * err[None, :]
+            else:
+                W1[k:].view(-1, G, out // G).sub_(Hinv1[:, k, k:].T[:, :, None] * err.view(G, -1)[None])
             Err1[k] = err
-        Wt[i2:] -= Hinv[i1:i2, i2:].T @ Err1  # lazy batch update of the later blocks
+        Wt[i2:] -= _times(Hinv[:, i1:i2, i2:], Err1)  # lazy batch update of the later blocks
     Q = Qt.T
     if not _grouped(args):
         return Q, *qp[0]
     zeros = [z for _, z in qp]
     return Q, torch.cat([s for s, _ in qp], 1), None if zeros[0] is None else torch.cat(zeros, 1)
+
+
+def _divisors(Hb: torch.Tensor, out: int):
+    """Each column's divisor in a block of Hb [G, b, b]: its diagonal as floats (one row group),
+    or per row [b, out] (G equal contiguous groups of the out rows)."""
+    if len(Hb) == 1:
+        return Hb[0].diagonal().tolist()
+    return Hb.diagonal(dim1=1, dim2=2).T.repeat_interleave(out // len(Hb), 1)
+
+
+def _times(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """Aᵀ·B per row group: A [G, b, m], B [b, out] (out in G equal contiguous groups) -> [m, out],
+    group g's columns A[g]ᵀ·B[:, group g] (one group: one matmul, as GPTQ always made it)."""
+    if len(A) == 1:
+        return A[0].T @ B
+    (G, b, m), out = A.shape, B.shape[1]
+    return torch.bmm(A.transpose(1, 2), B.view(b, G, out // G).transpose(0, 1)).transpose(0, 1).reshape(m, out)
 
 
 @torch.no_grad()
@@ -290,14 +332,16 @@ def refine_rounding(W, Q, H, gid, scale, zero_point, args, passes: int = 1, bloc
     G = H·(W − Q)ᵀ is kept up to date: inside a block of block_size columns after each
     column, for the rest once per block."""
     out, n = Q.shape
+    H = H if H.dim() == 3 else H[None]  # H [G, n, n]: Q's rows in G equal contiguous groups, each under its own
+    G = len(H)
     Qt = Q.T.contiguous()  # Qt [n, out]: a column of Q is a row, contiguous
-    Gt = H @ (W - Q).T  # Gt [n, out]
+    Gt = H[0] @ (W - Q).T if G == 1 else _times(H, (W - Q).T)  # Gt [n, out] (H symmetric)
     gids, fast = gid.tolist(), {}
     for _ in range(passes):
         for i1 in range(0, n, block_size):
             i2 = min(i1 + block_size, n)
-            Gb, Hb = Gt[i1:i2].clone(), H[i1:i2, i1:i2]  # Gb [b, out], Hb [b, b]
-            diag = Hb.diagonal().tolist()
+            Gb, Hb = Gt[i1:i2].clone(), H[:, i1:i2, i1:i2]  # Gb [b, out], Hb [G, b, b]
+            diag = _divisors(Hb, out)
             moved = Qt.new_zeros(i2 - i1, out)  # old minus new values of the block's columns
             for k in range(i2 - i1):
                 g = gids[i1 + k]
@@ -309,9 +353,12 @@ def refine_rounding(W, Q, H, gid, scale, zero_point, args, passes: int = 1, bloc
                 q = Qt[i1 + k]  # q [out], a view
                 new = _fake_quantize_column(q + Gb[k] / diag[k], *fast[g], args.qmin, args.qmax)
                 moved[k] = q - new
-                Gb += Hb[:, k, None] * moved[k][None, :]
+                if G == 1:
+                    Gb += Hb[0, :, k, None] * moved[k][None, :]
+                else:
+                    Gb.view(-1, G, out // G).add_(Hb[:, :, k].T[:, :, None] * moved[k].view(G, -1)[None])
                 q.copy_(new)
-            Gt += H[:, i1:i2] @ moved
+            Gt += H[0][:, i1:i2] @ moved if G == 1 else _times(H[:, i1:i2], moved)  # H symmetric
     return Qt.T
 
 
@@ -344,7 +391,7 @@ def _current(Wt, W1, Err1, Hinv, cols, i1, k):
     # columns `cols` of W [out, len(cols)] with this block's feedback so far; those inside the
     # block are taken from W1 itself, bit for bit, as a symmetric group's extreme value sits
     # on a rounding tie
-    vals = Wt[cols] - Hinv[i1 : i1 + k, cols].T @ Err1[:k]  # vals [len(cols), out]
+    vals = Wt[cols] - _times(Hinv[:, i1 : i1 + k][:, :, cols], Err1[:k])  # vals [len(cols), out]
     inside = cols < i1 + W1.shape[0]
     vals[inside] = W1[cols[inside] - i1]
     return vals.T

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from quantkit.calibration.hooks import reduce_inputs, weight_args
+from quantkit.calibration.hooks import by_args, reduce_inputs
 from quantkit.calibration.method import QParams
 from quantkit.calibration.runner import BlockInputs, capture_block_inputs
 from quantkit.errors import QuantkitError
@@ -47,6 +47,12 @@ def check_dense(spec: ArchSpec, model_name) -> None:
         raise QuantkitError(
             f"guided Hessians are for dense models; {model_name} has mixture-of-experts blocks: drop --guided."
         )
+
+
+def gradient_rows(samples: int, rows: int) -> int:
+    """How many of `samples` calibration rows (the first) the loss gradients are taken on, for
+    the option `guided_rows` (0: all)."""
+    return samples if rows <= 0 else min(rows, samples)
 
 
 def group_bounds(out: int, groups: int) -> list[int]:
@@ -268,27 +274,63 @@ def _sampled_gradient(h, final_norm, head, softcap, draws, generator):
 GRAM_BLOCKS = 4  # column blocks of a guided Hessian: the products above the diagonal, 5/8 of the full one
 
 
-def hessians(weights: list[torch.Tensor]):
-    """The reducer `state = add(state, x, n)` of `hooks.reduce_inputs` for linears that read
-    one input: state is, per linear (its w [tokens, groups] in `weights`), the list of its
-    groups' H_k = 2/n·Σ_t w_tk·x_t·x_tᵀ [in, in] over the n tokens seen so far, each
-    updated by `add_weighted_gram`."""
+def stacked(guides: dict[str, torch.Tensor], fulls: list[str]) -> torch.Tensor:
+    """The loss weights [tokens, groups] the linears `fulls` (they read one input) share: the
+    mean of their own (each of mean 1 per group), so that group k of every one of them is
+    quantized under one Hessian H_k: one weighted product and one GPTQ call per group for
+    the input, not per linear. A single linear keeps its own weights."""
+    ws = [guides[f] for f in fulls]
+    return ws[0] if len(ws) == 1 else torch.stack(ws).mean(0)
+
+
+def hessians(w: torch.Tensor, tokens: int):
+    """The reducer `state = add(state, x, n)` of `hooks.reduce_inputs` for one input's guided
+    Hessians over `tokens` calibration tokens, of which the first w.shape[0] (the rows the
+    loss gradients were taken on, `guided_rows`) have weights w [subset, groups]; `estimate`
+    turns its final state into the groups' H_k [in, in].
+
+    With gradients for every token, H_k = 2/n·Σ_t w_tk·x_t·x_tᵀ (`add_weighted_gram`). With
+    gradients for the first S tokens only, the other R = n − S count at weight 1, the mean
+    of w (which is scaled to mean 1 over the S): H_k = (S·G_k + R·H_rest) / n, G_k the
+    subset's guided Hessian and H_rest the plain one of the rest, one product shared by the
+    groups. Positive semi-definite, and the plain Hessian when every weight is 1. (A control
+    variate, G_k + H_all − H_S, is unbiased but not definite: on smollm2 GPTQ had to damp
+    most o_proj and down_proj Hessians 100 times more, docs/benchmarks.md.)"""
+    subset = w.shape[0]
+    if subset > tokens:
+        raise ValueError(f"loss weights for {subset} tokens, but only {tokens} calibration tokens")
 
     def add(state, x, n):
         x = x.reshape(-1, x.shape[-1]).float()  # x [t, in]
         t, d = x.shape
         if state is None:
-            state = [[torch.zeros(d, d, device=x.device) for _ in range(w.shape[1])] for w in weights]
-        total = n + t
-        for w, hs in zip(weights, state):
-            wt = w[n:total].to(x.device)  # wt [t, groups]
-            if wt.shape[0] != t:
-                raise ValueError(f"{t} tokens at offset {n}, but the loss gradients cover {w.shape[0]}")
-            for k, H in enumerate(hs):
-                add_weighted_gram(H, x, wt[:, k], n / total, 2 / total)
-        return state, total
+            rest = None if subset == tokens else torch.zeros(d, d, device=x.device)
+            guided = [torch.zeros(d, d, device=x.device) for _ in range(w.shape[1])]
+            state = {"guided": guided, "rest": rest, "subset": subset}
+        cut = min(max(subset - n, 0), t)  # this batch's tokens inside the subset
+        if cut:
+            xs, ws, seen = x[:cut], w[n : n + cut].to(x.device), n + cut
+            for k, H in enumerate(state["guided"]):
+                add_weighted_gram(H, xs, ws[:, k], n / seen, 2 / seen)
+        if cut < t:  # the tokens after the subset: the plain Hessian of the rest
+            if state["rest"] is None:
+                raise ValueError(f"{n + t} tokens, but the loss gradients cover {subset} of {tokens}")
+            rest, before = x[cut:], max(n - subset, 0)
+            seen = before + rest.shape[0]
+            ones = torch.ones(rest.shape[0], device=x.device)
+            add_weighted_gram(state["rest"], rest, ones, before / seen, 2 / seen)
+        return state, n + t
 
     return add
+
+
+def estimate(state: dict, tokens: int) -> list[torch.Tensor]:
+    """The groups' H_k from `hessians`' final state over `tokens` tokens: G_k, or
+    (S·G_k + R·H_rest) / tokens when only the first S had loss weights."""
+    if state["rest"] is None:
+        return state["guided"]
+    share = (tokens - state["subset"]) / tokens
+    return [H.mul_(1 - share).add_(state["rest"], alpha=share) for H in state["guided"]]
 
 
 def add_weighted_gram(H: torch.Tensor, x: torch.Tensor, w: torch.Tensor, beta: float, alpha: float) -> None:
@@ -305,36 +347,76 @@ def add_weighted_gram(H: torch.Tensor, x: torch.Tensor, w: torch.Tensor, beta: f
         H[b:, a:b] = H[a:b, b:].T
 
 
+def calibration_tokens(inputs) -> int:
+    """The tokens of a block's calibration batches (`runner.BlockInputs`)."""
+    return sum(h.shape[:-1].numel() for h in inputs.hidden)
+
+
+def row_groups(outs: list[int], groups: int) -> list[torch.Tensor]:
+    """For linears of `outs` rows stacked, each group's rows in the stack: group k is the k-th
+    of each linear's `groups` contiguous groups of its own rows (`group_bounds`)."""
+    starts = [sum(outs[:i]) for i in range(len(outs))]
+    parts = [[] for _ in range(groups)]
+    for start, out in zip(starts, outs):
+        b = group_bounds(out, groups)
+        for k in range(groups):
+            parts[k].append(torch.arange(start + b[k], start + b[k + 1]))
+    return [torch.cat(p) for p in parts]
+
+
 def quantize_rows(block, names, prefix, inputs, replay, scheme, results, scale_dtype, quantize):
-    """Each linear of `names` (they read one input) quantized group of rows by group of rows,
-    each under its own loss-guided Hessian (`hessians`), by `quantize(W, H, args, name,
-    fixed_scales)` (GPTQ's, with its step's options). A per-tensor scale cannot differ between
-    groups: such a linear is quantized under the mean of its groups' Hessians; fp8 blocks,
-    whose 128 rows share a scale that the groups' bounds may cut, take their scales from the
-    float weight before the groups are quantized (`block_scales`)."""
-    fulls = [f"{prefix}.{n}" for n in names]
-    first = get_module(block, names[0])
-    state = reduce_inputs(block, first, inputs, fulls[0], hessians([inputs.guides[f] for f in fulls]), replay)
-    for name, full, hs in zip(names, fulls, state):
-        linear, args = get_module(block, name), weight_args(scheme, prefix, name)
-        if args.strategy == "tensor":
-            hs = [sum(hs) / len(hs)]
-        bounds = group_bounds(linear.out_features, len(hs))
-        blocks, rows = block_scales(linear.weight.data, args, scale_dtype)
-        parts = [
-            quantize(
-                linear.weight.data[bounds[k] : bounds[k + 1]],
-                H,
-                args,
-                f"{full} group {k}",
-                None if rows is None else rows[bounds[k] : bounds[k + 1]],
-            )
-            for k, H in enumerate(hs)
-        ]
-        linear.weight.data.copy_(torch.cat([p.weight for p in parts]))
-        zero = None if parts[0].zero_point is None else torch.cat([p.zero_point for p in parts])
-        scale = blocks if blocks is not None else torch.cat([p.scale for p in parts])  # per tensor: one part
-        results[full] = QParams(scale, zero, None)
+    """The linears of `names` (they read one input) quantized group of rows by group of rows:
+    group k of each linear under H_k, the guided Hessians of their shared loss weights
+    (`stacked`, `hessians`), by `quantize(W, H, args, name, fixed_scales)` (GPTQ's, with its
+    step's options); linears of one format are stacked, one call per group. A per-tensor
+    scale cannot differ between groups: such a linear is quantized alone under the mean of
+    the Hessians; fp8 blocks, whose 128 rows share a scale that the groups' bounds may cut,
+    alone too, with their scales from the float weight (`block_scales`)."""
+    fulls, tokens = [f"{prefix}.{n}" for n in names], calibration_tokens(inputs)
+    add = hessians(stacked(inputs.guides, fulls), tokens)
+    hs = estimate(reduce_inputs(block, get_module(block, names[0]), inputs, fulls[0], add, replay), tokens)
+    for args, same in by_args(scheme, prefix, names).items():
+        for part in [[n] for n in same] if args.strategy in ("tensor", "block") else [same]:
+            _quantize_stack(block, part, prefix, hs, args, results, scale_dtype, quantize)
+
+
+def in_groups(outs: list[int], hs: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """How the row groups of linears of `outs` rows stacked (`row_groups`) are quantized
+    under their Hessians `hs`: [(rows, H)], one pair with every group's rows side by side
+    (group by group) and H [G, in, in] when the groups are of one size (GPTQ feeds each
+    group's errors back through its own Hessian in one column loop, `gptq.quantize_weights`),
+    else a pair per group."""
+    groups = row_groups(outs, len(hs))
+    if len(hs) > 1 and len({len(g) for g in groups}) == 1:
+        return [(torch.cat(groups), torch.stack(hs))]
+    return list(zip(groups, hs))
+
+
+def _quantize_stack(block, part, prefix, hs, args, results, scale_dtype, quantize):
+    linears = [get_module(block, n) for n in part]
+    W, outs = torch.cat([lin.weight.data for lin in linears]), [lin.out_features for lin in linears]
+    if args.strategy == "tensor":
+        hs = [sum(hs) / len(hs)]
+    blocks, fixed = block_scales(W, args, scale_dtype)
+    label = f"{prefix}.{'+'.join(part)}"
+    Q, scale, zero = torch.empty_like(W), None, None
+    for k, (rows, H) in enumerate(in_groups(outs, hs)):
+        name = label if H.dim() == 3 else f"{label} group {k}"
+        r = quantize(W[rows], H, args, name, None if fixed is None else fixed[rows])
+        Q[rows] = r.weight
+        if args.strategy not in ("tensor", "block"):  # per row: placed as the rows are
+            scale = r.scale.new_empty((W.shape[0], *r.scale.shape[1:])) if scale is None else scale
+            scale[rows] = r.scale
+        else:
+            scale = r.scale if blocks is None else blocks  # per tensor: one group; fp8 blocks: the float weight's
+        if r.zero_point is not None:
+            zero = r.zero_point.new_empty((W.shape[0], *r.zero_point.shape[1:])) if zero is None else zero
+            zero[rows] = r.zero_point
+    split = [scale] if len(part) == 1 else scale.split(outs)
+    zeros = [None] * len(part) if zero is None else zero.split(outs)
+    for name, linear, q, s, z in zip(part, linears, Q.split(outs), split, zeros):
+        linear.weight.data.copy_(q)
+        results[f"{prefix}.{name}"] = QParams(s.clone(), None if z is None else z.clone(), None)
 
 
 def block_scales(W: torch.Tensor, args, scale_dtype: torch.dtype):

@@ -27,6 +27,11 @@ GUIDED_HELP = (
     "output channels per linear, each quantized under its own Hessian; one backward pass over the "
     "calibration text first (dense models). 0: plain Hessians."
 )
+GUIDED_ROWS_HELP = (
+    "Calibration rows the loss gradients are taken on (the first N; 0: all): the other rows' tokens count "
+    "in the guided Hessians at weight 1, the mean, so the gradient pass and the weighted products cost N rows."
+)
+GUIDED_ROWS = 8  # the default: see docs/benchmarks.md, "--guided 4 from 8 rows' gradients"
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,7 @@ class AWQOptions:
         "when --clip) instead of rounding each group alone.",
     )
     guided: int = option(0, "With --gptq: " + GUIDED_HELP[0].lower() + GUIDED_HELP[1:], min=0)
+    guided_rows: int = option(GUIDED_ROWS, GUIDED_ROWS_HELP, min=0)
     module_loss: bool = option(
         False,
         "Score q,k,v scales on the attention output and gate,up on the MLP output "
@@ -71,6 +77,7 @@ class GPTQOptions:
         min=0,
     )
     guided: int = option(0, GUIDED_HELP, min=0)
+    guided_rows: int = option(GUIDED_ROWS, GUIDED_ROWS_HELP, min=0)
     float_targets: bool = option(
         False,
         "Fit each linear to the float model's outputs rather than its own (GPTAQ): its weights first move "

@@ -28,6 +28,7 @@ def test_quantize_evaluate_load_and_generate(tiny_llama, tiny_corpus, tmp_path):
                 "clip_rounds": 2,
                 "gptq": False,
                 "guided": 0,
+                "guided_rows": 8,
                 "module_loss": False,
                 "save_search": None,
                 "load_search": None,

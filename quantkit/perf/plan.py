@@ -397,24 +397,26 @@ GUIDED_GROUPS = 4  # the --guided the plan counts (the docs' setting)
 
 def _extra_passes(config, b, cost_model, tokens, seq_len, group_size, block_forward, gflops) -> dict:
     """What `--guided` and `--target-bits` add: the float model's gradient pass (forward,
-    then each block run again and back; the blocks' inputs spilled to disk) and guided
-    Hessians (GUIDED_GROUPS per linear instead of one per group of linears that share an
-    input, each the products of its blocks on and above the diagonal, `guided.GRAM_BLOCKS`);
-    the sensitivity (`pipeline.mixed`, on its SENSITIVITY_WINDOWS: the float pass, the Fisher
-    pass with FISHER_DRAWS labels, and per block each unit × format quantized by the method
-    and the block run once more; AWQ's int8, measured by round-to-nearest, `mixed.ROUNDED`,
-    is counted as AWQ's: an upper bound)."""
-    from quantkit.calibration.guided import GRAM_BLOCKS
+    then each block run again and back; the blocks' inputs spilled to disk) on the first
+    GUIDED_ROWS rows (the option's default), and guided Hessians (GUIDED_GROUPS per group of
+    linears that share an input on those rows, and the plain one of all rows split at them,
+    each the products of its blocks on and above the diagonal, `guided.GRAM_BLOCKS`, in
+    place of the plain Hessian); the sensitivity (`pipeline.mixed`, on its
+    SENSITIVITY_WINDOWS: the float pass, the Fisher pass with FISHER_DRAWS labels, and per
+    block each unit × format quantized by the method and the block run once more; AWQ's
+    int8, measured by round-to-nearest, `mixed.ROUNDED`, is counted as AWQ's: an upper bound)."""
+    from quantkit.calibration.guided import GRAM_BLOCKS, gradient_rows
+    from quantkit.calibration.registry import GUIDED_ROWS
     from quantkit.pipeline.mixed import FISHER_DRAWS, SENSITIVITY_WINDOWS
 
     layers, h, vocab = config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]
     rate = gflops * 1e9 * cost_model(b["groups"], tokens, group_size, b["sparse_input"])["efficiency"]
     head = 2 * tokens * h * vocab
+    part = gradient_rows(tokens // seq_len, GUIDED_ROWS) * seq_len / tokens  # of the tokens with gradients
     share = (GRAM_BLOCKS + 1) / (2 * GRAM_BLOCKS)  # of a guided Hessian's products
-    hessians = sum(
-        2 * tokens * t * i * i * (GUIDED_GROUPS * n * share - 1) for (i, _, t), n in zip(b["groups"], b["sizes"])
-    )
-    gradient = layers * (4 * block_forward / 2 + hessians) + 3 * head
+    plain = share if part < 1 else 0  # the subset's plain Hessian and the rest's: one more over all tokens
+    hessians = sum(2 * tokens * t * i * i * (GUIDED_GROUPS * share * part + plain - 1) for i, _, t in b["groups"])
+    gradient = layers * (4 * block_forward / 2 * part + hessians) + 3 * head * part
     rows, seq = SENSITIVITY_WINDOWS
     few = rows * seq
     small = block_forward * few / tokens / 2  # one forward of a block on the sensitivity's windows
@@ -425,7 +427,12 @@ def _extra_passes(config, b, cost_model, tokens, seq_len, group_size, block_forw
         layers * (small * (2 + 2 * FISHER_DRAWS + formats * units) + method) + (2 + FISHER_DRAWS) * head * few / tokens
     )
     return {
-        "gradient_pass": {"seconds": gradient / rate, "spill_bytes": layers * tokens * h * 4, "groups": GUIDED_GROUPS},
+        "gradient_pass": {
+            "seconds": gradient / rate,
+            "spill_bytes": round(layers * tokens * part) * h * 4,
+            "groups": GUIDED_GROUPS,
+            "rows": round(tokens * part) // seq_len,
+        },
         "sensitivity": {"seconds": sensitivity / rate, "tokens": few},
     }
 

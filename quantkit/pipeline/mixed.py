@@ -242,8 +242,13 @@ def _cache_key(path: Path, scheme: QuantScheme, calibration, method: str, option
         "candidates": {k: v and dataclasses.asdict(v) for k, v in candidates(scheme).items()},
         "calibration": dataclasses.asdict(calibration),
         "method": method,
-        # guided 0 (off) is left out: costs measured before the option existed stay valid
-        "options": {k: v for k, v in dataclasses.asdict(options).items() if (k, v) != ("guided", 0)},
+        # costs measured before the options existed stay valid:
+        # guided 0 (off) is left out, and the rows of its gradients when it is
+        "options": {
+            k: v
+            for k, v in dataclasses.asdict(options).items()
+            if (k, v) != ("guided", 0) and not (k == "guided_rows" and not getattr(options, "guided", 0))
+        },
         "estimator": estimator,
         **({"draws": FISHER_DRAWS} if estimator == "fisher" else {}),
         # 3: KL without the cancellation of Σ p log p - Σ p log q; 4: GPTQ refines its rounding;
@@ -370,7 +375,8 @@ def _guides(model, spec, path, samples, options, found: list[Unit], batch_size: 
 
     guided.check_dense(spec, path)
     linears = [n for unit in found for n in unit.linears]
-    return guided.loss_gradients(model, spec, samples, options.guided, linears, batch_size)
+    rows = guided.gradient_rows(len(samples), options.guided_rows)
+    return guided.loss_gradients(model, spec, samples[:rows], options.guided, linears, batch_size)
 
 
 def _row(unit: Unit, kld: dict, bits: dict) -> dict:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from quantkit.calibration.datasets import Calibration, calibration_samples, load_documents
+from quantkit.calibration.guided import gradient_rows
 from quantkit.calibration.method import Method, QParams
 from quantkit.calibration.registry import METHODS, weight_methods
 from quantkit.calibration.registry import method as method_entry
@@ -415,9 +416,12 @@ class _Run:
             size += linear_bytes(self.head.format, *model.get_output_embeddings().weight.shape, self.head.weights, 4)
         inputs = 0
         if self.calibrated:
-            kept = len(get_module(model, self.spec.blocks)) if self.guided > 0 else 2
-            kept += 2 * bool(getattr(self.options, "float_targets", False))  # the float stream, saved beside
-            inputs = kept * c.samples * c.seq_len * model.config.get_text_config().hidden_size * 4
+            rows = 2 * c.samples  # the stream's saved inputs: two blocks'
+            if self.guided > 0:  # the gradient pass (before the stream) keeps every block's, of its rows
+                blocks = len(get_module(model, self.spec.blocks))
+                rows = max(rows, blocks * gradient_rows(c.samples, self.options.guided_rows))
+            rows += 2 * c.samples * bool(getattr(self.options, "float_targets", False))  # the float stream, beside
+            inputs = rows * c.seq_len * model.config.get_text_config().hidden_size * 4
         need = max(0, size - writer.total_bytes) + min(size, writer.max_bytes) + inputs + (16 << 20)
         check_disk(self.partial.folder, need)
 
@@ -525,7 +529,7 @@ def _loss_gradients(run: _Run, linears: list[str]):
     return guided.loss_gradients(
         model,
         spec,
-        run.samples,
+        run.samples[: gradient_rows(len(run.samples), run.options.guided_rows)],
         run.guided,
         linears,
         run.calibration.batch_size,

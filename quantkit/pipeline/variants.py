@@ -97,13 +97,15 @@ def _gptq_alone(block, prefix: str, units, inputs, options, scale_dtype, log=Non
     from quantkit.calibration.hooks import reduce_each
     from quantkit.models.arch import get_module
 
-    firsts, adds = {}, {}
+    firsts, adds, tokens = {}, {}, guided.calibration_tokens(inputs)
     for stage, _ in units:
         for names in stage:
             firsts[names[0]] = get_module(block, names[0])
             fulls = [f"{prefix}.{n}" for n in names]
             adds[names[0]] = (
-                guided.hessians([inputs.guides[f] for f in fulls]) if options.guided else gptq.accumulate_hessian
+                guided.hessians(guided.stacked(inputs.guides, fulls), tokens)
+                if options.guided
+                else gptq.accumulate_hessian
             )
     with torch.no_grad():
         states = reduce_each(block, firsts, inputs, adds, prefix)
@@ -112,13 +114,9 @@ def _gptq_alone(block, prefix: str, units, inputs, options, scale_dtype, log=Non
             made = {f: {} for f in formats}
             for names in stage:
                 state = states.pop(names[0])
-                if options.guided:
-                    for name, hs in zip(names, state):
-                        hs = [gptq.finite(H, f"{prefix}.{name}") for H in hs]
-                        _gptq_part(block, [name], hs, formats, made, options, scale_dtype, log, prefix)
-                else:
-                    hs = [gptq.finite(state, f"{prefix}.{names[0]}")]
-                    _gptq_part(block, names, hs, formats, made, options, scale_dtype, log, prefix)
+                hs = guided.estimate(state, tokens) if options.guided else [state]
+                hs = [gptq.finite(H, f"{prefix}.{names[0]}") for H in hs]
+                _gptq_part(block, names, hs, formats, made, options, scale_dtype, log, prefix)
             found.append(made)
     return found
 
@@ -130,26 +128,27 @@ def _gptq_part(block, names, hs, formats, made, options, scale_dtype, log, prefi
     import torch
 
     from quantkit.calibration.gptq import quantize_with
-    from quantkit.calibration.guided import group_bounds
+    from quantkit.calibration.guided import in_groups
     from quantkit.models.arch import get_module
 
-    def run(weight, parts, picked, label):
-        bounds = group_bounds(weight.shape[0], len(parts))
-        results = [
-            quantize_with(options, weight[bounds[k] : bounds[k + 1]], H, list(picked.values()), scale_dtype, log, label)
-            for k, H in enumerate(parts)
-        ]
-        return {f: torch.cat([r[j].weight for r in results]) for j, f in enumerate(picked)}
+    def run(weight, outs, parts, picked, label):
+        out = {f: torch.empty_like(weight) for f in picked}
+        for rows, H in in_groups(outs, parts):
+            results = quantize_with(options, weight[rows], H, list(picked.values()), scale_dtype, log, label)
+            for f, r in zip(picked, results):
+                out[f][rows] = r.weight
+        return out
 
     linears = [get_module(block, n) for n in names]
+    outs = [lin.out_features for lin in linears]
     grouped = {f: a for f, a in formats.items() if a.strategy != "tensor"}
     if grouped:
         label = f"{prefix}.{'+'.join(names)}"
-        for f, w in run(torch.cat([lin.weight.data for lin in linears]), hs, grouped, label).items():
-            made[f].update(zip(names, w.split([lin.out_features for lin in linears])))
+        for f, w in run(torch.cat([lin.weight.data for lin in linears]), outs, hs, grouped, label).items():
+            made[f].update(zip(names, w.split(outs)))
     tensor = {f: a for f, a in formats.items() if a.strategy == "tensor"}
     for name, lin in zip(names, linears) if tensor else ():
-        for f, w in run(lin.weight.data, [sum(hs) / len(hs)], tensor, f"{prefix}.{name}").items():
+        for f, w in run(lin.weight.data, [lin.out_features], [sum(hs) / len(hs)], tensor, f"{prefix}.{name}").items():
             made[f][name] = w
 
 

@@ -10,9 +10,8 @@ from transformers import AutoModelForCausalLM
 
 import quantkit
 from quantkit.calibration import guided
-from quantkit.calibration.gptq import quantize_weight
-from quantkit.calibration.registry import METHODS
-from quantkit.calibration.runner import run_blocks
+from quantkit.calibration.gptq import quantize_weight, quantize_weights
+from quantkit.calibration.registry import GUIDED_ROWS
 from quantkit.errors import QuantkitError
 from quantkit.models.arch import arch_for
 from quantkit.pipeline.quantize import Calibration, quantize
@@ -104,96 +103,151 @@ def test_fisher_gradients_equal_autograd_on_the_whole_model(tmp_path, tie):
 def test_weighted_hessian_is_the_formula_over_batches():
     torch.manual_seed(0)
     x = [torch.randn(2, 5, 8), torch.randn(3, 5, 8)]
-    w = [torch.rand(25, 2), torch.rand(25, 2)]
-    add, state, n = guided.hessians(w), None, 0
+    w = torch.rand(25, 2)
+    add, state, n = guided.hessians(w, 25), None, 0
     for chunk in x:
         state, n = add(state, chunk, n)
+    assert state["rest"] is None  # gradients for every token: no plain Hessian kept
     X = torch.cat([c.reshape(-1, 8) for c in x]).double()
-    for wl, hs in zip(w, state):
-        for k, H in enumerate(hs):
-            want = 2 / 25 * (X.T * wl[:, k].double()) @ X
-            torch.testing.assert_close(H.double(), want, rtol=1e-5, atol=1e-6)
+    for k, H in enumerate(guided.estimate(state, 25)):
+        want = 2 / 25 * (X.T * w[:, k].double()) @ X
+        torch.testing.assert_close(H.double(), want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("width", [3, 13, 64])
-def test_weighted_gram_by_upper_blocks_is_addmm(width):
-    """`add_weighted_gram` multiplies only the blocks on and above the diagonal and mirrors the
-    rest: the same H as its reference `mul_(beta).addmm_(x.T * w, x, alpha)` up to fp32 sums
-    of another shape, widths that the blocks do not divide included (3 < GRAM_BLOCKS)."""
+@pytest.mark.parametrize("subset", [5, 7, 10, 24])
+def test_subset_hessian_counts_the_other_tokens_at_weight_one(subset):
+    """Gradients for the first `subset` of 25 tokens (batches of 10 and 15: the subset ends
+    inside a batch, at its end, or in the second): H_k = (S·G_k + R·H_rest) / n, each by its
+    formula in float64; and with every weight 1 that is the plain Hessian of all tokens."""
     torch.manual_seed(0)
-    x, w = torch.randn(200, width), torch.rand(200)
-    H = torch.randn(width, width)
-    H = H + H.T
-    want = H.clone().mul_(0.25).addmm_(x.T * w, x, alpha=0.75)
-    guided.add_weighted_gram(H, x, w, 0.25, 0.75)
-    torch.testing.assert_close(H, want, rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(H, H.T, rtol=1e-5, atol=1e-4)
+    x = [torch.randn(2, 5, 8), torch.randn(3, 5, 8)]
+    X = torch.cat([c.reshape(-1, 8) for c in x]).double()
+    w = torch.rand(subset, 3) * 2
+    for weights in (w, torch.ones(subset, 3)):
+        add, state, n = guided.hessians(weights, 25), None, 0
+        for chunk in x:
+            state, n = add(state, chunk, n)
+        S, R, wd = X[:subset], X[subset:], weights.double()
+        got = guided.estimate(state, 25)
+        for k, H in enumerate(got):
+            want = (2 * (S.T * wd[:, k]) @ S + 2 * R.T @ R) / 25
+            torch.testing.assert_close(H.double(), want, rtol=1e-5, atol=1e-5)
+    for H in got:  # uniform weights: the plain Hessian, whatever the subset
+        torch.testing.assert_close(H.double(), 2 / 25 * X.T @ X, rtol=1e-5, atol=1e-5)
 
 
-def test_gptq_under_a_guided_hessian_lowers_the_guided_error():
-    """Rows quantized under the Hessian of tokens weighted like the loss's: their weighted
-    output error is lower than GPTQ's under the plain Hessian (same grid, same options)."""
-    torch.manual_seed(0)
-    args = preset("w4a16-asym").with_group_size(32).weights
-    X = torch.randn(2048, 64) * (torch.rand(64) + 0.3)
-    X[:200, :16] *= 4  # tokens with another covariance...
-    W = torch.randn(16, 64)
-    w = torch.ones(2048)
-    w[:200] = 20  # ...carry most of the loss
-    H_plain = 2 * X.T @ X / 2048
-    H_guided = 2 * (X.T * w) @ X / 2048
-    plain = quantize_weight(W, H_plain, args, damp=0.01, actorder="static").weight
-    guided_q = quantize_weight(W, H_guided, args, damp=0.01, actorder="static").weight
-
-    def err(Q):
-        D = W - Q
-        return ((D @ H_guided) * D).sum().item()
-
-    assert err(guided_q) < 0.9 * err(plain)  # measured 0.87
+def test_subset_hessian_refuses_tokens_past_its_count():
+    add = guided.hessians(torch.ones(10, 2), 10)
+    state, n = add(None, torch.randn(10, 4), 0)
+    with pytest.raises(ValueError, match="cover 10 of 10"):
+        add(state, torch.randn(3, 4), n)
+    with pytest.raises(ValueError, match="for 11 tokens"):
+        guided.hessians(torch.ones(11, 2), 10)
 
 
-def test_guided_gptq_with_uniform_gradients_is_plain_gptq(tiny_llama):
-    """With every token's weight 1, each group's Hessian is the plain one: the same weights."""
-    scheme = preset("w4a16").with_group_size(32)
+def test_row_groups_take_the_kth_group_of_each_linear():
+    got = guided.row_groups([6, 3], 3)
+    assert [g.tolist() for g in got] == [[0, 1, 6], [2, 3, 7], [4, 5, 8]]
+    assert [g.tolist() for g in guided.row_groups([5], 2)] == [[0, 1], [2, 3, 4]]
 
-    def run(options, guides=None):
-        model = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
-        spec = arch_for(model.config)
-        results, method = {}, METHODS["gptq"]
-        step = method.make_step(spec, scheme, method.options(**options), results, torch.float32)
-        run_blocks(model, spec, step, ids(8, 32), batch_size=4, guides=guides)
-        return model, results
 
-    plain, plain_qp = run({})
-    names = [n for n, m in plain.named_modules() if isinstance(m, nn.Linear) and ".layers." in n]
-    ones = {n: torch.ones(8 * 32, 2) for n in names}
-    model, qp = run({"guided": 2}, ones)
-    float_model = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
-    inputs = {}
-    for n in names:  # each linear's inputs in the float model, to score both roundings on
-        hook = lambda m, args, out, n=n: inputs.__setitem__(n, args[0].reshape(-1, args[0].shape[-1]))  # noqa: E731
-        float_model.get_submodule(n).register_forward_hook(hook)
+def test_stacked_loss_weights_are_the_linears_mean():
+    a, b = torch.rand(6, 2), torch.rand(6, 2)
+    assert guided.stacked({"a": a}, ["a"]) is a
+    torch.testing.assert_close(guided.stacked({"a": a, "b": b}, ["a", "b"]), (a + b) / 2)
+
+
+def test_stacked_linears_are_quantized_group_by_group_under_the_shared_hessians(tiny_llama):
+    """q, k and v (one input) with their own loss weights: group k of each linear's rows is
+    quantized under H_k, the Hessian weighted by the three linears' mean weights (the formula
+    on the block's captured inputs); the groups are of one size here, so GPTQ is called once,
+    on group 0's rows of q, k, v then group 1's, under H [2, in, in], and each row lands back
+    in its linear."""
+    from quantkit.calibration.runner import BlockInputs, capture_block_inputs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
+    spec, scheme, samples = arch_for(model.config), preset("w4a16").with_group_size(32), ids(4, 32)
+    hidden, kwargs = capture_block_inputs(model, spec, samples, 2, "cpu")
+    block, prefix = model.model.layers[0], "model.layers.0"
+    names = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+    gen = torch.Generator().manual_seed(1)
+    guides = {f"{prefix}.{n}": torch.rand(128, 2, generator=gen) * 3 for n in names}
+    X = []
+    hook = block.self_attn.q_proj.register_forward_pre_hook(lambda m, a: X.append(a[0].reshape(-1, a[0].shape[-1])))
     with torch.no_grad():
-        float_model(ids(8, 32))
-    for n in names:
-        w, x = float_model.get_submodule(n).weight, inputs[n]
-        a, b = plain.get_submodule(n).weight, model.get_submodule(n).weight
-        # The guided Hessians sum the same products in another order (column blocks), so a
-        # rounding tie may fall the other way and GPTQ's error feedback carries it along the
-        # row: how many weights stay equal depends on the CPU's fp32 sums (99.5%+ with AVX-512,
-        # 57% of one down_proj with MKL capped at AVX2). Both are GPTQ's answer to the same
-        # Hessian, so their output errors agree (measured: within 1.2e-7 on both).
-        err_a, err_b = ((a - w) @ x.T).norm(), ((b - w) @ x.T).norm()
-        assert abs(err_b / err_a - 1) < 1e-3, (n, err_a, err_b)
-        assert qp[n].scale.shape == plain_qp[n].scale.shape
+        for h, kw in zip(hidden, kwargs[0]):
+            block(h, **kw)
+    hook.remove()
+    X = torch.cat(X).double()
+    w = sum(guides[f"{prefix}.{n}"] for n in names).double() / 3
+    floats = {n: block.get_submodule(n).weight.data.clone() for n in names}
+    results, seen = {}, []
+
+    def gptq(W, H, args, name, fixed):
+        seen.append((W.clone(), H))
+        return quantize_weights(W, H, [args], damp=0.01, actorder="static", range_search=True, refine=1)[0]
+
+    inputs = BlockInputs(hidden, kwargs[0], guides)
+    with torch.no_grad():
+        guided.quantize_rows(block, names, prefix, inputs, None, scheme, results, torch.float32, gptq)
+    assert len(seen) == 1 and seen[0][1].shape == (2, 64, 64)
+    W, H = seen[0]
+    for k in range(2):
+        torch.testing.assert_close(H[k].double(), 2 / 128 * (X.T * w[:, k]) @ X, rtol=1e-5, atol=1e-5)
+    rows = [
+        floats[n][b[k] : b[k + 1]] for k in range(2) for n in names for b in [guided.group_bounds(len(floats[n]), 2)]
+    ]
+    assert torch.equal(W, torch.cat(rows))  # group 0 of q, k, v, then group 1
+    want = gptq(W, H, scheme.weights, "", None)
+    seen.clear()
+    at = 0
+    for k in range(2):
+        for n in names:
+            b = guided.group_bounds(len(floats[n]), 2)
+            got = block.get_submodule(n).weight.data[b[k] : b[k + 1]]
+            assert torch.equal(got, want.weight[at : at + len(got)])
+            assert torch.equal(results[f"{prefix}.{n}"].scale[b[k] : b[k + 1]], want.scale[at : at + len(got)])
+            at += len(got)
 
 
-@pytest.mark.parametrize("algorithm, options", [("gptq", {"guided": 2}), ("awq", {"gptq": True, "guided": 2})])
+def test_gptq_of_row_groups_under_their_own_hessians_in_one_call():
+    """quantize_weights with H [G, in, in] (W's rows in G equal groups) against one call per
+    group: the same weights and qparams when the Hessians share their diagonal (so the
+    act-order, taken from their mean diagonal, is each one's own), with the range search and
+    a refinement pass; each group's errors are fed back through its own Hessian."""
+    torch.manual_seed(0)
+    n, r, G = 96, 12, 3
+    d = torch.rand(n) + 0.5
+    hs = []
+    for _ in range(G):
+        X = torch.randn(400, n) * torch.rand(n) * 3
+        C = X.T @ X
+        C = C / C.diagonal().sqrt()[:, None] / C.diagonal().sqrt()[None, :]  # unit diagonal
+        hs.append(d.sqrt()[:, None] * C * d.sqrt()[None, :])
+    W = torch.randn(G * r, n)
+    args = preset("w4a16-asym").weights.__class__(**{**preset("w4a16-asym").weights.__dict__, "group_size": 32})
+    opts = dict(block_size=32, damp=0.01, actorder="static", range_search=True, refine=1)
+    got = quantize_weights(W, torch.stack(hs), [args], **opts)[0]
+    for k in range(G):
+        want = quantize_weights(W[k * r : (k + 1) * r], hs[k], [args], **opts)[0]
+        part = slice(k * r, (k + 1) * r)
+        assert (got.weight[part] == want.weight).float().mean() > 0.99, k
+        torch.testing.assert_close(got.scale[part], want.scale, rtol=1e-5, atol=1e-6)
+    # and not the result of one Hessian for all rows
+    one = quantize_weights(W, hs[0], [args], **opts)[0]
+    assert not torch.equal(one.weight[r:], got.weight[r:])
+
+
+@pytest.mark.parametrize(
+    "algorithm, options",
+    [("gptq", {"guided": 2}), ("awq", {"gptq": True, "guided": 2}), ("gptq", {"guided": 2, "guided_rows": 2})],
+)
 def test_guided_checkpoint_records_it_and_loads(tiny_llama, tiny_corpus, tmp_path, algorithm, options):
     out = tmp_path / "q"
     calib = Calibration(str(tiny_corpus), 4, 32, 0)
     prov = quantize(str(tiny_llama), preset("w4a16").with_group_size(32), out, algorithm, calib, options)
     assert prov["options"]["guided"] == 2
+    assert prov["options"]["guided_rows"] == options.get("guided_rows", GUIDED_ROWS)
     assert json.loads((out / "quantkit.json").read_text())["options"]["guided"] == 2
     model = AutoModelForCausalLM.from_pretrained(out)  # compressed-tensors decompresses it
     with torch.no_grad():

@@ -180,6 +180,7 @@ def test_gptq_and_awq_record_calibration(tiny_llama, tiny_corpus, tmp_path):
         "range_search": True,
         "refine": 2,
         "guided": 0,
+        "guided_rows": 8,
         "float_targets": False,
     }
 

@@ -261,6 +261,7 @@ def test_calibration_plan_counts_the_resume_state_and_the_extra_passes(monkeypat
     """The resume state: a block's inputs (fp32) per commit, at most one commit per
     COMMIT_SECONDS of calibration, none after the last block; the gradient pass and the
     sensitivity are counted apart and grow with the calibration tokens."""
+    from quantkit.calibration.registry import GUIDED_ROWS
     from quantkit.perf.plan import calibration_plan
     from quantkit.pipeline import stream
 
@@ -273,8 +274,13 @@ def test_calibration_plan_counts_the_resume_state_and_the_extra_passes(monkeypat
     monkeypatch.setattr(stream, "COMMIT_SECONDS", 0.0)  # a commit after every block but the last
     assert calibration_plan(LLAMA2_7B, "gptq", gflops=100.0)["resume"]["bytes"] == 31 * per_commit
     half = calibration_plan(LLAMA2_7B, "gptq", samples=64, seq_len=512, gflops=100.0)
-    assert 0 < half["gradient_pass"]["seconds"] < r["gradient_pass"]["seconds"]
-    assert r["gradient_pass"]["spill_bytes"] == 32 * per_commit
+    # the gradient pass takes the first GUIDED_ROWS rows: it grows with the rows up to them only
+    few = [calibration_plan(LLAMA2_7B, "gptq", samples=n, seq_len=512, gflops=100.0) for n in (4, 8)]
+    assert 0 < few[0]["gradient_pass"]["seconds"] < few[1]["gradient_pass"]["seconds"]
+    assert [f["gradient_pass"]["rows"] for f in few] == [4, 8] and r["gradient_pass"]["rows"] == GUIDED_ROWS
+    assert 0 < half["gradient_pass"]["seconds"]
+    spill = 32 * GUIDED_ROWS * 512 * 4096 * 4
+    assert r["gradient_pass"]["spill_bytes"] == half["gradient_pass"]["spill_bytes"] == spill
     assert r["sensitivity"]["seconds"] == half["sensitivity"]["seconds"] > 0  # its own windows, not the samples
 
 
