@@ -14,9 +14,10 @@ greediness), and plain GPTQ's (one Hessian, no weights). Candidates:
 
 - stacked: the loss weights that q/k/v (and gate/up) share, their mean (`guided.stacked`), all rows;
 - cv@M: stacked, gradients on the first M rows, the other rows through the plain Hessian
-  (`guided.hessians`: G_k + H_all − H_S);
+  (a control variate: G_k + H_all − H_S, G_k the subset's guided Hessian, H_S its plain one);
 - subset@M: stacked, the first M rows' guided Hessian alone;
-- diluted@M: stacked, the other rows' tokens at weight 1 ((S·G_k + R·H_rest) / n);
+- diluted@M: stacked, the other rows' tokens at weight 1 ((S·G_k + R·H_rest) / n, what
+  `guided.hessians` makes for `--guided-rows M`);
 - transfer@M: stacked, the subset's G_k carried to all rows by T = L_all·L_S⁻¹ (Cholesky
   factors of the plain Hessians of all rows and of the subset, damped 1%): T·G_k·Tᵀ, the
   plain Hessian of all rows when every weight is 1, and positive definite.

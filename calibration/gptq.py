@@ -275,10 +275,7 @@ def _column_loop(W, Hinv, gid, args, block_size, scale_dtype, grams=None, global
         W1 = Wt[i1:i2].clone()  # W1 [b, out]
         Err1 = torch.zeros_like(W1)  # Err1 [b, out]
         Hinv1 = Hinv[:, i1:i2, i1:i2]  # Hinv1 [G, b, b]
-        # each column's divisor: a float (one group), or per row [b, out]
-        diag = (
-            Hinv1[0].diagonal().tolist() if G == 1 else Hinv1.diagonal(dim1=1, dim2=2).T.repeat_interleave(out // G, 1)
-        )
+        diag = _divisors(Hinv1, out)
         for k in range(i2 - i1):
             g = gids[i1 + k]
             if qp[g] is None:  # a group starts: qparams from its weights as updated so far

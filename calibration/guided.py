@@ -368,7 +368,8 @@ def quantize_rows(block, names, prefix, inputs, replay, scheme, results, scale_d
     """The linears of `names` (they read one input) quantized group of rows by group of rows:
     group k of each linear under H_k, the guided Hessians of their shared loss weights
     (`stacked`, `hessians`), by `quantize(W, H, args, name, fixed_scales)` (GPTQ's, with its
-    step's options); linears of one format are stacked, one call per group. A per-tensor
+    step's options); linears of one format are stacked, all their row groups in one call
+    where the groups are of one size (`in_groups`). A per-tensor
     scale cannot differ between groups: such a linear is quantized alone under the mean of
     the Hessians; fp8 blocks, whose 128 rows share a scale that the groups' bounds may cut,
     alone too, with their scales from the float weight (`block_scales`)."""
