@@ -197,7 +197,7 @@ def _plan_calibration(model, method, samples, seq_len, device, gpu, gflops, json
         ),
         (
             f"with --guided {r['gradient_pass']['groups']}",
-            f"+{r['gradient_pass']['seconds'] / 60:.0f} min (gradient pass on {r['gradient_pass']['rows']} rows, "
+            f"+{r['gradient_pass']['seconds'] / 60:.1f} min (gradient pass on {r['gradient_pass']['rows']} rows, "
             f"guided Hessians), {size(r['gradient_pass']['spill_bytes'])} spilled to disk",
         ),
         ("with --target-bits", f"+{r['sensitivity']['seconds'] / 60:.0f} min (sensitivity)"),
