@@ -128,7 +128,7 @@ def quantize_weights(
     W0, n = W, W.shape[1]
     H = H.detach().to(W.device, torch.float32)
     H = H if H.dim() == 3 else H[None]  # H [G, in, in]: W's rows in G equal groups, each under its own
-    diag = H.diagonal(dim1=1, dim2=2).mean(0) if len(H) > 1 else H[0].diagonal()
+    diag = H.diagonal(dim1=1, dim2=2).mean(0)  # one group: its own diagonal, exactly
     dead = diag == 0  # inputs that were always zero: weight 0, H 1
     if actorder is None:
         perm = torch.arange(n, device=W.device)
@@ -288,10 +288,7 @@ def _column_loop(W, Hinv, gid, args, block_size, scale_dtype, grams=None, global
             q = _fake_quantize_column(w, *fast[g], args.qmin, args.qmax)
             Qt[i1 + k] = q
             err = (w - q) / diag[k]
-            if G == 1:
-                W1[k:] -= Hinv1[0, k, k:, None] * err[None, :]
-            else:
-                W1[k:].view(-1, G, out // G).sub_(Hinv1[:, k, k:].T[:, :, None] * err.view(G, -1)[None])
+            W1[k:].view(-1, G, out // G).sub_(Hinv1[:, k, k:].T[:, :, None] * err.view(G, -1)[None])
             Err1[k] = err
         Wt[i2:] -= _times(Hinv[:, i1:i2, i2:], Err1)  # lazy batch update of the later blocks
     Q = Qt.T
@@ -350,10 +347,7 @@ def refine_rounding(W, Q, H, gid, scale, zero_point, args, passes: int = 1, bloc
                 q = Qt[i1 + k]  # q [out], a view
                 new = _fake_quantize_column(q + Gb[k] / diag[k], *fast[g], args.qmin, args.qmax)
                 moved[k] = q - new
-                if G == 1:
-                    Gb += Hb[0, :, k, None] * moved[k][None, :]
-                else:
-                    Gb.view(-1, G, out // G).add_(Hb[:, :, k].T[:, :, None] * moved[k].view(G, -1)[None])
+                Gb.view(-1, G, out // G).add_(Hb[:, :, k].T[:, :, None] * moved[k].view(G, -1)[None])
                 q.copy_(new)
             Gt += H[0][:, i1:i2] @ moved if G == 1 else _times(H[:, i1:i2], moved)  # H symmetric
     return Qt.T

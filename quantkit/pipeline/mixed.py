@@ -242,13 +242,8 @@ def _cache_key(path: Path, scheme: QuantScheme, calibration, method: str, option
         "candidates": {k: v and dataclasses.asdict(v) for k, v in candidates(scheme).items()},
         "calibration": dataclasses.asdict(calibration),
         "method": method,
-        # costs measured before the options existed stay valid:
-        # guided 0 (off) is left out, and the rows of its gradients when it is
-        "options": {
-            k: v
-            for k, v in dataclasses.asdict(options).items()
-            if (k, v) != ("guided", 0) and not (k == "guided_rows" and not getattr(options, "guided", 0))
-        },
+        # guided off leaves it and its gradients' rows out: costs measured before they existed stay valid
+        "options": {k: v for k, v in dataclasses.asdict(options).items() if k not in _unguided(options)},
         "estimator": estimator,
         **({"draws": FISHER_DRAWS} if estimator == "fisher" else {}),
         # 3: KL without the cancellation of Σ p log p - Σ p log q; 4: GPTQ refines its rounding;
@@ -258,6 +253,10 @@ def _cache_key(path: Path, scheme: QuantScheme, calibration, method: str, option
         **({"rounded": list(ROUNDED[method])} if ROUNDED.get(method) else {}),
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _unguided(options) -> set[str]:
+    return set() if getattr(options, "guided", 0) else {"guided", "guided_rows"}
 
 
 def _measure(path: Path, scheme: QuantScheme, calibration, track: Track, method, options, estimator: str) -> dict:
