@@ -137,3 +137,21 @@ def test_group_size_error_names_layer_and_fits():
         r"model.layers.0.mlp.up_proj; use one of 16, 32, 64",
     ):
         check_group_size("model.layers.0.mlp.up_proj", 576, 128)
+
+
+GROUPED = [a for a in INT_ARGS if a.strategy != "tensor"] + [QuantArgs(3, symmetric=False)]
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("args", GROUPED, ids=str)
+def test_fake_quantize_int_fast_path_is_dequantize_of_quantize(args, x_dtype, scale_dtype):
+    # the broadcast fp32 path int groups and channels take equals the general one bit for bit,
+    # on min-max, shrunk and negated (full-range) scales, a zero group and values ~1e-3 to ~1e2
+    x = (weight(32, 128) * torch.logspace(-2, 3, 128)).to(x_dtype)
+    x[5, :64] = 0
+    scale, zero = compute_qparams(x, args, scale_dtype)
+    for s in (scale, (scale.float() * 0.7).to(scale_dtype), (-scale.float()).to(scale_dtype)):
+        general = dequantize(quantize(x, s, zero, args), s, zero, args, dtype=x_dtype)
+        fast = fake_quantize(x, args, s, zero)
+        assert fast.dtype == x_dtype and torch.equal(fast, general)
