@@ -14,6 +14,7 @@ group's clip may choose the full-range grid, `primitives.full_range_scale`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,8 +57,8 @@ class ScaleResult:
 
     alpha is the winning exponent (s = x_mean^alpha, or with duo x_mean^alpha / w_mean^(1-alpha));
     None when plain round-to-nearest (s = 1) beat every grid point, which only duo can allow.
-    losses[i] is the output MSE at alpha = i / grid, rtn_loss the one at s = 1, and
-    loss the chosen one (never above rtn_loss).
+    losses[i] is the output MSE at alpha = i / grid (NaN where a strided search did not
+    score it), rtn_loss the one at s = 1, and loss the chosen one (never above rtn_loss).
     """
 
     scales: torch.Tensor
@@ -77,6 +78,7 @@ def search_scales(
     output_fn: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
     scale_dtype: torch.dtype = torch.float32,
     name: str = "linears",
+    stride: int = 1,
 ) -> ScaleResult:
     """Grid-search AWQ scales for the linears `weights` ([co_i, ci] each) that all read x [..., ci].
 
@@ -86,31 +88,35 @@ def search_scales(
     The output is the linears' concatenated outputs x·Wᵀ, or `output_fn(weights)` when given
     (it receives the effective weights in the original dtypes, e.g. to run a whole block).
     alpha = 0 is round-to-nearest, so the chosen loss is never worse than RTN's.
+    With stride k > 1 the points 0, k, 2k, ... are scored first, then those between the best
+    one's neighbours (about grid/k + 2(k - 1) points): the grid's best whenever the loss
+    falls and rises once between those neighbours (the sensitivity's cheaper search).
     """
     x = _check(x, [w.shape for w in weights], args, name, "AWQ scale search")
-    if grid < 1:
-        raise QuantkitError(f"the AWQ scale search of {name} needs grid >= 1 (got {grid}).")
+    if grid < 1 or stride < 1:
+        raise QuantkitError(f"the AWQ scale search of {name} needs grid and stride >= 1 (got {grid}, {stride}).")
     W = torch.cat([w.detach().float() for w in weights])  # W [co, ci]; qparams are per row: each linear as alone
     x_mean = x.abs().mean(0)  # x_mean [ci]
     w_mean = _weight_mean(W, args) if duo else None  # w_mean [ci]
     loss_of = _loss_fn(x, W, weights, output_fn)
+    losses, scales = [math.nan] * grid, {}
 
-    losses, candidates = [], []
-    for i in range(grid):
-        alpha = i / grid
-        if duo:
-            s = (x_mean.pow(alpha) / (w_mean.pow(1 - alpha) + SCALE_MIN)).clamp(min=SCALE_MIN)
-        else:
-            s = x_mean.pow(alpha).clamp(min=SCALE_MIN)
-        s = s / (s.max() * s.min()).sqrt()  # s [ci]
-        losses.append(loss_of(_fake_quantize(W * s, args, scale_dtype) / s))
-        candidates.append((alpha, s))
-    best = min(range(grid), key=losses.__getitem__)  # ties go to the smaller alpha
-    rtn_loss = loss_of(_fake_quantize(W, args, scale_dtype)) if duo else losses[0]
+    def score(i: int) -> float:
+        if i not in scales:
+            if duo:
+                s = (x_mean.pow(i / grid) / (w_mean.pow(1 - i / grid) + SCALE_MIN)).clamp(min=SCALE_MIN)
+            else:
+                s = x_mean.pow(i / grid).clamp(min=SCALE_MIN)
+            scales[i] = s = s / (s.max() * s.min()).sqrt()  # s [ci]
+            losses[i] = loss_of(_fake_quantize(W * s, args, scale_dtype) / s)
+        return losses[i]
+
+    best = min(range(0, grid, stride), key=score)  # ties go to the smaller alpha
+    best = min(range(max(0, best - stride + 1), min(grid, best + stride)), key=score)
+    rtn_loss = loss_of(_fake_quantize(W, args, scale_dtype)) if duo else score(0)
     if rtn_loss < losses[best]:
         return ScaleResult(torch.ones_like(x_mean), None, losses, rtn_loss, rtn_loss)
-    alpha, s = candidates[best]
-    return ScaleResult(s, alpha, losses, rtn_loss, losses[best])
+    return ScaleResult(scales[best], best / grid, losses, rtn_loss, losses[best])
 
 
 @torch.no_grad()
@@ -410,6 +416,7 @@ def awq_step(spec: ArchSpec, scheme: QuantScheme, options, results: dict, scale_
                     output_fn,
                     scale_dtype=scale_dtype,
                     name=f"{prefix}.{m.prev}",
+                    stride=o.grid_stride,
                 ).scales
                 scaled_inputs(bspec, feats, m, scales)
             fold_scales(b.prev_weight, b.prev_bias, [lin.weight.data for lin in linears] + b.readers, scales, b.offset)

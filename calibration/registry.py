@@ -37,6 +37,11 @@ GUIDED_ROWS = 8  # the default: see docs/benchmarks.md, "--guided 4 from 8 rows'
 @dataclass(frozen=True)
 class AWQOptions:
     grid: int = option(20, "Points of the scale-exponent grid in [0, 1).", min=1)
+    grid_stride: int = option(
+        1,
+        "Score every Nth grid point first, then those between the best one's neighbours (1: every point; 3: 11 of 20).",
+        min=1,
+    )
     duo: bool = option(False, "Blend weight magnitudes into the scales (duo scaling).")
     clip: bool = option(True, "Search per-group clipping ranges (else round to nearest).")
     clip_rounds: int = option(

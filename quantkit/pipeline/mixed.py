@@ -65,8 +65,12 @@ FISHER_DRAWS = 4  # labels drawn per token from the float model for the Fisher e
 # AWQ's clip search without its coordinate-descent rounds (`clip_rounds` 0) was tried and not
 # shipped: with AWQ's scales searched once per unit (a trial, commit 0603841) `--target-bits` took 1.38x the
 # uniform run, but its choice lost the whole gain over the uniform run (wiki 16 windows 22.0882
-# against 22.0947; docs/benchmarks.md "AWQ's --target-bits, abridged")
-SENSITIVITY_CHEAPER: dict[str, object] = {"range_search": False, "refine": 0}
+# against 22.0947; docs/benchmarks.md "AWQ's --target-bits, abridged"). AWQ's scale search on
+# every third grid point and then between the best one's neighbours (`grid_stride` 3: 11 of 20)
+# with one round of the clip search's coordinate descent chose every group as AWQ's own options
+# did on smollm2 (120) and gemma3-270m (72), in 0.68x the CPU time on gemma3
+# (benchmarks/sensitivity_choice.py, docs/benchmarks.md "AWQ's --target-bits at 1.5x", 2026-12-07)
+SENSITIVITY_CHEAPER: dict[str, object] = {"range_search": False, "refine": 0, "grid_stride": 3, "clip_rounds": 1}
 # candidates the sensitivity measures by round-to-nearest instead of the method, by method: on
 # smollm2 AWQ's int8 costs chose nothing differently from round-to-nearest's (w4a16-asym g64,
 # 4.56275 bits: the same 120 choices, benchmarks/sensitivity_choice.py, 2026-12-06)

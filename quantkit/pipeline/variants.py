@@ -16,29 +16,37 @@ CAPTURED = ("awq",)  # methods whose copies read their inputs captured once per 
 
 def alone(model, spec, scheme: QuantScheme, method, options, dtype, i, mine, wanted, inputs, kwargs, guides):
     """(unit, format, block i's outputs per batch with only that unit quantized to it) for each
-    unit and format of `wanted`: the method's step on a copy of the block (AWQ's way; `shared`'s reference)."""
+    unit and format of `wanted`: the method's step on a copy of the block (AWQ's way; `shared`'s
+    reference). A unit outside the attention leaves its outputs the float block's: the copies
+    of such units reuse the first one's (`Replay`)."""
     import copy
 
+    from quantkit.calibration.hooks import Replay
     from quantkit.calibration.runner import BlockInputs
     from quantkit.models.arch import get_module
 
     prefix, float_block = f"{spec.blocks}.{i}", get_module(model, spec.blocks)[i]
+    bspec = spec.for_block(float_block)
     captured = None  # AWQ's captured inputs of the float block, for every unit and format
     if method.name in CAPTURED:
         from quantkit.calibration.awq import SEARCH_TOKENS
         from quantkit.calibration.hooks import mapping_inputs
 
-        bspec = spec.for_block(float_block)
         captured = mapping_inputs(bspec, float_block, bspec.linears, BlockInputs(inputs[i], kwargs[i]), SEARCH_TOKENS)
+    attention = []  # the float attention's outputs per batch, kept by the first copy that runs it
     for unit, formats in zip(mine, wanted):
+        outside = not any(n.startswith(f"{prefix}.{bspec.attention}.") for n in unit.linears)
         for name, args in formats.items():
             block = copy.deepcopy(float_block)
-            names = (f"{prefix}.{n}" for n in spec.for_block(block).linears)
-            others = tuple(n for n in names if n not in unit.linears)
+            others = tuple(f"{prefix}.{n}" for n in bspec.linears if f"{prefix}.{n}" not in unit.linears)
             only = scheme.replace(weights=args, overrides=(), ignore=scheme.ignore + others)
             step = method.make_step(spec, only, options, {}, dtype, None)
             step(i, prefix, block, BlockInputs(inputs[i], kwargs[i], guides, captured))
-            yield unit, name, BlockInputs(inputs[i], kwargs[i]).run(block)
+            replay = Replay(get_module(block, bspec.attention), len(inputs[i]))
+            replay.outputs = attention
+            with replay.active() if outside else contextlib.nullcontext():
+                outs = BlockInputs(inputs[i], kwargs[i]).run(block)
+            yield unit, name, outs
 
 
 def shared(model, spec, scheme, method, options, dtype, i, mine, wanted, inputs, kwargs, guides):

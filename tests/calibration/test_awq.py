@@ -297,3 +297,24 @@ def test_clip_qparams_clamp_each_group_to_its_range():
     assert q[0, 2] == pytest.approx(0.5, abs=1 / 30)  # inside the range: rounded to nearest
     with pytest.raises(QuantkitError, match="do not fit"):
         clip_qparams(w, torch.ones(1, 2), args)
+
+
+@pytest.mark.parametrize("args", ARGS, ids=IDS)
+def test_search_scales_stride_scores_fewer_points_and_finds_a_single_dip(args):
+    # stride 3 over 20 points scores 0, 3, ..., 18 and the points between the best one's
+    # neighbours: the grid's best when the loss falls and rises once (these curves do)
+    x, weights = _qkv(seed=1)
+    full = search_scales(x, weights, args)
+    strided = search_scales(x, weights, args, stride=3)
+    scored = [i for i, v in enumerate(strided.losses) if v == v]
+    assert 7 < len(scored) <= 11 and set(range(0, 20, 3)) <= set(scored)
+    assert all(strided.losses[i] == full.losses[i] for i in scored)
+    assert strided.alpha == full.alpha and torch.equal(strided.scales, full.scales)
+    assert search_scales(x, weights, args, stride=1).losses == full.losses
+    assert search_scales(x, weights, args, grid=4, stride=9).alpha == search_scales(x, weights, args, grid=4).alpha
+
+
+def test_search_scales_stride_must_be_positive():
+    x, weights = _qkv(seed=0)
+    with pytest.raises(QuantkitError, match="stride >= 1"):
+        search_scales(x, weights, GROUP32, stride=0)

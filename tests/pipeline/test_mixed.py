@@ -5,6 +5,7 @@ the checkpoint loads in quantkit and transformers to the same logits."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import itertools
 import json
@@ -186,6 +187,30 @@ def test_shared_variants_equal_each_unit_quantized_on_a_copy(
         assert mixed.choose(shared["units"], target) == mixed.choose(alone["units"], target)
 
 
+def test_awq_copies_reuse_the_float_attention_bit_for_bit(tmp_path, tiny_corpus, monkeypatch):
+    """AWQ's copies of a block for the units outside the attention (gate/up, down) reuse the
+    float attention's outputs: the costs are those of running every copy whole, bit for bit."""
+    from quantkit.calibration import hooks
+
+    path = make_tiny_model(tmp_path / "m")
+    calib, scheme = Calibration(str(tiny_corpus), 4, 32), preset("w4a16-asym")
+    entered, active = [], hooks.Replay.active
+
+    def counted(self):
+        entered.append(self)
+        return active(self)
+
+    monkeypatch.setattr(hooks.Replay, "active", counted)
+    reused = mixed.sensitivity(str(path), scheme, calib, cache=tmp_path / "a", method="awq")
+    owners = {}  # outputs list -> the Replays holding it: AWQ's copies share one per block, `shared`'s own theirs
+    for r in entered:
+        owners.setdefault(id(r.outputs), set()).add(id(r))
+    assert sorted(len(o) for o in owners.values() if len(o) > 1) == [5, 5]  # gate/up: g64, g32; down: g128 too
+    monkeypatch.setattr(hooks.Replay, "active", lambda self: contextlib.nullcontext())
+    whole = mixed.sensitivity(str(path), scheme, calib, cache=tmp_path / "b", method="awq")
+    assert reused["units"] == whole["units"]
+
+
 def test_the_sensitivity_options_take_the_cheaper_settings_the_method_has(monkeypatch):
     """`SENSITIVITY_CHEAPER` (GPTQ without range search and refinement here) replaces only the
     options a method has, keeps the others, and a saved search is never read or written."""
@@ -193,7 +218,8 @@ def test_the_sensitivity_options_take_the_cheaper_settings_the_method_has(monkey
 
     shipped = mixed._search_options(METHODS["gptq"].options())  # as shipped: GPTQ's searches off
     assert (shipped.range_search, shipped.refine) == (False, 0)
-    assert mixed._search_options(METHODS["awq"].options()) == METHODS["awq"].options()  # AWQ's own
+    awq = mixed._search_options(METHODS["awq"].options())  # AWQ's: a strided scale grid, one clip round
+    assert awq == METHODS["awq"].options(grid_stride=3, clip_rounds=1)
     monkeypatch.setattr(mixed, "SENSITIVITY_CHEAPER", {})
     assert mixed._search_options(METHODS["gptq"].options()) == METHODS["gptq"].options()
     monkeypatch.setattr(mixed, "SENSITIVITY_CHEAPER", CHEAPER)
