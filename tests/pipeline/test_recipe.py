@@ -51,7 +51,10 @@ def same_tensors(a, b) -> bool:
             {"steps": ["awqq"]},
             "steps[0]: 'awqq' is not allowed; use one of rtn, awq, gptq, autoround, fp8, smooth, rotate, kv",
         ),
-        ({"steps": [{"awq": {"gird": 3}}]}, "steps[0].awq: unknown key 'gird'; allowed keys are grid, grid_stride, duo, clip"),
+        (
+            {"steps": [{"awq": {"gird": 3}}]},
+            "steps[0].awq: unknown key 'gird'; allowed keys are grid, grid_stride, duo, clip",
+        ),
         ({"steps": [{"gptq": {"damp": "lots"}}]}, "steps[0].gptq.damp: 'lots' is not allowed; use a number ≥ 0."),
         ({"steps": ["rtn", {"kv": {"dtype": "fp4"}}]}, "steps[1].kv.dtype: 'fp4' is not allowed; use fp8 or int8."),
         ({"scheme": "w5"}, "scheme: unknown scheme 'w5'; use one of: w4a16, w4a16-asym"),
