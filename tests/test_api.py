@@ -23,6 +23,7 @@ def test_quantize_evaluate_load_and_generate(tiny_llama, tiny_corpus, tmp_path):
         {
             "awq": {
                 "grid": 4,
+                "grid_stride": 1,
                 "duo": False,
                 "clip": True,
                 "clip_rounds": 2,

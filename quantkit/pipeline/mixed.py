@@ -69,7 +69,7 @@ FISHER_DRAWS = 4  # labels drawn per token from the float model for the Fisher e
 # every third grid point and then between the best one's neighbours (`grid_stride` 3: 11 of 20)
 # with one round of the clip search's coordinate descent chose every group as AWQ's own options
 # did on smollm2 (120) and gemma3-270m (72), in 0.68x the CPU time on gemma3
-# (benchmarks/sensitivity_choice.py, docs/benchmarks.md "AWQ's --target-bits at 1.5x", 2026-12-07)
+# (benchmarks/sensitivity_choice.py, docs/benchmarks.md "AWQ's --target-bits under 1.5x its uniform run", 2026-12-07)
 SENSITIVITY_CHEAPER: dict[str, object] = {"range_search": False, "refine": 0, "grid_stride": 3, "clip_rounds": 1}
 # candidates the sensitivity measures by round-to-nearest instead of the method, by method: on
 # smollm2 AWQ's int8 costs chose nothing differently from round-to-nearest's (w4a16-asym g64,
