@@ -111,10 +111,12 @@ class Replay:
     """Reuse a finished sub-module's outputs across passes over the calibration batches:
     while active, the module's calls of the first pass run and are kept, and the calls of
     later passes (one per batch, in the same order) return the kept outputs. Only valid
-    while the module's weights and inputs stay as they were."""
+    while the module's weights and inputs stay as they were. `outputs`: a list of kept outputs
+    shared with other Replays of modules that compute the same (copies of one block)."""
 
-    def __init__(self, module: nn.Module, batches: int):
-        self.module, self.batches, self.outputs, self.calls = module, batches, [], 0
+    def __init__(self, module: nn.Module, batches: int, outputs: list | None = None):
+        self.module, self.batches, self.calls = module, batches, 0
+        self.outputs = [] if outputs is None else outputs
 
     @contextlib.contextmanager
     def active(self):

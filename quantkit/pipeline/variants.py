@@ -42,9 +42,8 @@ def alone(model, spec, scheme: QuantScheme, method, options, dtype, i, mine, wan
             only = scheme.replace(weights=args, overrides=(), ignore=scheme.ignore + others)
             step = method.make_step(spec, only, options, {}, dtype, None)
             step(i, prefix, block, BlockInputs(inputs[i], kwargs[i], guides, captured))
-            replay = Replay(get_module(block, bspec.attention), len(inputs[i]))
-            replay.outputs = attention
-            with replay.active() if outside else contextlib.nullcontext():
+            reuse = Replay(get_module(block, bspec.attention), len(inputs[i]), attention).active() if outside else None
+            with reuse or contextlib.nullcontext():
                 outs = BlockInputs(inputs[i], kwargs[i]).run(block)
             yield unit, name, outs
 
