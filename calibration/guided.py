@@ -248,26 +248,41 @@ def _head_gradient(h, rows, final_norm, head, softcap):
         with torch.enable_grad():
             logits = reference.cap(nn.functional.linear(final_norm(x), head).float(), softcap)[0]
             loss = nn.functional.cross_entropy(logits[:-1], ids[1:].to(logits.device), reduction="sum")
-            loss.backward()
-        grads.append(x.grad[0])
+            # the gradient at x alone: backward() would also form the head's [vocab, hidden]
+            # weight gradient (the head's parameters require it), a third product the size of the logits'
+            grads.append(torch.autograd.grad(loss, x)[0][0])
     return torch.stack(grads)
 
 
 def _sampled_gradient(h, final_norm, head, softcap, draws, generator):
     """∇_h log p(y_t | h) [draws, b, seq, hidden] for the last block's output h [b, seq, hidden],
-    `draws` labels y_t per token drawn from p (`generator`, on the CPU), one row at a time."""
+    `draws` labels y_t per token drawn from p (`generator`, on the CPU), one row at a time.
+
+    In closed form, not by autograd through the head: with z = cap(u) the logits of u = n·Wᵀ
+    (n the final norm's output), ∂log p(y)/∂u = (e_y − p)·cap'(u), so the gradient at n is
+    cap'(u_y)·W_y − (p·cap'(u))·W: one [seq, vocab] × [vocab, hidden] product shared by the
+    draws (autograd takes one per draw) and a row of W per draw; the norm by autograd."""
     from quantkit.kernels.attention import twin as reference
 
     grads = []
     for x in h:
-        x = x[None].detach().requires_grad_()
+        x = x.detach().requires_grad_()
         with torch.enable_grad():
-            logits = reference.cap(nn.functional.linear(final_norm(x), head).float(), softcap)[0]
-            logp = logits.log_softmax(-1)  # [seq, vocab]
-            y = torch.multinomial(logp.detach().exp().cpu(), draws, replacement=True, generator=generator)
-            picked = logp.gather(-1, y.to(logp.device))  # [seq, draws]
-            rows = [torch.autograd.grad(picked[:, d].sum(), x, retain_graph=d < draws - 1)[0][0] for d in range(draws)]
-        grads.append(torch.stack(rows))
+            n = final_norm(x[None])[0]
+        with torch.no_grad():
+            w = head.float()
+            u = nn.functional.linear(n.detach().to(head.dtype), head).float()  # [seq, vocab]
+            p = reference.cap(u, softcap).log_softmax(-1).exp()
+            y = torch.multinomial(p.cpu(), draws, replacement=True, generator=generator).to(u.device)  # [seq, draws]
+            if softcap is None:
+                at_n = w[y] - (p @ w)[:, None]  # [seq, draws, hidden]
+            else:
+                slope = 1 - torch.tanh(u / softcap).square()  # cap'(u)
+                at_n = slope.gather(-1, y)[..., None] * w[y] - ((p * slope) @ w)[:, None]
+            del u, p
+        with torch.enable_grad():
+            back = torch.autograd.grad(n, x, at_n.transpose(0, 1).to(n.dtype), is_grads_batched=True)[0]
+        grads.append(back)
     return torch.stack(grads, 1)
 
 

@@ -402,7 +402,8 @@ def _extra_passes(config, b, cost_model, tokens, seq_len, group_size, block_forw
     linears that share an input on those rows, and the plain one of all rows split at them,
     each the products of its blocks on and above the diagonal, `guided.GRAM_BLOCKS`, in
     place of the plain Hessian); the sensitivity (`pipeline.mixed`, on its
-    SENSITIVITY_WINDOWS: the float pass, the Fisher pass with FISHER_DRAWS labels, and per
+    SENSITIVITY_WINDOWS: the float pass, the Fisher pass with FISHER_DRAWS labels (the head's
+    forward and one product its draws share, `guided._sampled_gradient`), and per
     block each unit × format quantized by the method and the block run once more; AWQ's
     int8, measured by round-to-nearest, `mixed.ROUNDED`, is counted as AWQ's: an upper bound)."""
     from quantkit.calibration.guided import GRAM_BLOCKS, gradient_rows
@@ -416,16 +417,14 @@ def _extra_passes(config, b, cost_model, tokens, seq_len, group_size, block_forw
     share = (GRAM_BLOCKS + 1) / (2 * GRAM_BLOCKS)  # of a guided Hessian's products
     plain = share if part < 1 else 0  # the subset's plain Hessian and the rest's: one more over all tokens
     hessians = sum(2 * tokens * t * i * i * (GUIDED_GROUPS * share * part + plain - 1) for i, _, t in b["groups"])
-    gradient = layers * (4 * block_forward / 2 * part + hessians) + 3 * head * part
+    gradient = layers * (4 * block_forward / 2 * part + hessians) + 2 * head * part  # the head: forward, input gradient
     rows, seq = SENSITIVITY_WINDOWS
     few = rows * seq
     small = block_forward * few / tokens / 2  # one forward of a block on the sensitivity's windows
     formats = 4  # int4 g128 / g64 / g32 and int8, where the widths fit
     method = cost_model(b["groups"], few, group_size, b["sparse_input"])["flops"] * formats
     units = len(b["groups"])
-    sensitivity = (
-        layers * (small * (2 + 2 * FISHER_DRAWS + formats * units) + method) + (2 + FISHER_DRAWS) * head * few / tokens
-    )
+    sensitivity = layers * (small * (2 + 2 * FISHER_DRAWS + formats * units) + method) + 2 * head * few / tokens
     return {
         "gradient_pass": {
             "seconds": gradient / rate,

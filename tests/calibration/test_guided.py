@@ -60,6 +60,8 @@ def test_block_by_block_gradients_equal_autograd_on_the_whole_model(tmp_path, ti
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and ".layers." in n]
     samples = ids()
     got = guided.loss_gradients(model, spec, samples, 3, names, batch_size=4, spill=tmp_path)
+    # no weight gradient was formed: the head's alone is a product the size of the logits'
+    assert model.get_output_embeddings().weight.requires_grad and all(p.grad is None for p in model.parameters())
     want = whole_model_weights(model, samples, 3, names)
     assert set(got) == set(names)
     for n in names:
@@ -68,16 +70,20 @@ def test_block_by_block_gradients_equal_autograd_on_the_whole_model(tmp_path, ti
     assert not list(tmp_path.glob("quantkit-gradients-*"))  # the block inputs kept on disk are gone
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_fisher_gradients_equal_autograd_on_the_whole_model(tmp_path, tie):
+@pytest.mark.parametrize("tie,family", [(False, "llama"), (True, "llama"), (True, "gemma2")])
+def test_fisher_gradients_equal_autograd_on_the_whole_model(tmp_path, tie, family):
     """∇ log p(y|h) at every block's output, labels drawn from the model row by row with the
-    same generator: the streaming pass against one autograd pass through the whole model."""
-    from conftest import make_tiny_model
+    same generator: the streaming pass (the head's gradient in closed form) against one
+    autograd pass through the whole model; gemma2 caps its logits (final_logit_softcapping)."""
+    from conftest import FAMILIES, make_tiny_model
 
-    model = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "m", tie=tie)).eval()
+    model_type, overrides = FAMILIES[family] if family != "llama" else ("llama", {})
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "m", model_type, tie=tie, **overrides))
+    model = model.eval()
     spec = arch_for(model.config)
     samples, draws = ids(), 3
     got = guided.fisher_gradients(model, spec, samples, draws, seed=5, batch_size=4, spill=tmp_path)
+    assert all(p.grad is None for p in model.parameters())  # no weight gradient formed
     outs = []
 
     def keep(module, args, out):
