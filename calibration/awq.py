@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from quantkit.calibration import fp4, rtn
 from quantkit.calibration.hooks import (
@@ -92,13 +93,13 @@ def search_scales(
     one's neighbours (about grid/k + 2(k - 1) points): the grid's best whenever the loss
     falls and rises once between those neighbours (the sensitivity's cheaper search).
     """
-    x = _check(x, [w.shape for w in weights], args, name, "AWQ scale search")
+    given, x = x, _check(x, [w.shape for w in weights], args, name, "AWQ scale search")
     if grid < 1 or stride < 1:
         raise QuantkitError(f"the AWQ scale search of {name} needs grid and stride >= 1 (got {grid}, {stride}).")
     W = torch.cat([w.detach().float() for w in weights])  # W [co, ci]; qparams are per row: each linear as alone
     x_mean = x.abs().mean(0)  # x_mean [ci]
     w_mean = _weight_mean(W, args) if duo else None  # w_mean [ci]
-    loss_of = _loss_fn(x, W, weights, output_fn)
+    loss_of = _loss_fn(x, W, weights, output_fn, given)
     losses, scales = [math.nan] * grid, {}
 
     def score(i: int) -> float:
@@ -320,9 +321,22 @@ def _weight_mean(W, args):
     return w_g.reshape(W.shape).mean(0)  # [ci]
 
 
-def _loss_fn(x, W, weights, output_fn):
+_GRAMS = WeakIdKeyDictionary()  # a searched input tensor -> (its version, XᵀX), see `_gram`
+
+
+def _gram(given: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """XᵀX [ci, ci] of x [n, ci], the search's view of the tensor `given`: formed once per
+    tensor and version while it lives (mixed precision's sensitivity searches one captured
+    input once per candidate format), the same product every time."""
+    kept = _GRAMS.get(given)
+    if kept is None or kept[0] != given._version:
+        kept = _GRAMS[given] = (given._version, x.T @ x)
+    return kept[1]
+
+
+def _loss_fn(x, W, weights, output_fn, given):
     if output_fn is None:  # concatenated outputs x·Wᵀ: with D = W - Wq, the MSE is sum((D·XᵀX) ⊙ D) / (n·co)
-        gram, count = x.T @ x, x.shape[0] * W.shape[0]  # gram [ci, ci], once instead of n tokens per grid point
+        gram, count = _gram(given, x), x.shape[0] * W.shape[0]  # gram [ci, ci], once instead of n tokens per grid point
 
         def gram_loss(Wq):
             D = W - Wq  # D [co, ci]

@@ -318,3 +318,28 @@ def test_search_scales_stride_must_be_positive():
     x, weights = _qkv(seed=0)
     with pytest.raises(QuantkitError, match="stride >= 1"):
         search_scales(x, weights, GROUP32, stride=0)
+
+
+def test_search_scales_forms_an_inputs_gram_once_and_again_after_it_changes(monkeypatch):
+    # the sensitivity searches one captured input once per format: XᵀX is kept per tensor and
+    # version, so a second search reads it, and a search after the tensor changed in place
+    # forms it again (the same losses as a fresh copy's)
+    from quantkit.calibration import awq
+
+    x, weights = _qkv(seed=2)
+    formed = []
+    monkeypatch.setattr(awq, "_GRAMS", awq.WeakIdKeyDictionary())
+    real = torch.Tensor.__matmul__
+
+    def counted(a, b):
+        formed.append(a.shape == (128, 512) and b.shape == (512, 128))
+        return real(a, b)
+
+    monkeypatch.setattr(torch.Tensor, "__matmul__", counted)
+    first = search_scales(x, weights, GROUP32, stride=3)
+    again = search_scales(x, weights, ARGS[1], stride=3)
+    assert sum(formed) == 1 and again.losses == search_scales(x.clone(), weights, ARGS[1], stride=3).losses
+    x[:, :8] *= 3
+    changed = search_scales(x, weights, GROUP32, stride=3)
+    assert sum(formed) == 3  # once for the clone above, once after the change
+    assert changed.losses == search_scales(x.clone(), weights, GROUP32, stride=3).losses != first.losses
