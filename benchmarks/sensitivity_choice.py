@@ -7,6 +7,13 @@ uniform scheme's. No checkpoint is made (`mixed_choice.py` does that, end to end
 
     OMP_NUM_THREADS=1 python benchmarks/sensitivity_choice.py [--model smollm2-135m] [--method awq]
         [--bits 4.56275] [--ways full shipped shipped:clip_rounds=0 shipped:grid=10]
+        [--save FILE] [--compare FILE] [--load FILE]
+
+`--save` keeps every way's CPU seconds and costs in FILE (JSON); `--compare` scores this run's
+ways against those of another run (e.g. an earlier commit's, `benchmarks/old_tree.sh`, running
+this script with that tree's python): per way saved in both, the groups choosing differently at
+`--bits` and the largest relative difference of a cost (`--load` reads this run's ways from a
+`--save` file instead of measuring them). A single way need not be full.
 
 A way is `full` (the method on every unit × format with its own options: `mixed.ROUNDED` and
 `mixed.SENSITIVITY_CHEAPER` empty) or `shipped` (as `--target-bits` measures: for AWQ its int8
@@ -20,6 +27,7 @@ The scheme is w4a16-asym group 64, the sensitivity's windows
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -64,15 +72,28 @@ def main() -> None:
     parser.add_argument("--bits", type=float, default=4.56275, help="--target-bits (uniform g64's bits)")
     parser.add_argument("--ways", nargs="+", default=["full", "shipped"])
     parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "sensitivity-choice")
+    parser.add_argument("--save", type=Path, default=None, help="every way's CPU s and costs (JSON)")
+    parser.add_argument("--compare", type=Path, default=None, help="another run's --save file to score against")
+    parser.add_argument("--load", type=Path, default=None, help="a --save file to compare instead of measuring")
     a = parser.parse_args()
+    saved = json.loads(a.load.read_text()) if a.load else measure_ways(a)
+    if a.save:
+        a.save.write_text(json.dumps(saved))
+    if a.compare:
+        compare(saved, json.loads(a.compare.read_text()), a.bits)
+
+
+def measure_ways(a) -> dict:
+    """Measure each of `a.ways` and print its choice scored by the first (full) way's costs."""
     a.out.mkdir(parents=True, exist_ok=True)
-    if a.ways[0] != "full":
+    if a.ways[0] != "full" and len(a.ways) > 1:
         raise SystemExit("the first way is full: the others are scored by its costs")
     print(f"| {a.method} sensitivity | CPU s | ÷ full | groups choosing differently | summed KL by the full costs |")
     print("|---|---|---|---|---|")
-    full = None
+    full, saved = None, {}
     for way in a.ways:
         seconds, units = measure(a, way, a.out)
+        saved[way] = {"cpu_s": seconds, "units": units}
         if full is None:
             full, base = units, seconds
             uniform = sum(r["kld"]["int4-g64"] for r in units)
@@ -84,6 +105,20 @@ def main() -> None:
         gain = f"{kl:.5f} ({kept:.1%} of the full choice's gain)"
         print(f"| {way} | {seconds:.1f} | {seconds / base:.2f} | {differ} of {len(choice)} | {gain} |", flush=True)
     print(f"\nuniform w4a16-asym g64: summed KL {uniform:.5f} by the full costs")
+    return saved
+
+
+def compare(mine: dict, theirs: dict, bits: float) -> None:
+    """Each way in both runs: groups choosing differently at `bits`, the largest relative cost difference."""
+    print("\n| against another run | CPU s (this, that) | groups choosing differently | largest cost difference |")
+    print("|---|---|---|---|")
+    for way in [w for w in mine if w in theirs]:
+        ours, other = mine[way]["units"], theirs[way]["units"]
+        a, b = mixed.choose(ours, bits), mixed.choose(other, bits)
+        pairs = [(x["kld"][k], y["kld"][k]) for x, y in zip(ours, other) for k in x["kld"] if x["kld"][k]]
+        worst = max(abs(x - y) / abs(x) for x, y in pairs)
+        differ = sum(a[k] != v for k, v in b.items())
+        print(f"| {way} | {mine[way]['cpu_s']:.1f}, {theirs[way]['cpu_s']:.1f} | {differ} of {len(a)} | {worst:.1e} |")
 
 
 if __name__ == "__main__":
