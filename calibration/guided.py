@@ -264,13 +264,12 @@ def _sampled_gradient(h, final_norm, head, softcap, draws, generator):
     draws (autograd takes one per draw) and a row of W per draw; the norm by autograd."""
     from quantkit.kernels.attention import twin as reference
 
-    grads = []
+    grads, w = [], head.detach().float()  # fp32 for the products (a copy only when the head is 16-bit)
     for x in h:
         x = x.detach().requires_grad_()
         with torch.enable_grad():
             n = final_norm(x[None])[0]
         with torch.no_grad():
-            w = head.float()
             u = nn.functional.linear(n.detach().to(head.dtype), head).float()  # [seq, vocab]
             p = reference.cap(u, softcap).log_softmax(-1).exp()
             y = torch.multinomial(p.cpu(), draws, replacement=True, generator=generator).to(u.device)  # [seq, draws]
