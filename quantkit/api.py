@@ -33,6 +33,7 @@ def quantize(
     target_formats: list[str] | None = RunOptions.target_formats,
     target_estimate: str | None = RunOptions.target_estimate,
     lm_head: str | None = RunOptions.lm_head,
+    tune_scales: int | None = RunOptions.tune_scales,
     device: str = RunOptions.device,
     track: Track = no_progress,
     log: Callable[[str], None] | None = None,
@@ -55,7 +56,9 @@ def quantize(
     channel, float) from its measured sensitivity, averaging at most that many bits per weight;
     `target_formats` (e.g. ["int4", "float"]) limits the formats it chooses from; `target_estimate`
     ("fisher", the default, or "exact") is how the sensitivities are found; `lm_head` ("int8") quantizes
-    the output projection too (per channel, round to nearest), untied from the input embeddings.
+    the output projection too (per channel, round to nearest), untied from the input embeddings;
+    `tune_scales` (rtn, awq, gptq, autoround; weight-only int schemes) trains the int scales end to end
+    on the KL divergence to the float model for that many passes over the calibration rows.
 
         quantkit.quantize("smollm2-135m", "out/awq", "awq", "w4a16-asym", group_size=64)
     """

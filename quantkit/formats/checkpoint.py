@@ -324,6 +324,26 @@ class TensorFiles:
         return {name: tensors[name] for name in names}
 
 
+def write_in_place(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Overwrite the named tensors of a checkpoint folder in its safetensors files, each cast
+    to its stored dtype; the shape must be the stored one. Files and headers stay as they are."""
+    files = TensorFiles(folder)
+    by_file: dict[Path, list[str]] = {}
+    for name in tensors:
+        by_file.setdefault(files.where[name][0], []).append(name)
+    for path, names in by_file.items():
+        with open(path, "r+b") as f:
+            for name in names:
+                _, start, info = files.where[name]
+                t = tensors[name].detach().to("cpu", _DTYPES[info["dtype"]]).contiguous()
+                if list(t.shape) != info["shape"]:
+                    raise ValueError(f"{name}: shape {list(t.shape)}, stored {info['shape']}")
+                f.seek(start + info["data_offsets"][0])
+                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            f.flush()
+            os.fsync(f.fileno())
+
+
 def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint folder, or a `QuantkitError` if a file is unreadable."""
     files = TensorFiles(folder)

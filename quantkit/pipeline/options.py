@@ -31,6 +31,12 @@ TARGET_ESTIMATE_HELP = (
     "model, ~20x longer)."
 )
 
+TUNE_SCALES_HELP = (
+    "After calibration, train the int weight scales end to end for this many passes over the calibration rows, "
+    "on the KL divergence to the float model (codes and zero points fixed; weight-only int schemes). Holds the float "
+    "and the quantized model in float32: about 3x the model's fp32 size in memory."
+)
+
 LM_HEAD_HELP = (
     "Also quantize the output projection (lm_head), round to nearest: int8 (per channel) or int4 (groups of "
     "128, or less to divide the hidden size), untied from the input embeddings; batch-1 decode of a small model "
@@ -49,6 +55,7 @@ class RunOptions:
     target_formats: str | None = option(None, TARGET_FORMATS_HELP, kind="text")
     target_estimate: str | None = option(None, TARGET_ESTIMATE_HELP, kind="text")
     lm_head: str | None = option(None, LM_HEAD_HELP, kind="text")
+    tune_scales: int | None = option(None, TUNE_SCALES_HELP, kind="int", min=1)
     kv_cache: str | None = option(None, f"Also calibrate KV-cache scales: {' or '.join(KV_DTYPES)}.", kind="text")
     kv_per_head: bool = option(False, "One scale per KV head instead of per layer.")
     overwrite: bool = option(False, "Replace an existing output folder.")
@@ -62,8 +69,9 @@ NOT_IN_RECIPE = ("kv_cache", "kv_per_head", "overwrite", "resume")  # a kv step;
 
 def applies(name: str, entry: Method) -> bool:
     """Whether the run option `name` is offered with the weight method `entry` (mixed
-    precision chooses among int and FP4 formats, so only for the methods that pack them)."""
-    return not name.startswith("target_") or entry.format == "pack-quantized"
+    precision chooses among int and FP4 formats, and scale tuning trains packed int scales, so only
+    for the methods that pack them)."""
+    return not name.startswith(("target_", "tune_")) or entry.format == "pack-quantized"
 
 
 def recipe_keys(options: type | None = None) -> tuple[str, ...]:

@@ -26,11 +26,11 @@ from quantkit.calibration.registry import method as method_entry
 from quantkit.calibration.runner import run_blocks
 from quantkit.errors import QuantkitError
 from quantkit.formats import int_quantized
-from quantkit.formats.checkpoint import SHARD_BYTES, check_disk, check_output, parse_size
+from quantkit.formats.checkpoint import SHARD_BYTES, check_disk, check_output, parse_size, read_tensors, write_in_place
 from quantkit.formats.stored import entry_bytes, linear_bytes, pack_entry
 from quantkit.models import kv_cache
 from quantkit.models.arch import ArchSpec, arch_for, get_module
-from quantkit.models.loading import load_weights, open_float_model, release_weights
+from quantkit.models.loading import load_float_model, load_weights, open_float_model, release_weights
 from quantkit.pipeline.head import head_scheme, quantized_head
 from quantkit.pipeline.mixed import ESTIMATORS, FORMATS_NEED_BITS, allowed_formats, for_target_bits, listing
 from quantkit.pipeline.stream import BlockStream, PartialRun
@@ -267,6 +267,7 @@ def quantize(
     target_formats: tuple[str, ...] | None = None,
     target_estimate: str | None = None,
     lm_head: str | None = None,
+    tune_scales: int | None = None,
 ) -> dict:
     """Quantize `model_name` with `method` (a weight method of the registry: rtn, awq, gptq,
     fp8) and write the checkpoint to `out`. `options` are the method's (a dict or its
@@ -283,15 +284,18 @@ def quantize(
     32, int8 per channel, or float) chosen from its measured sensitivity so the average bits
     per weight stay at most `target_bits` (`pipeline.mixed`), among `target_formats` when given
     (`mixed.allowed_formats`); the provenance records the choice. `lm_head` ("int8") quantizes the
-    output projection too, untied from the input embeddings (`pipeline.head`)."""
+    output projection too, untied from the input embeddings (`pipeline.head`). `tune_scales`
+    (epochs) trains the written int scales end to end on the calibration rows before the
+    checkpoint is completed (`calibration.tune`)."""
     run = _Run(model_name, method, options, transforms, calibration, out, overwrite, device, track, log)
     scheme = run.validate(scheme, max_shard_size, target_bits, target_formats, target_estimate)
-    run.resolve(scheme, lm_head, target_bits)
+    run.resolve(scheme, lm_head, target_bits, tune_scales)
     run.open_output(resume, target_bits, target_formats)
     try:
         run.check_disk()
         run.capture()
         run.calibrate_blocks()
+        run.tune()
         return run.finish(recipe)
     except QuantkitError:
         if run.partial.started and run.partial.next_block == 0:  # refused before any block: leave nothing behind
@@ -310,8 +314,8 @@ class _Run:
     of `--target-bits`), `resolve` (the model's architecture and the scheme of each linear,
     resolved once), `open_output` (the hidden output folder, or the interrupted run it
     resumes), `check_disk`, `capture` (the calibration text, and the loss gradients of
-    guided Hessians), `calibrate_blocks` and `finish` (provenance, and the checkpoint
-    renamed into place)."""
+    guided Hessians), `calibrate_blocks`, `tune` (`--tune-scales`) and `finish` (provenance,
+    and the checkpoint renamed into place)."""
 
     def __init__(self, model_name, method, options, transforms, calibration, out, overwrite, device, track, log):
         self.model_name, self.device, self.track, self.log = model_name, device, track, log
@@ -356,9 +360,9 @@ class _Run:
             )
         return scheme
 
-    def resolve(self, scheme: QuantScheme, lm_head: str | None = None, target_bits=None) -> None:
+    def resolve(self, scheme: QuantScheme, lm_head: str | None = None, target_bits=None, tune_scales=None) -> None:
         """The model, built empty; its group sizes fitted; the scheme of each of its linears (and
-        of the output projection with `lm_head`); the runner step."""
+        of the output projection with `lm_head`), checked against `tune_scales`; the runner step."""
         m, log = self.method, self.log
         self.model, self.tokenizer, self.source, self.weights, self.dtype = open_float_model(self.model_name, log)
         self.spec = spec = arch_for(self.model.config)
@@ -377,29 +381,38 @@ class _Run:
         if log and spec.moe is not None and (note := vllm_moe_note(scheme)):
             log(note)
         self.schemes = linear_schemes(self.model, spec, scheme)  # group sizes checked before any work
+        self.tune_epochs, self.tuned = tune_scales or 0, None
+        if tune_scales:
+            from quantkit.calibration.tune import check_tunable
+
+            check_tunable({**self.schemes, **({spec.lm_head: self.head} if self.head else {})})
         if any(x.folds_scales for x in (m, *(t for t, _ in self.transforms))):
             check_scaled_together(self.model, spec, self.schemes)
         self.results: dict[str, QParams] = {}
         self.step = _make_step(m, self.options, self.transforms, spec, scheme, self.dtype, self.results, log)
         self.expert_tokens: dict[str, list[int]] = {}  # block -> tokens routed to each expert (sparse blocks)
         needs_data = m.needs_data(scheme, self.options) or any(t.needs_data(scheme, o) for t, o in self.transforms)
-        self.calibrated = needs_data or scheme.kv_cache is not None  # reads calibration text
+        self.calibrated = needs_data or scheme.kv_cache is not None or self.tune_epochs > 0  # reads calibration text
 
     def open_output(self, resume: bool, target_bits, target_formats) -> None:
         """The hidden folder the run writes into: a fresh one, or the one an interrupted run
         with the same arguments left (`resume`)."""
-        args = {
-            "model": str(self.source),
-            "model_files": {f.name: f.stat().st_size for f in sorted(Path(self.source).glob("*.safetensors"))},
-            "method": self.method.name,
-            "scheme": dataclasses.asdict(self.scheme),
-            "options": dataclasses.asdict(self.options),
-            "transforms": {t.name: dataclasses.asdict(o) for t, o in self.transforms},
-            "calibration": dataclasses.asdict(self.calibration) if self.calibrated else None,
-            "device": self.device,
-            "max_shard_size": self.max_shard_bytes,
-            "target_bits": target_bits,
-        } | ({"target_formats": list(self.formats)} if target_formats is not None else {})
+        args = (
+            {
+                "model": str(self.source),
+                "model_files": {f.name: f.stat().st_size for f in sorted(Path(self.source).glob("*.safetensors"))},
+                "method": self.method.name,
+                "scheme": dataclasses.asdict(self.scheme),
+                "options": dataclasses.asdict(self.options),
+                "transforms": {t.name: dataclasses.asdict(o) for t, o in self.transforms},
+                "calibration": dataclasses.asdict(self.calibration) if self.calibrated else None,
+                "device": self.device,
+                "max_shard_size": self.max_shard_bytes,
+                "target_bits": target_bits,
+            }
+            | ({"tune_scales": self.tune_epochs} if self.tune_epochs else {})
+            | ({"target_formats": list(self.formats)} if target_formats is not None else {})
+        )
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.partial = PartialRun(
             self.out, args, overwrite=self.overwrite, resume=resume, max_shard_bytes=self.max_shard_bytes, log=self.log
@@ -481,6 +494,34 @@ class _Run:
         if not self.partial.tail_written:
             self.io.write_tail(self.head)
 
+    def tune(self) -> None:
+        """`--tune-scales`: the written shards' int scales trained end to end against the float
+        model (`calibration.tune`), then written over the old ones in place. The trained scales
+        are saved in the run's folder first, so a run killed while they are written resumes
+        by writing them again."""
+        if not self.tune_epochs:
+            return
+        from quantkit.calibration import tune
+
+        folder = self.partial.folder
+        self.partial.writer.finish()
+        saved = folder / tune.SAVED
+        if not saved.is_file():
+            teacher = load_float_model(self.source, torch.float32)[0].to(self.device)
+            bits = {n: s.weights.num_bits for n, s in self.schemes.items()}
+            if self.head is not None:
+                bits[self.spec.lm_head] = self.head.weights.num_bits
+            student, linears = tune.quantized_student(teacher, read_tensors(folder), bits)
+            c = self.calibration
+            rows = calibration_samples(self.tokenizer, load_documents(c.dataset, "calib"), c.samples, c.seq_len, c.seed)
+            scales, first, last = tune.tune_scales(
+                teacher, student, linears, rows.to(self.device), self.tune_epochs, tune.LR, c.seed, self.track
+            )
+            del teacher, student, linears
+            tune.save(saved, scales, first, last)
+        scales, self.tuned = tune.load(saved)
+        write_in_place(folder, {f"{n}.weight_scale": t for n, t in scales.items()})
+
     def finish(self, recipe: dict | None) -> dict:
         """Record the provenance and complete the checkpoint; returns the provenance."""
         scheme, kv, options = self.scheme, self.scheme.kv_cache, self.options
@@ -499,6 +540,7 @@ class _Run:
             "quantized_linears": len(self.schemes),
             **({"mixed_precision": self.mixed} if self.mixed else {}),
             **({"expert_tokens": self.expert_tokens} if self.expert_tokens else {}),
+            **({"tune_scales": self.tuned} if self.tuned else {}),
             "wall_time_s": round(time.perf_counter() - self.start, 2),
             "resume_state": {"commits": self.partial.commits, "bytes": self.partial.saved_bytes},
             "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),

@@ -583,6 +583,7 @@ def run_recipe(
             target_formats=recipe.run.target_formats,
             target_estimate=recipe.run.target_estimate,
             lm_head=recipe.run.lm_head,
+            tune_scales=recipe.run.tune_scales,
         )
     if recipe.eval is not None:
         from quantkit.eval.gates import evaluate_gates

@@ -168,7 +168,7 @@ class PartialRun:
     def complete(self, config: dict, provenance: dict, source: Path | None) -> Path:
         """Write the safetensors files and metadata, and rename the folder into place."""
         self.writer.finish()
-        for f in [*self.folder.glob("inputs-*.pt*"), self.folder / STATE]:
+        for f in [*self.folder.glob("inputs-*.pt*"), *self.folder.glob("tuned-*"), self.folder / STATE]:
             f.unlink(missing_ok=True)
         complete(self.folder, self.out, config, provenance, source)
         return self.out
