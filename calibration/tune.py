@@ -53,6 +53,27 @@ def check_tunable(schemes: dict) -> None:
             )
 
 
+def available_memory() -> int | None:
+    """Bytes of memory the system can give without swapping (Linux's MemAvailable), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def check_memory(parameters: int) -> None:
+    """A `QuantkitError` when three float32 copies of a model of `parameters` weights (the
+    float model, the quantized one's weights made for the backward pass, their gradients'
+    work) will not fit in the memory available now."""
+    need, free = 3 * 4 * parameters, available_memory()
+    if free is not None and need > free:
+        raise QuantkitError(
+            f"--tune-scales holds the float and the quantized model in float32, about {need / 2**30:.1f} GiB, "
+            f"and {free / 2**30:.1f} GiB is available; drop --tune-scales or free memory."
+        )
+
+
 def save(path, scales: dict, first: float, last: float) -> None:
     """The tuned scales, with the mean KL of the first and the last epoch, written atomically."""
     meta = {"kl_first_epoch": repr(first), "kl_last_epoch": repr(last)}

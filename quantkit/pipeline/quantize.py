@@ -383,9 +383,11 @@ class _Run:
         self.schemes = linear_schemes(self.model, spec, scheme)  # group sizes checked before any work
         self.tune_epochs, self.tuned = tune_scales or 0, None
         if tune_scales:
-            from quantkit.calibration.tune import check_tunable
+            from quantkit.calibration.tune import check_memory, check_tunable
 
             check_tunable({**self.schemes, **({spec.lm_head: self.head} if self.head else {})})
+            if self.device == "cpu":
+                check_memory(sum(p.numel() for p in self.model.parameters()))
         if any(x.folds_scales for x in (m, *(t for t, _ in self.transforms))):
             check_scaled_together(self.model, spec, self.schemes)
         self.results: dict[str, QParams] = {}

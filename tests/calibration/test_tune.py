@@ -141,3 +141,11 @@ def test_schemes_without_int_weight_scales_are_refused(tmp_path, tiny_llama, met
     with pytest.raises(QuantkitError, match="--tune-scales trains the int weight scales"):
         quantkit.quantize(str(tiny_llama), tmp_path / "q", method, scheme, tune_scales=1)
     assert not list(tmp_path.iterdir())
+
+
+def test_a_model_too_large_for_the_memory_is_refused_before_any_work(tmp_path, tiny_llama, monkeypatch):
+    assert tune.available_memory() > 1 << 20  # Linux's MemAvailable is read
+    monkeypatch.setattr(tune, "available_memory", lambda: 1 << 20)  # the tiny model needs ~1.3 MiB
+    with pytest.raises(QuantkitError, match="GiB is available; drop --tune-scales or free memory"):
+        quantkit.quantize(str(tiny_llama), tmp_path / "q", "rtn", "w4a16", tune_scales=1)
+    assert not list(tmp_path.iterdir())
