@@ -519,7 +519,6 @@ class _Run:
             scales, first, last = tune.tune_scales(
                 teacher, student, linears, rows.to(self.device), self.tune_epochs, tune.LR, c.seed, self.track
             )
-            del teacher, student, linears
             tune.save(saved, scales, first, last)
         scales, self.tuned = tune.load(saved)
         write_in_place(folder, {f"{n}.weight_scale": t for n, t in scales.items()})
