@@ -142,6 +142,11 @@ def quantized_student(teacher: nn.Module, tensors: dict, bits: dict[str, int]) -
         old = getattr(owner, child)
         linears[name] = ScaledLinear(*linear_tensors(tensors, name, b), old.bias)
         setattr(owner, child, linears[name])
+    head, embed = student.get_output_embeddings(), student.get_input_embeddings()
+    if head is not None and head.weight is embed.weight:  # tied, but written untied (--rotate)
+        key = next(f"{n}.weight" for n, m in student.named_modules() if m is head)
+        if key in tensors:
+            head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=False)
     quantized = tuple(f"{n}." for n in bits)
     plain = {k: v for k, v in tensors.items() if not k.startswith(quantized)}
     own = student.state_dict()

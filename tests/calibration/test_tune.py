@@ -18,9 +18,10 @@ from quantkit.models.loading import load_float_model, load_tokenizer
 IDS = torch.randint(0, 320, (2, 20), generator=torch.Generator().manual_seed(0))
 
 
-def _model(tmp_path, family):
+def _model(tmp_path, family, tie=None):
     model_type, overrides = FAMILIES[family] if family != "llama" else ("llama", {})
-    return make_tiny_model(tmp_path / "m", model_type, tie=model_type.startswith("gemma"), **overrides)
+    tie = model_type.startswith("gemma") if tie is None else tie
+    return make_tiny_model(tmp_path / "m", model_type, tie=tie, **overrides)
 
 
 def _student(path, ckpt):
@@ -35,18 +36,20 @@ def _rows(path, corpus):
 
 
 @pytest.mark.parametrize(
-    "method, scheme, options",
+    "family, tie, method, scheme, options, linears",
     [
-        ("awq", "w4a16-asym", {}),  # AWQ's scales folded into the norms: the student reads them from the checkpoint
-        ("gptq", "w4a16", {"actorder": "group"}),  # act-order's g_idx
+        ("gemma3", True, "awq", "w4a16-asym", {}, 14),  # AWQ's scales folded into the norms: read from the checkpoint
+        ("gemma3", True, "gptq", "w4a16", {"actorder": "group"}, 14),  # act-order's g_idx
+        ("llama", True, "rtn", "w4a16", {"rotate": "hadamard"}, 14),  # a tied head written untied and rotated
+        ("mixtral", False, "rtn", "w4a16", {}, 32),  # the experts' linears, split as the checkpoint names them
     ],
 )
-def test_the_untrained_student_is_the_checkpoint(tmp_path, tiny_corpus, method, scheme, options):
-    path = _model(tmp_path, "gemma3")
+def test_the_untrained_student_is_the_checkpoint(tmp_path, tiny_corpus, family, tie, method, scheme, options, linears):
+    path = _model(tmp_path, family, tie)
     calib = Calibration(str(tiny_corpus), 4, 32)
     quantkit.quantize(str(path), tmp_path / "q", method, scheme, group_size=32, calibration=calib, **options)
-    _, student, linears = _student(path, tmp_path / "q")
-    assert len(linears) == 14
+    _, student, found = _student(path, tmp_path / "q")
+    assert len(found) == linears
     with torch.no_grad():
         torch.testing.assert_close(student(IDS).logits, quantkit.load(tmp_path / "q")(IDS).logits, rtol=1e-5, atol=1e-5)
 
