@@ -32,8 +32,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from quantkit.errors import QuantkitError
+from quantkit.formats import pack_quantized
 from quantkit.kernels.attention import twin as reference
-from quantkit.packing import unpack
 
 CHUNK = 256  # positions whose logits are formed at once
 LR = 1e-3  # Adam's step on log s: about 0.1% of a scale per step at the start
@@ -119,35 +119,27 @@ class ScaledLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def linear_tensors(tensors: dict, name: str, num_bits: int):
-    """(int codes [out, in], scale, zero point or None, g_idx or None) of one packed linear."""
-    out_f, in_f = (int(s) for s in tensors[f"{name}.weight_shape"])
-    q = unpack(tensors[f"{name}.weight_packed"], in_f, num_bits)
-    zero = tensors.get(f"{name}.weight_zero_point")
-    zero = None if zero is None else unpack(zero, out_f, num_bits, dim=0)
-    return q, tensors[f"{name}.weight_scale"], zero, tensors.get(f"{name}.weight_g_idx")
-
-
-def quantized_student(teacher: nn.Module, tensors: dict, bits: dict[str, int]) -> tuple[nn.Module, dict]:
+def quantized_student(teacher: nn.Module, tensors: dict, args: dict) -> tuple[nn.Module, dict]:
     """A float32 copy of `teacher` with the checkpoint's float tensors (`tensors`: norms that
-    AWQ scaled, embeddings, ...) and a `ScaledLinear` for each linear in `bits` (name -> its
-    int bits). Returns (student, name -> ScaledLinear)."""
+    AWQ scaled, embeddings, ...) and a `ScaledLinear` for each linear in `args` (name -> its
+    weights' `QuantArgs`). Returns (student, name -> ScaledLinear)."""
     import copy
 
     student = copy.deepcopy(teacher).float().requires_grad_(False)
     linears = {}
-    for name, b in bits.items():
+    for name, a in args.items():
         parent, _, child = name.rpartition(".")
         owner = student.get_submodule(parent) if parent else student
-        old = getattr(owner, child)
-        linears[name] = ScaledLinear(*linear_tensors(tensors, name, b), old.bias)
+        own = {k[len(name) + 1 :]: v for k, v in tensors.items() if k.startswith(f"{name}.weight_")}
+        q, scale, zero, g_idx = pack_quantized.decompress_ints(own, a)
+        linears[name] = ScaledLinear(q, scale, zero, g_idx, getattr(owner, child).bias)
         setattr(owner, child, linears[name])
     head, embed = student.get_output_embeddings(), student.get_input_embeddings()
     if head is not None and head.weight is embed.weight:  # tied, but written untied (--rotate)
         key = next(f"{n}.weight" for n, m in student.named_modules() if m is head)
         if key in tensors:
             head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=False)
-    quantized = tuple(f"{n}." for n in bits)
+    quantized = tuple(f"{n}." for n in args)
     plain = {k: v for k, v in tensors.items() if not k.startswith(quantized)}
     own = student.state_dict()
     for k, v in plain.items():

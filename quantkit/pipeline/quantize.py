@@ -510,10 +510,10 @@ class _Run:
         saved = folder / tune.SAVED
         if not saved.is_file():
             teacher = load_float_model(self.source, torch.float32)[0].to(self.device)
-            bits = {n: s.weights.num_bits for n, s in self.schemes.items()}
+            args = {n: s.weights for n, s in self.schemes.items()}
             if self.head is not None:
-                bits[self.spec.lm_head] = self.head.weights.num_bits
-            student, linears = tune.quantized_student(teacher, read_tensors(folder), bits)
+                args[self.spec.lm_head] = self.head.weights
+            student, linears = tune.quantized_student(teacher, read_tensors(folder), args)
             c = self.calibration
             rows = calibration_samples(self.tokenizer, load_documents(c.dataset, "calib"), c.samples, c.seq_len, c.seed)
             scales, first, last = tune.tune_scales(

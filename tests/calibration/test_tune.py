@@ -14,6 +14,7 @@ from quantkit.calibration.datasets import Calibration, calibration_samples, load
 from quantkit.errors import QuantkitError
 from quantkit.formats.checkpoint import read_tensors, write_in_place
 from quantkit.models.loading import load_float_model, load_tokenizer
+from quantkit.scheme import preset
 
 IDS = torch.randint(0, 320, (2, 20), generator=torch.Generator().manual_seed(0))
 
@@ -27,8 +28,8 @@ def _model(tmp_path, family, tie=None):
 def _student(path, ckpt):
     teacher = load_float_model(str(path), torch.float32)[0]
     tensors = read_tensors(ckpt)
-    bits = {k[: -len(".weight_packed")]: 4 for k in tensors if k.endswith(".weight_packed")}
-    return teacher, *tune.quantized_student(teacher, tensors, bits)
+    args = {k[: -len(".weight_packed")]: preset("w4a16").weights for k in tensors if k.endswith(".weight_packed")}
+    return teacher, *tune.quantized_student(teacher, tensors, args)
 
 
 def _rows(path, corpus):
